@@ -1,0 +1,162 @@
+"""One configuration object for the engine (`EngineArgs`) and the parsed model shape (`ModelConfig`).
+
+Everything here is checked before any weight is read.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from pocketllm.errors import ConfigurationError
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF directory or .gguf file; None = the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides memory-based sizing
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    enforce_eager: bool = False
+    dequantize_at_load: bool = False  # GGUF: trade memory for speed
+    tokenizer: str | None = None  # defaults to the model's own
+    num_threads: int | None = None  # CPU threads for torch; None = torch's default
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigurationError(msg)
+
+        need(self.dtype in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device must be auto, cpu or cuda; got {self.device!r}")
+        need(isinstance(self.block_size, int) and self.block_size > 0 and self.block_size % 8 == 0
+             and self.block_size <= 256,
+             f"block_size must be a multiple of 8 in [8, 256]; got {self.block_size}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        need(self.max_model_len is None or self.max_model_len >= 1,
+             f"max_model_len must be >= 1; got {self.max_model_len}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+             f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        need(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 bytes; got {self.kv_cache_memory}")
+        need(0 < self.gpu_memory_utilization <= 1,
+             f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        need(self.num_threads is None or self.num_threads >= 1,
+             f"num_threads must be >= 1; got {self.num_threads}")
+        if self.model is not None:
+            need(os.path.exists(self.model),
+                 f"model path {self.model!r} does not exist; give a Hugging Face model directory "
+                 "or a .gguf file")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            need(self.max_num_batched_tokens >= self.max_model_len,
+                 "without chunked prefill, max_num_batched_tokens "
+                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown engine argument(s) {unknown}; valid ones are {sorted(names)}")
+        return cls(**kwargs)
+
+
+@dataclass
+class ModelConfig:
+    """Model shape and behaviour in one normalised form, whatever file it came from."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"
+    # Family-specific keys (sliding windows, soft-capping, ...) stay in the raw dict.
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ConfigurationError("config.json has no 'architectures' entry")
+        text = cfg.get("text_config") or {}
+        cfg = {**cfg, **text}
+
+        def get(key: str, default: Any = None) -> Any:
+            value = cfg.get(key)
+            return default if value is None else value
+
+        num_heads = get("num_attention_heads")
+        hidden = get("hidden_size")
+        # transformers >= 5 nests rope settings under rope_parameters; older files keep them flat.
+        rope = dict(get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or get("rope_theta", 10000.0)
+        scaling = get("rope_scaling") or rope or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type") or scaling.get("type") or "default"
+            scaling["rope_type"] = kind
+            if kind == "default":
+                scaling = None
+        eos = get("eos_token_id")
+        return cls(
+            architecture=archs[0],
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size"),
+            num_layers=get("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=get("num_key_value_heads", num_heads),
+            head_dim=get("head_dim", hidden // num_heads),
+            max_position_embeddings=get("max_position_embeddings", 2048),
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            attention_bias=bool(get("attention_bias", False)),
+            mlp_bias=bool(get("mlp_bias", False)),
+            torch_dtype=str(get("torch_dtype") or get("dtype") or "float32"),
+            bos_token_id=get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            hidden_act=get("hidden_act") or get("hidden_activation") or "silu",
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.exists():
+            raise ConfigurationError(f"{path} has no config.json; is it a Hugging Face model directory?")
+        return cls.from_hf_dict(json.loads(cfg_path.read_text()))

@@ -1,0 +1,265 @@
+"""The engine: one step loop over the scheduler, the model runner and the output processor."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pocketllm.config import EngineArgs, ModelConfig
+from pocketllm.engine.kv_cache_manager import KVCacheManager
+from pocketllm.engine.output_processor import OutputProcessor, ParentState
+from pocketllm.engine.request import Request, RequestStatus
+from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
+from pocketllm.errors import ConfigurationError, RequestError
+from pocketllm.models.registry import select_runtime
+from pocketllm.outputs import RequestOutput
+from pocketllm.runner.model_runner import ModelRunner
+from pocketllm.sampling_params import SamplingParams
+
+log = logging.getLogger("pocketllm")
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepStats:
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_decodes: int = 0
+    schedule_time: float = 0.0
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def overhead_time(self) -> float:
+        """Step time not spent in the model forward and sampler."""
+        return self.total_time - self.forward_time
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigurationError("device 'cuda' was asked for but no CUDA GPU is visible; use device='cpu'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, model_dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    if device.type == "cpu":
+        return "float32"
+    return "float16" if model_dtype == "float16" else "bfloat16"
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        if args.model is None:
+            from pocketllm.pull import pull_default_model
+            args.model = str(pull_default_model())
+        path = Path(args.model)
+        self.is_gguf = path.is_file() and path.suffix == ".gguf"
+        quant_types: set[str] = set()
+        if self.is_gguf:
+            from pocketllm.loaders import gguf_loader
+            self.gguf = gguf_loader.GGUFModelFile(path)
+            self.model_config = self.gguf.model_config()
+            quant_types = self.gguf.quant_types()
+        else:
+            self.model_config = ModelConfig.from_hf_dir(path)
+        cfg = self.model_config
+
+        self.device = resolve_device(args.device)
+        self.dtype_name = resolve_dtype(args.dtype, self.device, cfg.torch_dtype)
+        self.dtype = _TORCH_DTYPES[self.dtype_name]
+        self.max_model_len = self._resolve_max_model_len()
+        self.runtime = select_runtime(cfg, args, self.device.type, self.dtype_name, quant_types)
+
+        self.block_size = args.block_size
+        kv_dtype = self.dtype
+        per_block = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim \
+            * torch.empty((), dtype=kv_dtype).element_size()
+        if self.device.type == "cpu" or args.num_kv_blocks is not None:
+            num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
+            self._check_kv_fits(num_blocks)
+        self.tokenizer = self._load_tokenizer(path)
+
+        # Everything is checked: now read the weights.
+        t0 = time.perf_counter()
+        model = self.runtime.model_class(cfg, dtype=self.dtype, device=self.device,
+                                         max_model_len=self.max_model_len)
+        if self.is_gguf:
+            for m in model.modules():
+                if hasattr(m, "dequantize_at_load"):
+                    m.dequantize_at_load = args.dequantize_at_load
+            model.load_weights(self.gguf.iter_weights(self.dtype, self.device))
+        else:
+            from pocketllm.loaders.safetensors_loader import iter_safetensors
+            model.load_weights((n, t.to(self.device)) for n, t in iter_safetensors(path, self.dtype))
+        model.eval()
+        self.load_time = time.perf_counter() - t0
+
+        if self.device.type == "cuda" and args.num_kv_blocks is None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = free - (1 - args.gpu_memory_utilization) * total
+            num_blocks = int(budget // per_block)
+            self._check_kv_fits(num_blocks)
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed)
+        salt = "|".join(map(str, (cfg.architecture, self.dtype_name, cfg.num_layers, cfg.num_kv_heads,
+                                  cfg.head_dim, self.block_size, path.resolve(), sorted(quant_types))))
+        self.kv = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching,
+                                 hashlib.sha256(salt.encode()).digest())
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=self.max_model_len,
+                            enable_chunked_prefill=args.enable_chunked_prefill), self.kv)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = self._eos_ids()
+        self._ids = itertools.count()
+        self.last_step = StepStats()
+
+    # -- set-up helpers --------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        asked = self.args.max_model_len
+        if asked is None:
+            return limit
+        if asked > limit:
+            raise ConfigurationError(f"max_model_len {asked} exceeds the model's maximum of {limit} "
+                                     "positions; lower max_model_len")
+        return asked
+
+    def _check_kv_fits(self, num_blocks: int) -> None:
+        need = -(-self.max_model_len // self.block_size)
+        if num_blocks < need:
+            raise ConfigurationError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one request of "
+                f"max_model_len={self.max_model_len} tokens needs {need}; raise num_kv_blocks / "
+                "kv_cache_memory / gpu_memory_utilization or lower max_model_len")
+
+    def _load_tokenizer(self, path: Path):
+        tok_path = Path(self.args.tokenizer) if self.args.tokenizer else path
+        if not self.is_gguf and tok_path == path and not (path / "tokenizer.json").exists():
+            return None  # a weights-only directory: token ids in, token ids out
+        from pocketllm.tokenizer import get_tokenizer
+        return get_tokenizer(tok_path)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return frozenset(ids)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len="
+                               f"{self.max_model_len}; shorten it or raise max_model_len")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def add_request(self, request_id: str | None, prompt: str | dict | list[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.outputs.parents:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        self.validate_prompt(ids, params)
+        parent = ParentState(request_id, text, ids)
+        leader = None
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = SamplingParams(**{**params.__dict__, "n": 1,
+                                                 "seed": None if params.seed is None else params.seed + i})
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, ids, child_params, self.eos_token_ids, arrival_time, leader=leader)
+            leader = leader or req
+            parent.children.append(self.outputs.make_child(i, req))
+        self.outputs.add(parent)
+        for c in parent.children:
+            self.scheduler.add_request(c.request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        parent = self.outputs.parents.get(request_id)
+        if parent is None:
+            return None
+        for c in parent.children:
+            if not c.request.is_finished:
+                self.scheduler.finish_request(c.request.request_id, RequestStatus.FINISHED_ABORTED)
+        self.outputs.pop_finished(request_id)
+        return parent.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs.parents)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            self.last_step = StepStats(schedule_time=t1 - t0, total_time=t1 - t0)
+            return []
+        result = self.runner.execute(sched)
+        sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
+        touched = self.scheduler.update_from_output(sched, sampled)
+        now = time.monotonic()
+        parents: dict[str, ParentState] = {}
+        for req in touched:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            stop = self.outputs.process(req, result.sampled[req.request_id])
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            parent = self.outputs.parent_of[req.request_id]
+            parents[parent.request_id] = parent
+        outs = []
+        for parent in parents.values():
+            outs.append(parent.output())
+            self.outputs.pop_finished(parent.request_id)
+        self.last_step = StepStats(sched.total_tokens, len(sched.scheduled), sched.num_decodes,
+                                   t1 - t0, result.prepare_time, result.forward_time,
+                                   time.perf_counter() - t0)
+        return outs
+
+    # -- introspection -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    def check_no_leaks(self) -> None:
+        """With no request alive, every KV block must be free again."""
+        assert not self.scheduler.has_work(), self.scheduler.requests
+        self.kv.pool.check_integrity()
+        assert self.kv.num_free_blocks == self.num_blocks, (self.kv.num_free_blocks, self.num_blocks)

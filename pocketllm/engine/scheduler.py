@@ -1,0 +1,208 @@
+"""The one scheduler, for every model runtime.
+
+No prefill/decode phases: every request has `num_computed_tokens`, and each step spends one
+token budget moving requests toward their token count — decode tokens of running requests
+first, then prefill chunks of partially prefilled requests, then new admissions (FCFS), all
+in one mixed batch. When KV blocks run out, the most recently admitted request is preempted
+(its blocks freed, its tokens recomputed later), so the oldest request always progresses.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pocketllm.engine.kv_cache_manager import KVCacheManager
+from pocketllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01  # share of blocks new admissions must leave free for running requests
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens (so a token is sampled)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: query-length-1 rows first, then longer chunks."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.requests: dict[str, Request] = {}
+        self.reserve_blocks = max(1, int(config.watermark * kv.num_blocks))
+
+    # -- queue management -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request from outside the step (abort, stop string). Frees its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, status)
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.monotonic()
+        self.kv.free(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+        batch: dict[str, ScheduledRequest] = {}
+        # Decode rows first, then running requests still in prefill.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in order:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, f"running request with nothing to compute: {req}"
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                dropped = batch.pop(victim.request_id, None)
+                if dropped is not None:  # it was already in this step's batch: take it out
+                    budget += dropped.num_tokens
+                if victim is req:
+                    break
+            else:
+                batch[req.request_id] = ScheduledRequest(req, num_new)
+                budget -= num_new
+
+        # Admit waiting requests only when nobody was preempted this step: otherwise the
+        # freed blocks belong to the running requests that needed them.
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            leader = req.leader
+            if (leader is not None and self.kv.enable_prefix_caching and not leader.is_finished
+                    and not leader.prefill_done):
+                skipped.append(self.waiting.popleft())  # wait for the sibling's prompt KV
+                continue
+            cached = self.kv.find_cached_blocks(req)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = req.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            reserve = self.reserve_blocks if self.running else 0
+            if not self.kv.allocate_slots(req, num_new, cached, reserve=reserve):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:  # first admission: count prefix hits once
+                req.num_cached_tokens = num_cached
+                self.kv.record_lookup(req.num_tokens, num_cached)
+                req.first_scheduled_time = time.monotonic()
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch[req.request_id] = ScheduledRequest(req, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+        # Query-length-1 rows first: the runner batches their attention.
+        decodes = [s for s in batch.values() if s.num_tokens == 1]
+        chunks = [s for s in batch.values() if s.num_tokens > 1]
+        out.scheduled = decodes + chunks
+        out.num_decodes = len(decodes)
+        assert budget >= 0 and len(self.running) <= self.config.max_num_seqs
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    # -- after the forward --------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance each scheduled request, append sampled tokens, finish what must stop.
+        Returns the requests that received a token this step."""
+        touched = []
+        for sr in out.scheduled:
+            req = sr.request
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += sr.num_tokens
+            self.kv.cache_computed_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            touched.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                del self.requests[req.request_id]
+                self._finish(req, status)
+        return touched
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,100 @@
+"""Paged attention over a block-table KV cache, in plain torch (the CPU path and the
+reference for GPU kernels).
+
+Each layer owns K and V caches shaped [num_blocks, block_size, num_kv_heads, head_dim];
+a token at position p of a request lives in slot block_ids[p // bs] * bs + p % bs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One request with a query longer than one token: a prefill chunk."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # tokens the chunk attends to, cached prefix included
+    block_ids: torch.Tensor  # [ceil(context_len / bs)]
+    mask: torch.Tensor  # [query_len, context_len] bool, causal with the prefix offset
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    num_decodes: int  # the first rows have query length 1
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * bs] bool
+    prefills: list[PrefillSpan]
+    # Sliding-window layers read a narrower mask, made from the same metadata on first use.
+    _window_masks: dict | None = None
+
+    def windowed(self, window: int) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Masks for a layer that sees only the last `window` positions (itself included)."""
+        if self._window_masks is None:
+            self._window_masks = {}
+        if window not in self._window_masks:
+            dec = None
+            if self.decode_mask is not None:
+                lens = self.decode_mask.sum(-1, keepdim=True)  # context length per row
+                idx = torch.arange(self.decode_mask.shape[-1])
+                dec = self.decode_mask & (idx > lens - 1 - window)
+            pre = []
+            for span in self.prefills:
+                q_pos = torch.arange(span.context_len - span.query_len, span.context_len)[:, None]
+                k_pos = torch.arange(span.context_len)[None, :]
+                pre.append(span.mask & (k_pos > q_pos - window))
+            self._window_masks[window] = (dec, pre)
+        return self._window_masks[window]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    nb, bs, hkv, d = k_cache.shape
+    out = torch.empty_like(q)
+    dec_mask, pre_masks = (meta.decode_mask, [s.mask for s in meta.prefills]) if window is None \
+        else meta.windowed(window)
+    n = meta.num_decodes
+    if n:
+        tables = meta.decode_block_tables
+        kd = k_cache[tables].view(n, -1, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
+        vd = v_cache[tables].view(n, -1, hkv, d).transpose(1, 2)
+        out[:n] = _sdpa(q[:n].unsqueeze(2), kd, vd, dec_mask, scale, softcap).squeeze(2)
+    for span, mask in zip(meta.prefills, pre_masks):
+        s, ql, cl = span.query_start, span.query_len, span.context_len
+        kp = k_cache[span.block_ids].view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
+        vp = v_cache[span.block_ids].view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
+        qp = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
+        out[s:s + ql] = _sdpa(qp, kp, vp, mask, scale, softcap)[0].transpose(0, 1)
+    return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+          softcap: float | None) -> torch.Tensor:
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                              scale=scale, enable_gqa=True)
+    # Soft-capped scores (Gemma 2 style) need the explicit path.
+    group = q.shape[1] // k.shape[1]
+    k = k.to(q.dtype).repeat_interleave(group, dim=1)
+    v = v.to(q.dtype).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

@@ -1,0 +1,118 @@
+"""Linear layers whose output may fuse several checkpoint tensors (QKV, gate/up), dense or
+kept in a quantized GGUF format."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class QuantizedTensor:
+    """A GGUF tensor still in its file encoding: raw bytes, type and logical (rows, cols) shape."""
+
+    data: torch.Tensor  # uint8
+    qtype: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = list(out_sizes)
+        out = sum(out_sizes)
+        # torch.empty touches no memory: a quantized checkpoint replaces it without ever filling it.
+        self.weight = torch.nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.bias = (torch.nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+        self.quantized: torch.nn.Module | None = None
+        self._quant_parts: dict[int, QuantizedTensor] = {}
+        self.dequantize_at_load = False
+
+    def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
+        lo = sum(self.out_sizes[:shard])
+        hi = lo + self.out_sizes[shard]
+        if kind == "bias":
+            self.bias.data[lo:hi].copy_(tensor)
+        elif isinstance(tensor, QuantizedTensor):
+            self._quant_parts[shard] = tensor
+            if len(self._quant_parts) == len(self.out_sizes):
+                self._build_quantized()
+        else:
+            assert tuple(tensor.shape) == (hi - lo, self.in_features), (tensor.shape, hi - lo, self.in_features)
+            self.weight.data[lo:hi].copy_(tensor)
+
+    def _build_quantized(self) -> None:
+        from pocketllm.quant.linear import GGUFLinear
+
+        parts = [self._quant_parts[i] for i in range(len(self.out_sizes))]
+        self._quant_parts = {}
+        bias = None if self.bias is None else self.bias.data.float()
+        if len({p.qtype for p in parts}) == 1:
+            # Rows of a GGUF matrix are independent blocks: same-type parts concatenate exactly.
+            data = torch.cat([p.data.reshape(p.shape[0], -1) for p in parts])
+            self.quantized = GGUFLinear.from_gguf(data, parts[0].qtype, sum(self.out_sizes),
+                                                  self.in_features, bias, self.dequantize_at_load)
+        else:
+            subs, lo = [], 0
+            for p, size in zip(parts, self.out_sizes):
+                b = None if bias is None else bias[lo:lo + size]
+                subs.append(GGUFLinear.from_gguf(p.data, p.qtype, size, self.in_features, b,
+                                                 self.dequantize_at_load))
+                lo += size
+            self.quantized = ConcatLinear(subs)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x.float()).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+class ConcatLinear(torch.nn.Module):
+    """Fused projection whose parts have different quantization types."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.weight = torch.nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.quantized: QuantizedTensor | None = None
+        self.dtype = dtype
+
+    def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
+        if isinstance(tensor, QuantizedTensor):
+            self.quantized = tensor
+            self.weight = None
+        else:
+            self.weight.data.copy_(tensor)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            from pocketllm.quant.linear import gguf_embedding_lookup
+
+            q = self.quantized
+            return gguf_embedding_lookup(q.data, q.qtype, self.num_embeddings, self.dim, ids).to(self.dtype)
+        return F.embedding(ids, self.weight)
+
+    def as_linear(self) -> Linear:
+        """The same matrix as an output projection (tied embeddings)."""
+        lin = Linear(self.dim, [self.num_embeddings], dtype=self.dtype, device="meta")
+        if self.quantized is not None:
+            lin.load(self.quantized)
+        else:
+            lin.weight = self.weight
+        return lin

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed in float32. `offset=1` gives Gemma's x * (1 + w) form."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+        self.offset = offset
+        self._scale: torch.Tensor | None = None
+
+    def load(self, tensor: torch.Tensor, shard: int = 0, kind: str = "weight") -> None:
+        self.weight.data.copy_(tensor)
+        self._scale = None
+
+    def scale(self) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = (self.weight.float() + self.offset)
+        return self._scale
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `residual`, adds it first and returns (normed, new residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
+        return y if residual is None else (y, residual)

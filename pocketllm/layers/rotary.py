@@ -1,0 +1,57 @@
+"""Rotary position embeddings (rotate-half layout), with the scaling variants the families use."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pocketllm.errors import UnsupportedFeatureError
+
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise UnsupportedFeatureError(
+        f"rope scaling {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_SCALING)}")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables computed once for every position up to max_len, indexed per token."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict | None = None,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        inv_freq = inv_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        # Tables in float32: positions beyond a few thousand lose precision in bf16.
+        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,93 @@
+"""What every model runtime shares: the contract the engine relies on and the generic
+weight-name walk (checkpoint tensor -> module.load)."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from pocketllm.config import ModelConfig
+from pocketllm.errors import ConfigurationError
+from pocketllm.layers.attention import AttentionMetadata
+from pocketllm.layers.linear import Embedding, Linear, QuantizedTensor
+from pocketllm.models.capabilities import RuntimeCapabilities
+
+_SUFFIX = re.compile(r"\.(weight|bias)$")
+
+
+class CausalLM(torch.nn.Module):
+    """Contract: `forward(input_ids [T], positions [T], meta) -> hidden [T, H]`,
+    `compute_logits(hidden [N, H]) -> float32 [N, V]`, `load_weights`, and the KV geometry."""
+
+    capabilities = RuntimeCapabilities()
+    # checkpoint module name -> (our fused module, shard index)
+    packed_modules: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint tensors that hold nothing we need
+    ignored = re.compile(r"rotary_emb\.inv_freq$")
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    @classmethod
+    def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
+        return {"full"}
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer: the sliding window it reads, or None for full attention."""
+        return [None] * self.cfg.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        for layer, k, v in zip(self.model.layers, k_caches, v_caches):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if self.ignored.search(name):
+                continue
+            m = _SUFFIX.search(name)
+            if m is None:
+                raise ConfigurationError(f"unexpected checkpoint tensor {name!r}")
+            kind, path = m.group(1), name[:m.start()]
+            parent, _, leaf = path.rpartition(".")
+            shard = 0
+            if leaf in self.packed_modules:
+                leaf, shard = self.packed_modules[leaf]
+                path = f"{parent}.{leaf}" if parent else leaf
+            if path == "lm_head" and self.cfg.tie_word_embeddings:
+                continue
+            try:
+                module = self.get_submodule(path)
+            except AttributeError:
+                raise ConfigurationError(f"checkpoint tensor {name!r} matches no module of "
+                                         f"{type(self).__name__}") from None
+            module.load(tensor, shard, kind)
+            loaded.add(f"{path}:{shard}:{kind}")
+        self._finish_loading(loaded)
+
+    def _finish_loading(self, loaded: set[str]) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens.as_linear()
+        missing = []
+        for path, module in self.named_modules():
+            if isinstance(module, (Linear, Embedding)):
+                shards = len(module.out_sizes) if isinstance(module, Linear) else 1
+                missing += [f"{path}[{i}]" for i in range(shards) if f"{path}:{i}:weight" not in loaded
+                            and not (path == "lm_head" and self.cfg.tie_word_embeddings)]
+            elif hasattr(module, "load") and f"{path}:0:weight" not in loaded:
+                missing.append(path)
+        if missing:
+            raise ConfigurationError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                                     + (" ..." if len(missing) > 8 else ""))

@@ -1,0 +1,43 @@
+"""What a model runtime (and a platform) declares it supports, checked before any weight loads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pocketllm.errors import UnsupportedFeatureError
+
+# GGUF types every runtime can hold: the quant package implements all of them for every layer.
+GGUF_TYPES = frozenset({
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+    "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
+    "MXFP4",
+})
+
+
+@dataclass(frozen=True)
+class RuntimeCapabilities:
+    attention_kinds: frozenset[str] = frozenset({"full"})  # full | sliding_window
+    dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
+    quantizations: frozenset[str] = GGUF_TYPES
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    rope_scaling: frozenset[str] = frozenset({"default", "linear", "llama3"})
+    prefix_caching: bool = True
+    cuda_graphs: bool = False
+    max_batch_size: int | None = None
+
+
+@dataclass(frozen=True)
+class PlatformCapabilities:
+    name: str
+    dtypes: frozenset[str]
+
+
+PLATFORMS = {
+    "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"})),
+    "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"})),
+}
+
+
+def check(what: str, asked: str, supported: frozenset[str] | set[str], where: str) -> None:
+    if asked not in supported:
+        raise UnsupportedFeatureError(
+            f"{where} does not support {what} {asked!r}; supported: {', '.join(sorted(supported))}")

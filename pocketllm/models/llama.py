@@ -1,0 +1,117 @@
+"""The Llama family runtime: RMSNorm, GQA attention with rotary embeddings, gated MLP.
+Qwen2 and Qwen3 reuse it with their differences as class attributes."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pocketllm.config import ModelConfig
+from pocketllm.layers.attention import AttentionMetadata, paged_attention
+from pocketllm.layers.linear import Embedding, Linear
+from pocketllm.layers.norm import RMSNorm
+from pocketllm.layers.rotary import RotaryEmbedding
+from pocketllm.models.base import CausalLM
+from pocketllm.models.capabilities import RuntimeCapabilities
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool, dtype, device, window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None, norm_offset: float = 0.0):
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.qkv_proj = Linear(cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d,
+                                                 cfg.num_kv_heads * d], qkv_bias, dtype, device)
+        self.o_proj = Linear(cfg.num_heads * d, [cfg.hidden_size], o_bias, dtype, device)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset, dtype, device) if qk_norm else None
+        self.rotary = rotary
+        self.window, self.softcap = window, softcap
+        self.scale = d ** -0.5 if scale is None else scale
+        self.k_cache = self.v_cache = None  # bound by the runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                            self.window, self.softcap)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = Linear(h, [i, i], cfg.mlp_bias, dtype, device)
+        self.down_proj = Linear(i, [h], cfg.mlp_bias, dtype, device)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, attn: Attention, dtype, device):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = MLP(cfg, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], dtype, device):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = torch.nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+
+
+class LlamaForCausalLM(CausalLM):
+    capabilities = RuntimeCapabilities(cuda_graphs=True)
+    qkv_bias: bool | None = None  # None: follow the config's attention_bias
+    o_bias: bool | None = None
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu", max_model_len: int = 2048):
+        super().__init__(cfg)
+        rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling, device)
+        qkv_bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = cfg.attention_bias if self.o_bias is None else self.o_bias
+        layers = [DecoderLayer(cfg, Attention(cfg, rotary, qkv_bias, o_bias, self.qk_norm, dtype, device),
+                               dtype, device) for _ in range(cfg.num_layers)]
+        self.model = LlamaModel(cfg, layers, dtype, device)
+        self.rotary = rotary
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.model.norm(x, residual)
+        return x

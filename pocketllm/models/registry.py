@@ -1,0 +1,59 @@
+"""Architecture name -> runtime module. Adding a model costs a module and one line here.
+
+Modules are imported lazily, so an unsupported model costs nothing and fails at selection.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from pocketllm.config import EngineArgs, ModelConfig
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.models.capabilities import PLATFORMS, RuntimeCapabilities, check
+
+_RUNTIMES = {
+    "LlamaForCausalLM": ("pocketllm.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("pocketllm.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("pocketllm.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_RUNTIMES)
+
+
+@dataclass
+class RuntimeSelection:
+    model_class: type
+    capabilities: RuntimeCapabilities
+
+
+def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
+                   quant_types: set[str] = frozenset()) -> RuntimeSelection:
+    """Pick the runtime for `cfg` and check the configuration against what it declares."""
+    if cfg.architecture not in _RUNTIMES:
+        raise UnsupportedFeatureError(
+            f"architecture {cfg.architecture!r} is not supported; supported architectures: "
+            f"{', '.join(supported_architectures())}")
+    module_name, class_name = _RUNTIMES[cfg.architecture]
+    cls = getattr(importlib.import_module(module_name), class_name)
+    caps: RuntimeCapabilities = cls.capabilities
+    where = f"the {cfg.architecture} runtime"
+    platform = PLATFORMS[device]
+    check("device", device, caps.devices, where)
+    check("dtype", dtype, caps.dtypes, where)
+    check("dtype", dtype, platform.dtypes, f"the {device} platform")
+    rope = (cfg.rope_scaling or {}).get("rope_type", "default")
+    check("rope scaling", rope, caps.rope_scaling, where)
+    for qtype in sorted(quant_types):
+        check("quantization type", qtype, caps.quantizations, where)
+    for kind in cls.attention_kinds(cfg):
+        check("attention kind", kind, caps.attention_kinds, where)
+    if args.enable_prefix_caching and not caps.prefix_caching:
+        raise UnsupportedFeatureError(f"{where} does not support prefix caching; "
+                                      "pass enable_prefix_caching=False")
+    if caps.max_batch_size is not None and args.max_num_seqs > caps.max_batch_size:
+        raise UnsupportedFeatureError(
+            f"{where} supports at most {caps.max_batch_size} sequences per batch; "
+            f"lower max_num_seqs (got {args.max_num_seqs})")
+    return RuntimeSelection(cls, caps)

@@ -1,0 +1,46 @@
+"""Tiny random-weight models made with transformers and saved as safetensors: the reference
+for every parity test. Seeded, so every run builds the same weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+
+CONFIGS = {
+    # GQA 4:2, untied, llama3 rope scaling
+    "llama": dict(arch="LlamaForCausalLM", hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # GQA 6:1 (any ratio), tied embeddings, qkv bias
+    "qwen2": dict(arch="Qwen2ForCausalLM", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=True),
+    # head_dim 32 != hidden / heads, q/k norm, MHA-free GQA 4:2
+    "qwen3": dict(arch="Qwen3ForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+}
+
+
+def make_model(kind: str, root: Path):
+    import transformers
+
+    spec = dict(CONFIGS[kind])
+    arch = spec.pop("arch")
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    rope = spec.pop("rope_scaling", None)
+    config = config_cls(vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None, **spec)
+    if rope is not None:
+        config.rope_parameters = {"rope_theta": 10000.0, **rope}
+    torch.manual_seed(1234)
+    model = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():  # default init is tiny; scale up so logits are not all near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    path = root / kind
+    model.save_pretrained(path, safe_serialization=True)
+    model.generation_config.eos_token_id = None
+    return model, path
