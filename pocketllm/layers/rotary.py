@@ -7,7 +7,7 @@ import torch
 
 from pocketllm.errors import UnsupportedFeatureError
 
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "freq_factors")
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -15,6 +15,8 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv_freq
+    if kind == "freq_factors":  # GGUF's rope_freqs tensor: per-frequency divisors
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":

@@ -1,0 +1,152 @@
+"""GGUF model files (llama.cpp's format): metadata -> ModelConfig, tensors -> the same runtimes
+as safetensors, memory-mapped and kept in their quantized encoding.
+
+What llama.cpp's converter changed is undone here: tensor names, the Q/K row permutation of
+`llama`-arch rotary weights, Gemma's +1 folded into its norm weights.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from pocketllm.config import ModelConfig
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.layers.linear import QuantizedTensor
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+# Gemma 3 has four norms per layer; llama.cpp names them differently.
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_DENSE = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class GGUFModelFile:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.reader = GGUFReader(self.path)
+        self.arch = self.meta("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise UnsupportedFeatureError(
+                f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def meta(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_meta(self, key: str, default=None):
+        return self.meta(f"{self.arch}.{key}", default)
+
+    def quant_types(self) -> set[str]:
+        return {t.tensor_type.name for t in self.reader.tensors if len(t.shape) > 1}
+
+    def model_config(self) -> ModelConfig:
+        heads = self.arch_meta("attention.head_count")
+        hidden = self.arch_meta("embedding_length")
+        vocab = self.arch_meta("vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        eos = [self.meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        raw = {k: f.contents() for k, f in self.reader.fields.items()
+               if k.startswith(f"{self.arch}.") and len(f.data) < 64}
+        return ModelConfig(
+            architecture=ARCHITECTURES[self.arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=self.arch_meta("feed_forward_length"),
+            num_layers=self.arch_meta("block_count"),
+            num_heads=heads,
+            num_kv_heads=self.arch_meta("attention.head_count_kv", heads),
+            head_dim=self.arch_meta("attention.key_length", hidden // heads),
+            max_position_embeddings=self.arch_meta("context_length", 2048),
+            rms_norm_eps=self.arch_meta("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=float(self.arch_meta("rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            torch_dtype="float32",
+            bos_token_id=self.meta("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[e for e in eos if e is not None],
+            hidden_act="gelu_pytorch_tanh" if self.arch == "gemma3" else "silu",
+            raw={"gguf_arch": self.arch, **raw},
+        )
+
+    def _rope_scaling(self) -> dict | None:
+        if "rope_freqs.weight" in self.tensors:
+            # Llama 3.1-style scaling, baked by the converter into per-frequency divisors.
+            factors = np.asarray(self.tensors["rope_freqs.weight"].data, dtype=np.float32)
+            return {"rope_type": "freq_factors", "factors": factors.tolist()}
+        kind = self.arch_meta("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        return {"rope_type": kind, "factor": self.arch_meta("rope.scaling.factor", 1.0)}
+
+    def hf_name(self, name: str) -> str | None:
+        if name == "rope_freqs.weight":
+            return None
+        stem, _, kind = name.rpartition(".")
+        if stem in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[stem]}.{kind}"
+        m = _BLOCK.match(name)
+        table = _GEMMA3_LAYER_NAMES if self.arch == "gemma3" else _LAYER_NAMES
+        if m is None or m.group(2) not in table:
+            raise UnsupportedFeatureError(f"unexpected GGUF tensor {name!r} for architecture {self.arch!r}")
+        return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
+
+    def iter_weights(self, dtype: torch.dtype, device) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        cfg = self.model_config()
+        for t in self.reader.tensors:
+            name = self.hf_name(t.name)
+            if name is None:
+                continue
+            shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
+            data = np.asarray(t.data)
+            stem = t.name.rsplit(".", 2)[-2]
+            if self.arch == "llama" and stem in ("attn_q", "attn_k"):
+                heads = cfg.num_heads if stem == "attn_q" else cfg.num_kv_heads
+                data = unpermute_rows(data.reshape(shape[0], -1), heads)
+            if t.tensor_type in _DENSE:
+                tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+                if self.arch == "gemma3" and name.endswith("norm.weight"):
+                    tensor = tensor - 1.0  # the converter stored 1 + w; our Gemma norm adds the 1
+                yield name, tensor.to(dtype=dtype, device=device)
+            else:
+                yield name, QuantizedTensor(_mapped_bytes(data.reshape(shape[0], -1)), t.tensor_type, shape)
+
+
+def _mapped_bytes(a: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over the array's memory, without copying the memory-mapped file.
+    (The map is read-only and nothing writes to quantized weights, hence no warning.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8))
+
+
+def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of Q/K rows (interleaved rotary pairs -> rotate-half halves).
+    Rows are whole quantized blocks, so this is exact on any encoding."""
+    n = rows.shape[0]
+    return (rows.reshape(num_heads, n // num_heads // 2, 2, -1)
+            .swapaxes(1, 2).reshape(n, -1))

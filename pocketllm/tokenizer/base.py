@@ -1,0 +1,92 @@
+"""The tokenizer the engine uses, whatever file it came from."""
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import tokenizers
+from tokenizers import processors
+
+from pocketllm.errors import ConfigurationError
+from pocketllm.tokenizer.chat_template import render_chat
+
+# The names transformers passes to chat templates (its `special_tokens_map`).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class Tokenizer:
+    """Text to token ids and back, the model's special tokens, and its chat template.
+
+    `backend` does all the text work; it is built so that `encode(text, add_special_tokens=True)` adds what the
+    model wants around a text (usually BOS). A prompt rendered by `apply_chat_template` already holds those
+    tokens, so encode it with `add_special_tokens=False`. Special tokens written in the text (`<|im_end|>`) are
+    always encoded as themselves, as Hugging Face tokenizers do.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        special_tokens: Mapping[str, str],
+        *,
+        extra_eos_ids: Iterable[int] = (),
+        chat_templates: Mapping[str, str] | None = None,
+    ):
+        unknown = set(special_tokens) - set(SPECIAL_TOKEN_NAMES)
+        if unknown:
+            raise ValueError(f"unknown special token names: {sorted(unknown)}")
+        self._backend = backend
+        self.special_tokens = dict(special_tokens)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = self._id_of("bos_token")
+        self.eos_token_id = self._id_of("eos_token")
+        self.pad_token_id = self._id_of("pad_token")
+        named_ids = {backend.token_to_id(text) for text in self.special_tokens.values()} - {None}
+        self.eos_token_ids = frozenset({self.eos_token_id, *extra_eos_ids} - {None})
+        added_special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self.all_special_ids = frozenset(added_special | named_ids | self.eos_token_ids)
+        # Named templates (Hugging Face's list form, GGUF's `tokenizer.chat_template.<name>`); "default" is the main one.
+        self.chat_templates = dict(chat_templates or {})
+
+    def _id_of(self, name: str) -> int | None:
+        text = self.special_tokens.get(name)
+        return None if text is None else self._backend.token_to_id(text)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.chat_templates.get("default")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` (OpenAI-style dicts) to the prompt text, as transformers' `apply_chat_template` does."""
+        if chat_template is None:
+            # Like transformers: a model's tool-use template, when it has one, renders requests with tools.
+            chat_template = (tools and self.chat_templates.get("tool_use")) or self.chat_template
+        if chat_template is None:
+            raise ConfigurationError(
+                "this model has no chat template; pass chat_template=... (a Jinja template string) "
+                "or load the tokenizer with get_tokenizer(path, chat_template=...)"
+            )
+        variables = {**self.special_tokens, **template_kwargs}
+        return render_chat(chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+
+
+def bos_eos_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:
+    """The post-processor that puts `bos` before and `eos` after an encoded text; both are (text, id) or None."""
+    single = ["$A"]
+    if bos is not None:
+        single.insert(0, bos[0])
+    if eos is not None:
+        single.append(eos[0])
+    # `single` as a list, not a string: token texts may hold spaces.
+    return processors.TemplateProcessing(single=single, special_tokens=[t for t in (bos, eos) if t is not None])
