@@ -20,6 +20,11 @@ CONFIGS = {
     # head_dim 32 != hidden / heads, q/k norm, MHA-free GQA 4:2
     "qwen3": dict(arch="Qwen3ForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    # sliding window 8 on layers 0, 1 and 3, global layer 2; Gemma's norms, GeGLU, scaled embedding
+    "gemma3": dict(arch="Gemma3ForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                   sliding_window=8, query_pre_attn_scalar=32,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 
@@ -28,7 +33,7 @@ def make_model(kind: str, root: Path):
 
     spec = dict(CONFIGS[kind])
     arch = spec.pop("arch")
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config").replace("Gemma3", "Gemma3Text"))
     rope = spec.pop("rope_scaling", None)
     config = config_cls(vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
                         bos_token_id=None, eos_token_id=None, pad_token_id=None, **spec)
@@ -37,9 +42,11 @@ def make_model(kind: str, root: Path):
     torch.manual_seed(1234)
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():  # default init is tiny; scale up so logits are not all near-ties
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+            elif "norm" in name:  # random norm weights exercise each norm's exact form
+                p.normal_(1.0 if kind != "gemma3" else 0.0, 0.1)
     path = root / kind
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.eos_token_id = None

@@ -15,6 +15,7 @@ _RUNTIMES = {
     "LlamaForCausalLM": ("pocketllm.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pocketllm.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pocketllm.models.qwen3", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("pocketllm.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 

@@ -1,0 +1,272 @@
+/* Matrix products with GGUF-quantized weights on the CPU.
+ *
+ * Each weight block is dequantized once into float32 (with the same formulas as the
+ * reference dequantizers) and then multiplied with every activation row, so the
+ * dequantization cost is shared by the whole batch and the weights are read once.
+ * Rows of the weight matrix are split over OpenMP threads.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+#else
+static inline float h2f(const uint8_t *p) {
+    uint16_t h; memcpy(&h, p, 2);
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { exp = 127 - 15 + 1; while (!(man & 0x400)) { man <<= 1; exp--; } man &= 0x3ff; bits = sign | (exp << 23) | (man << 13); }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+}
+#endif
+
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+       Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+
+static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline void deq_q4_0(const uint8_t *b, float *w) {
+    float d = h2f(b);
+    for (int i = 0; i < 16; i++) {
+        w[i] = (float)((b[2 + i] & 0xF) - 8) * d;
+        w[i + 16] = (float)((b[2 + i] >> 4) - 8) * d;
+    }
+}
+
+static inline void deq_q4_1(const uint8_t *b, float *w) {
+    float d = h2f(b), m = h2f(b + 2);
+    for (int i = 0; i < 16; i++) {
+        w[i] = (float)(b[4 + i] & 0xF) * d + m;
+        w[i + 16] = (float)(b[4 + i] >> 4) * d + m;
+    }
+}
+
+static inline void deq_q5_0(const uint8_t *b, float *w) {
+    float d = h2f(b); uint32_t qh; memcpy(&qh, b + 2, 4);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        int x0 = ((qs[j] & 0x0F) | (((qh >> j) << 4) & 0x10)) - 16;
+        int x1 = ((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16;
+        w[j] = (float)x0 * d; w[j + 16] = (float)x1 * d;
+    }
+}
+
+static inline void deq_q5_1(const uint8_t *b, float *w) {
+    float d = h2f(b), m = h2f(b + 2); uint32_t qh; memcpy(&qh, b + 4, 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        int x0 = (qs[j] & 0x0F) | (((qh >> j) << 4) & 0x10);
+        int x1 = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+        w[j] = (float)x0 * d + m; w[j + 16] = (float)x1 * d + m;
+    }
+}
+
+static inline void deq_q8_0(const uint8_t *b, float *w) {
+    float d = h2f(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int i = 0; i < 32; i++) w[i] = (float)q[i] * d;
+}
+
+static inline void deq_iq4_nl(const uint8_t *b, float *w) {
+    float d = h2f(b);
+    for (int i = 0; i < 16; i++) {
+        w[i] = d * (float)kvalues_iq4nl[b[2 + i] & 0xF];
+        w[i + 16] = d * (float)kvalues_iq4nl[b[2 + i] >> 4];
+    }
+}
+
+static inline void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
+    if (j < 4) { *d = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+static inline void deq_q4_k(const uint8_t *b, float *w) {
+    float d = h2f(b), dmin = h2f(b + 2);
+    const uint8_t *sc = b + 4, *q = b + 16;
+    for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+        int s1, m1, s2, m2;
+        scale_min_k4(is, sc, &s1, &m1); scale_min_k4(is + 1, sc, &s2, &m2);
+        float d1 = d * s1, n1 = dmin * m1, d2 = d * s2, n2 = dmin * m2;
+        for (int l = 0; l < 32; l++) w[j + l] = d1 * (float)(q[l] & 0xF) - n1;
+        for (int l = 0; l < 32; l++) w[j + 32 + l] = d2 * (float)(q[l] >> 4) - n2;
+    }
+}
+
+static inline void deq_q5_k(const uint8_t *b, float *w) {
+    float d = h2f(b), dmin = h2f(b + 2);
+    const uint8_t *sc = b + 4, *qh = b + 16, *ql = b + 48;
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0, is = 0; j < 256; j += 64, is += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
+        int s1, m1, s2, m2;
+        scale_min_k4(is, sc, &s1, &m1); scale_min_k4(is + 1, sc, &s2, &m2);
+        float d1 = d * s1, n1 = dmin * m1, d2 = d * s2, n2 = dmin * m2;
+        for (int l = 0; l < 32; l++) w[j + l] = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - n1;
+        for (int l = 0; l < 32; l++) w[j + 32 + l] = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - n2;
+    }
+}
+
+static inline void deq_q6_k(const uint8_t *b, float *w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = h2f(b + 208);
+    for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; l++) {
+            int is = l / 16;
+            int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            w[n + l] = d * (float)sc[is] * (float)q1;
+            w[n + l + 32] = d * (float)sc[is + 2] * (float)q2;
+            w[n + l + 64] = d * (float)sc[is + 4] * (float)q3;
+            w[n + l + 96] = d * (float)sc[is + 6] * (float)q4;
+        }
+    }
+}
+
+static inline void deq_iq4_xs(const uint8_t *b, float *w0) {
+    float *w = w0;
+    float d = h2f(b);
+    uint16_t sh; memcpy(&sh, b + 2, 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++, qs += 16, w += 32) {
+        int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+        float dl = d * (float)(ls - 32);
+        for (int j = 0; j < 16; j++) {
+            w[j] = dl * (float)kvalues_iq4nl[qs[j] & 0xF];
+            w[j + 16] = dl * (float)kvalues_iq4nl[qs[j] >> 4];
+        }
+    }
+}
+
+static inline void deq_f16(const uint8_t *b, float *w) { for (int i = 0; i < 32; i++) w[i] = h2f(b + 2 * i); }
+static inline void deq_f32(const uint8_t *b, float *w) { memcpy(w, b, 32 * sizeof(float)); }
+
+typedef void (*deq_fn)(const uint8_t *, float *);
+
+/* Block geometry: elements and bytes per block; returns 0 for an unsupported type. */
+static deq_fn lookup(int type, int *qk, int *nbytes) {
+    switch (type) {
+    case F32: *qk = 32; *nbytes = 128; return deq_f32;
+    case F16: *qk = 32; *nbytes = 64; return deq_f16;
+    case Q4_0: *qk = 32; *nbytes = 18; return deq_q4_0;
+    case Q4_1: *qk = 32; *nbytes = 20; return deq_q4_1;
+    case Q5_0: *qk = 32; *nbytes = 22; return deq_q5_0;
+    case Q5_1: *qk = 32; *nbytes = 24; return deq_q5_1;
+    case Q8_0: *qk = 32; *nbytes = 34; return deq_q8_0;
+    case Q4_K: *qk = 256; *nbytes = 144; return deq_q4_k;
+    case Q5_K: *qk = 256; *nbytes = 176; return deq_q5_k;
+    case Q6_K: *qk = 256; *nbytes = 210; return deq_q6_k;
+    case IQ4_NL: *qk = 32; *nbytes = 18; return deq_iq4_nl;
+    case IQ4_XS: *qk = 256; *nbytes = 136; return deq_iq4_xs;
+    default: return 0;
+    }
+}
+
+int gguf_supported(int type) { int qk, nb; return lookup(type, &qk, &nb) != 0; }
+
+#define RB 8 /* activation rows per pass: their accumulators stay in vector registers */
+
+/* One weight row against R activation rows; R and the block decoder are compile-time
+ * constants here so the accumulators live in registers and the decoder is inlined. */
+#define ROWS_KERNEL(NAME, DEQ, QK, NBYTES, R)                                                   \
+    static void NAME##_r##R(const uint8_t *restrict row, int64_t nblk, const float *restrict X,   \
+                            int64_t K, float *restrict Y, int64_t N, int64_t n) {                \
+        float w[QK] __attribute__((aligned(64)));                                                 \
+        float acc[R][16] __attribute__((aligned(64)));                                            \
+        memset(acc, 0, sizeof(acc));                                                              \
+        for (int64_t j = 0; j < nblk; j++) {                                                      \
+            DEQ(row + j * NBYTES, w);                                                             \
+            for (int r = 0; r < R; r++) {                                                         \
+                const float *x = X + r * K + j * QK;                                              \
+                for (int i = 0; i < QK; i += 16)                                                  \
+                    for (int l = 0; l < 16; l++) acc[r][l] += x[i + l] * w[i + l];                \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; r++) {                                                             \
+            float s = 0.f;                                                                        \
+            for (int l = 0; l < 16; l++) s += acc[r][l];                                          \
+            Y[r * N + n] = s;                                                                     \
+        }                                                                                         \
+    }
+
+#define GEMM_FOR_TYPE(NAME, DEQ, QK, NBYTES)                                                      \
+    ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 1) ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 2)                   \
+    ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 3) ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 4)                   \
+    ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 5) ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 6)                   \
+    ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 7) ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 8)                   \
+    static void NAME##_gemm(const uint8_t *W, int64_t N, int64_t K, const float *X, int64_t B,    \
+                            float *Y, int nthreads) {                                             \
+        const int64_t nblk = K / QK, row_bytes = nblk * NBYTES;                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                        \
+        for (int64_t n = 0; n < N; n++) {                                                         \
+            const uint8_t *row = W + n * row_bytes;                                               \
+            for (int64_t b0 = 0; b0 < B; b0 += RB) {                                              \
+                const float *x = X + b0 * K;                                                      \
+                float *y = Y + b0 * N;                                                            \
+                switch (B - b0 < RB ? B - b0 : RB) {                                              \
+                case 1: NAME##_r1(row, nblk, x, K, y, N, n); break;                               \
+                case 2: NAME##_r2(row, nblk, x, K, y, N, n); break;                               \
+                case 3: NAME##_r3(row, nblk, x, K, y, N, n); break;                               \
+                case 4: NAME##_r4(row, nblk, x, K, y, N, n); break;                               \
+                case 5: NAME##_r5(row, nblk, x, K, y, N, n); break;                               \
+                case 6: NAME##_r6(row, nblk, x, K, y, N, n); break;                               \
+                case 7: NAME##_r7(row, nblk, x, K, y, N, n); break;                               \
+                default: NAME##_r8(row, nblk, x, K, y, N, n); break;                              \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+GEMM_FOR_TYPE(f32, deq_f32, 32, 128)
+GEMM_FOR_TYPE(f16, deq_f16, 32, 64)
+GEMM_FOR_TYPE(q4_0, deq_q4_0, 32, 18)
+GEMM_FOR_TYPE(q4_1, deq_q4_1, 32, 20)
+GEMM_FOR_TYPE(q5_0, deq_q5_0, 32, 22)
+GEMM_FOR_TYPE(q5_1, deq_q5_1, 32, 24)
+GEMM_FOR_TYPE(q8_0, deq_q8_0, 32, 34)
+GEMM_FOR_TYPE(q4_k, deq_q4_k, 256, 144)
+GEMM_FOR_TYPE(q5_k, deq_q5_k, 256, 176)
+GEMM_FOR_TYPE(q6_k, deq_q6_k, 256, 210)
+GEMM_FOR_TYPE(iq4_nl, deq_iq4_nl, 32, 18)
+GEMM_FOR_TYPE(iq4_xs, deq_iq4_xs, 256, 136)
+
+/* Y[B, N] = X[B, K] @ W[N, K]^T, W given as N rows of GGUF blocks. */
+int gguf_gemm(int type, const uint8_t *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y, int nthreads) {
+    int qk, nbytes;
+    if (!lookup(type, &qk, &nbytes) || K % qk) return -1;
+    switch (type) {
+    case F32: f32_gemm(W, N, K, X, B, Y, nthreads); break;
+    case F16: f16_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q4_0: q4_0_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q4_1: q4_1_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q5_0: q5_0_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q5_1: q5_1_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q8_0: q8_0_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q4_K: q4_k_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q5_K: q5_k_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q6_K: q6_k_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ4_NL: iq4_nl_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ4_XS: iq4_xs_gemm(W, N, K, X, B, Y, nthreads); break;
+    default: return -1;
+    }
+    return 0;
+}
+
+/* out[rows, K] = dequantized rows [n0, n0 + rows) of W (for large batches and embeddings). */
+int gguf_dequant_rows(int type, const uint8_t *W, int64_t K, const int64_t *row_ids, int64_t rows, float *out, int nthreads) {
+    int qk, nbytes;
+    deq_fn deq = lookup(type, &qk, &nbytes);
+    if (!deq || K % qk) return -1;
+    const int64_t nblk = K / qk, row_bytes = nblk * nbytes;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = W + row_ids[r] * row_bytes;
+        for (int64_t j = 0; j < nblk; j++) deq(row + j * nbytes, out + r * K + j * qk);
+    }
+    return 0;
+}
