@@ -152,6 +152,9 @@ class LLMEngine:
 
     def _load_tokenizer(self, path: Path):
         tok_path = Path(self.args.tokenizer) if self.args.tokenizer else path
+        if self.is_gguf and tok_path == path:  # the reader is open already: parse the file once
+            from pocketllm.tokenizer.gguf_vocab import tokenizer_from_gguf
+            return tokenizer_from_gguf(self.gguf.reader)
         if not self.is_gguf and tok_path == path and not (path / "tokenizer.json").exists():
             return None  # a weights-only directory: token ids in, token ids out
         from pocketllm.tokenizer import get_tokenizer

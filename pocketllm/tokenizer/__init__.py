@@ -23,7 +23,7 @@ def get_tokenizer(path: str | os.PathLike, chat_template: str | None = None) -> 
     else:
         raise ConfigurationError(f"{path} is neither a model directory (with tokenizer.json) nor a GGUF file")
     if chat_template is not None:
-        tokenizer.chat_templates["default"] = chat_template
+        tokenizer.chat_templates = {"default": chat_template}
     return tokenizer
 
 

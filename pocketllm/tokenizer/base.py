@@ -4,7 +4,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import tokenizers
-from tokenizers import processors
 
 from pocketllm.errors import ConfigurationError
 from pocketllm.tokenizer.chat_template import render_chat
@@ -30,9 +29,6 @@ class Tokenizer:
         extra_eos_ids: Iterable[int] = (),
         chat_templates: Mapping[str, str] | None = None,
     ):
-        unknown = set(special_tokens) - set(SPECIAL_TOKEN_NAMES)
-        if unknown:
-            raise ValueError(f"unknown special token names: {sorted(unknown)}")
         self._backend = backend
         self.special_tokens = dict(special_tokens)
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -43,7 +39,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset({self.eos_token_id, *extra_eos_ids} - {None})
         added_special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self.all_special_ids = frozenset(added_special | named_ids | self.eos_token_ids)
-        # Named templates (Hugging Face's list form, GGUF's `tokenizer.chat_template.<name>`); "default" is the main one.
+        # Named templates (Hugging Face's list form, GGUF's tokenizer.chat_template.<name>); "default" is the main one.
         self.chat_templates = dict(chat_templates or {})
 
     def _id_of(self, name: str) -> int | None:
@@ -78,15 +74,6 @@ class Tokenizer:
                 "or load the tokenizer with get_tokenizer(path, chat_template=...)"
             )
         variables = {**self.special_tokens, **template_kwargs}
-        return render_chat(chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
-
-
-def bos_eos_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:
-    """The post-processor that puts `bos` before and `eos` after an encoded text; both are (text, id) or None."""
-    single = ["$A"]
-    if bos is not None:
-        single.insert(0, bos[0])
-    if eos is not None:
-        single.append(eos[0])
-    # `single` as a list, not a string: token texts may hold spaces.
-    return processors.TemplateProcessing(single=single, special_tokens=[t for t in (bos, eos) if t is not None])
+        return render_chat(
+            chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+        )

@@ -29,18 +29,15 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-@functools.lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
+_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+_ENV.filters["tojson"] = _tojson
+_ENV.globals["raise_exception"] = _raise_exception
+_ENV.globals["strftime_now"] = _strftime_now
 
 
 @functools.lru_cache(maxsize=64)
 def compile_template(source: str) -> jinja2.Template:
-    return _environment().from_string(source)
+    return _ENV.from_string(source)
 
 
 def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -63,10 +63,10 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer((_LLAMA3,))),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _QWEN2_FAMILY),
     "qwen35": PreTokenizer((_QWEN35,)),
-    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"), _STARCODER_FAMILY),
-    "deepseek-llm": PreTokenizer(
-        (r"[\r\n]", _DEEPSEEK_LLM_LETTERS, _DEEPSEEK_LLM_PUNCT, r"\s+$", _CJK, r"\p{N}+")
+    **dict.fromkeys(
+        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"), _STARCODER_FAMILY
     ),
+    "deepseek-llm": PreTokenizer((r"[\r\n]", _DEEPSEEK_LLM_LETTERS, _DEEPSEEK_LLM_PUNCT, r"\s+$", _CJK, r"\p{N}+")),
     "deepseek-coder": PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
 }
@@ -76,6 +76,7 @@ def pre_tokenizer_for(name: str) -> PreTokenizer:
     try:
         return PRE_TOKENIZERS[name]
     except KeyError:
+        supported = ", ".join(sorted(PRE_TOKENIZERS))
         raise UnsupportedFeatureError(
-            f"GGUF tokenizer.ggml.pre = {name!r} is not supported; supported values: {', '.join(sorted(PRE_TOKENIZERS))}"
+            f"GGUF tokenizer.ggml.pre = {name!r} is not supported; supported: {supported}"
         ) from None

@@ -4,17 +4,19 @@ Each vocabulary type becomes a `tokenizers.Tokenizer` (BPE model, pre-tokenizer,
 work runs in Rust; this module only translates llama.cpp's rules into that pipeline.
 """
 
+import logging
 import os
 from collections.abc import Sequence
 
 import gguf
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
-from pocketllm.tokenizer.base import Tokenizer, bos_eos_processor
+from pocketllm.tokenizer.base import Tokenizer
 from pocketllm.tokenizer.gguf_pre import pre_tokenizer_for
 
+logger = logging.getLogger(__name__)
 K = gguf.Keys.Tokenizer
 T = gguf.TokenType
 
@@ -23,7 +25,7 @@ T = gguf.TokenType
 _END_OF_TURN_TEXTS = frozenset(
     {
         "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-        "<EOT>", "_<EOT>", "<end_of_utterance>", "</s>", "<eos>", "<turn|>",
+        "<EOT>", "_<EOT>", "<end_of_utterance>", "<eos>", "<turn|>",
         "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's <｜end▁of▁sentence｜>
     }
 )  # fmt: skip
@@ -71,18 +73,18 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         )
 
     ids = {name: meta.get(key) for name, key in _SPECIAL_IDS.items()}
-    special_tokens = {name: tokens[i] for name, i in ids.items() if name.endswith("_token") and i is not None}
+    special_tokens = {name: tokens[i] for name, i in ids.items() if i is not None}
     end_ids = {meta.get(K.EOT_ID), meta.get(K.EOM_ID)} | {i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS}
     end_ids.discard(None)
     _add_special_tokens(backend, tokens, types, end_ids)
-    add_bos, add_eos = meta.get(K.ADD_BOS, add_bos_default), meta.get(K.ADD_EOS, False)
-    backend.post_processor = bos_eos_processor(
-        (tokens[ids["bos_token"]], ids["bos_token"]) if add_bos and ids["bos_token"] is not None else None,
-        (tokens[ids["eos_token"]], ids["eos_token"]) if add_eos and ids["eos_token"] is not None else None,
+    # What encode(add_special_tokens=True) adds around a text; `single` is a list as token texts may hold spaces.
+    bos = [ids["bos_token"]] if meta.get(K.ADD_BOS, add_bos_default) and ids["bos_token"] is not None else []
+    eos = [ids["eos_token"]] if meta.get(K.ADD_EOS, False) and ids["eos_token"] is not None else []
+    backend.post_processor = processors.TemplateProcessing(
+        single=[tokens[i] for i in bos] + ["$A"] + [tokens[i] for i in eos],
+        special_tokens=[(tokens[i], i) for i in bos + eos],
     )
-    return Tokenizer(
-        backend, special_tokens, extra_eos_ids=end_ids, chat_templates=meta.named_chat_templates()
-    )
+    return Tokenizer(backend, special_tokens, extra_eos_ids=end_ids, chat_templates=meta.named_chat_templates())
 
 
 _SPECIAL_IDS = {
@@ -96,7 +98,11 @@ _SPECIAL_IDS = {
 
 
 def _byte_level_bpe(meta: _Metadata, tokens: list[str]) -> tuple[Backend, bool]:
-    pre = pre_tokenizer_for(meta.get(K.PRE, "default"))
+    pre_name = meta.get(K.PRE)
+    if pre_name is None:
+        logger.warning("GGUF file has no tokenizer.ggml.pre; splitting words like llama.cpp's 'default', which may "
+                       "not match the model's tokenizer (regenerate the file with a current llama.cpp)")  # fmt: skip
+    pre = pre_tokenizer_for(pre_name or "default")
     backend = Backend(
         models.BPE(_vocab(tokens), _split_merges(meta.get(K.MERGES, [])), ignore_merges=pre.ignore_merges)
     )
@@ -138,12 +144,8 @@ def _sentencepiece_bpe(meta: _Metadata, tokens: list[str]) -> Backend:
 
 def _gemma4_bpe(meta: _Metadata, tokens: list[str]) -> Backend:
     """Gemma 4 (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4): BPE merges over raw UTF-8 with spaces as "▁", no prefix
-    space, text split only into lines and newline runs; a run the vocabulary has is taken whole."""
-    backend = Backend(
-        models.BPE(
-            _vocab(tokens), _split_merges(meta.get(K.MERGES, [])), byte_fallback=True, ignore_merges=True
-        )
-    )
+    space, text split only into lines and newline runs, `<0xXX>` byte tokens for the rest."""
+    backend = Backend(models.BPE(_vocab(tokens), _split_merges(meta.get(K.MERGES, [])), byte_fallback=True))
     backend.normalizer = normalizers.Replace(" ", _SPACE)
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
     backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])

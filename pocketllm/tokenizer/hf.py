@@ -1,4 +1,8 @@
-"""Tokenizers of Hugging Face model directories, set up as transformers sets them up."""
+"""Tokenizers of Hugging Face model directories, set up as transformers (5.x) sets them up.
+
+tokenizer.json alone decides what `encode(add_special_tokens=True)` adds: transformers 5 ignores
+tokenizer_config.json's add_bos_token/add_eos_token when there is a tokenizer.json, and so do we.
+"""
 
 import json
 from pathlib import Path
@@ -8,7 +12,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from pocketllm.errors import ConfigurationError
-from pocketllm.tokenizer.base import SPECIAL_TOKEN_NAMES, Tokenizer, bos_eos_processor
+from pocketllm.tokenizer.base import SPECIAL_TOKEN_NAMES, Tokenizer
 
 
 def load_hf_tokenizer(directory: Path) -> Tokenizer:
@@ -16,25 +20,18 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer:
         raise ConfigurationError(f"{directory} has no tokenizer.json (only fast, tokenizers-format tokenizers load)")
     backend = Backend.from_file(str(directory / "tokenizer.json"))
     config = _read_json(directory / "tokenizer_config.json")
-    special_tokens = {
-        name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None
-    }
+    special_tokens = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
     # transformers makes every named special token an added special token, so it is matched whole.
     known = {token.content for token in backend.get_added_tokens_decoder().values()}
     backend.add_special_tokens(
         [AddedToken(text, special=True, normalized=False) for text in special_tokens.values() if text not in known]
     )
-    # transformers' rule: an explicit add_bos_token/add_eos_token replaces tokenizer.json's post-processor.
-    if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-        backend.post_processor = bos_eos_processor(
-            _with_id(backend, special_tokens.get("bos_token")) if config.get("add_bos_token") else None,
-            _with_id(backend, special_tokens.get("eos_token")) if config.get("add_eos_token") else None,
-        )
 
     extra_eos_ids = set()
     for name in ("generation_config.json", "config.json"):
-        eos = _read_json(directory / name).get("eos_token_id")
-        extra_eos_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        eos = _read_json(directory / name).get("eos_token_id")  # an id or a list of ids
+        if eos is not None:
+            extra_eos_ids.update(eos if isinstance(eos, list) else [eos])
     return Tokenizer(
         backend, special_tokens, extra_eos_ids=extra_eos_ids, chat_templates=_chat_templates(directory, config)
     )
@@ -51,7 +48,7 @@ def _token_text(value: str | dict[str, Any]) -> str:
 
 def _chat_templates(directory: Path, config: dict[str, Any]) -> dict[str, str]:
     """Templates as transformers finds them: `chat_template.jinja` and `additional_chat_templates/<name>.jinja`
-    (transformers 4.5x and later), else `tokenizer_config.json`'s "chat_template", a string or a list of
+    (what newer transformers saves) over tokenizer_config.json's "chat_template", a string or a list of
     {"name", "template"}."""
     templates: dict[str, str] = {}
     configured = config.get("chat_template")
@@ -64,7 +61,3 @@ def _chat_templates(directory: Path, config: dict[str, Any]) -> dict[str, str]:
     if (directory / "chat_template.jinja").is_file():
         templates["default"] = (directory / "chat_template.jinja").read_text(encoding="utf-8")
     return templates
-
-
-def _with_id(backend: Backend, text: str | None) -> tuple[str, int] | None:
-    return None if text is None else (text, backend.token_to_id(text))
