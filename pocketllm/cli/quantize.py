@@ -1,0 +1,45 @@
+"""`pocketllm quantize SRC OUT --type TYPE`: a Hugging Face model directory -> a quantized GGUF file."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pocketllm.quant.mixes import ALIASES, FILE_TYPES
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    types = ", ".join(list(FILE_TYPES) + [f"{a} (= {b})" for a, b in ALIASES.items()])
+    parser.add_argument("src", metavar="SRC", help="Hugging Face model directory (config.json, *.safetensors, "
+                                                   "tokenizer.json or tokenizer.model)")
+    parser.add_argument("out", metavar="OUT", help="GGUF file to write")
+    parser.add_argument("--type", "-t", dest="qtype", default="Q8_0", metavar="TYPE",
+                        help=f"file type, as llama-quantize names them (default Q8_0): {types}")
+    parser.add_argument("--pure", action="store_true",
+                        help="no k-quant mix: every quantizable tensor gets TYPE's main type")
+    parser.add_argument("--output-tensor-type", default=None, metavar="GGML_TYPE",
+                        help="type of output.weight (and of tied embeddings), e.g. Q8_0")
+    parser.add_argument("--token-embedding-type", default=None, metavar="GGML_TYPE",
+                        help="type of token_embd.weight, e.g. Q8_0")
+    parser.add_argument("--name", default=None, help="general.name (default: the model's name)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no per-tensor progress")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pocketllm.errors import PocketLLMError
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        result = write_gguf(args.src, args.out, args.qtype, pure=args.pure, output_type=args.output_tensor_type,
+                            token_embedding_type=args.token_embedding_type, name=args.name, progress=progress)
+    except (PocketLLMError, ValueError, KeyError, FileNotFoundError) as e:
+        print(f"pocketllm quantize: error: {e}", file=sys.stderr)
+        return 1
+    counts: dict[str, int] = {}
+    for t in result.tensor_types.values():
+        counts[t.name] = counts.get(t.name, 0) + 1
+    mix = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
+    print(f"wrote {result.path} ({result.file_type}, {result.n_bytes / 2**20:.1f} MiB, "
+          f"{result.n_params / 1e6:.1f}M parameters, {result.seconds:.1f} s)\n"
+          f"  tensor types: {mix}\n  tokenizer: {result.tokenizer}")
+    return 0

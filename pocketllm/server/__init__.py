@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server and the asynchronous front of the engine it drives."""

@@ -1,0 +1,501 @@
+"""The OpenAI-compatible HTTP API over one `AsyncLLM`, and its uvicorn runner."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import jinja2
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pocketllm import __version__
+from pocketllm.errors import ConfigurationError, RequestError
+from pocketllm.outputs import RequestOutput
+from pocketllm.sampling_params import SamplingParams
+from pocketllm.server import protocol as P
+from pocketllm.server.async_llm import AsyncLLM, EngineClosedError, QueueFullError, RequestStream
+from pocketllm.server.metrics import RequestTimer, ServerMetrics
+
+log = logging.getLogger("pocketllm")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    chat_template: str | None = None  # overrides the model's
+    max_request_bytes: int = 4 << 20
+    shutdown_timeout: float = 30.0
+
+
+_INTERNAL = P.APIError(500, "The server had an error while processing your request.", type="server_error")
+
+
+def _json(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Guard:
+    """API key and body-size checks before any route runs. The body is read here, at most
+    `max_bytes` of it, and replayed to the app; after it the app sees the client's own messages,
+    so a disconnect still reaches it."""
+
+    def __init__(self, app, api_key: str | None, max_bytes: int):
+        self.app, self.api_key, self.max_bytes = app, api_key, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival_time"] = time.monotonic()
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not given.startswith("Bearer ") or not secrets.compare_digest(given[7:].encode(),
+                                                                             self.api_key.encode()):
+                msg = ("Incorrect API key provided." if given else
+                       "You didn't provide an API key. You need to provide your API key in an Authorization "
+                       "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+                return await _error_response(P.APIError(401, msg, code="invalid_api_key"))(scope, receive, send)
+        too_large = P.APIError(413, f"The request body is larger than {self.max_bytes} bytes.",
+                               code="request_too_large")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _error_response(too_large)(scope, receive, send)
+        body, more = bytearray(), True
+        while more:  # also bounds bodies sent without a content-length
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await _error_response(too_large)(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class _SSEResponse(StreamingResponse):
+    """Calls `on_close` however the response ends, even if the body was never iterated."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's position."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class _Job:
+    """One API request: its engine requests (one per prompt), their timers and outputs."""
+    id: str
+    kind: str  # "chat" | "completion"
+    req: P.ChatCompletionRequest | P.CompletionRequest
+    prompts: list[tuple[str | None, list[int]]]
+    streams: list[RequestStream] = field(default_factory=list)
+    timers: list[RequestTimer] = field(default_factory=list)
+    last: list[RequestOutput | None] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def close(self) -> None:
+        for stream, timer, out in zip(self.streams, self.timers, self.last):
+            stream.close()
+            timer.finish(out, aborted=out is None or not out.finished)
+
+    def record(self, i: int, out: RequestOutput) -> None:
+        self.last[i] = out
+        if out.finished:
+            self.timers[i].finish(out)
+
+    def usage(self) -> dict:
+        outs = [o for o in self.last if o is not None]
+        return P.usage(sum(len(p[1]) for p in self.prompts),
+                       sum(len(c.token_ids) for o in outs for c in o.outputs),
+                       sum(o.num_cached_tokens for o in outs))
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics):
+        self.llm, self.cfg, self.metrics = llm, cfg, metrics
+        self.engine = llm.engine
+
+    # -- building a job --------------------------------------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.cfg.model_name:
+            raise P.APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                             code="model_not_found")
+
+    def _tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise P.APIError(400, "This model has no tokenizer: send token ids to /v1/completions.",
+                             param="prompt", code="invalid_value")
+        return self.engine.tokenizer
+
+    def render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._tokenizer().apply_chat_template(
+                [m.as_template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
+                chat_template=self.cfg.chat_template)
+        except (jinja2.TemplateError, ConfigurationError) as e:
+            raise P.APIError(400, f"The chat template could not render the messages: {e}", param="messages",
+                             code="invalid_value") from None
+
+    def _prompts(self, req) -> list[tuple[str | None, list[int]]]:
+        if isinstance(req, P.ChatCompletionRequest):
+            text = self.render_chat(req.messages)
+            # The template writes the special tokens it wants (BOS included).
+            return [(text, self._tokenizer().encode(text, add_special_tokens=False))]
+        out = []
+        for p in req.prompt_list():
+            if isinstance(p, str):
+                out.append((p, self._tokenizer().encode(p)))
+            else:
+                tok = self.engine.tokenizer
+                out.append((tok.decode(p) if tok is not None and req.echo else None, list(p)))
+        return out
+
+    def _params(self, req, prompts) -> SamplingParams:
+        chat = isinstance(req, P.ChatCompletionRequest)
+        limit = self.engine.max_model_len
+        longest = max(len(ids) for _, ids in prompts)
+        asked = req.max_new_tokens if chat else req.max_tokens
+        max_tokens = asked if asked is not None else limit - longest
+        where = "messages" if chat else "prompt"
+        if max_tokens < 1:
+            raise P.APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                  f"{where} resulted in {longest} tokens. Please reduce the length of the "
+                                  f"{where}.", param=where, code="context_length_exceeded")
+        if longest + max_tokens > limit:
+            raise P.APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                                  f"requested {longest + max_tokens} tokens ({longest} in the {where}, "
+                                  f"{max_tokens} in the completion). Please reduce the length of the {where} "
+                                  "or completion.", param=where, code="context_length_exceeded")
+        params = req.sampling_params(max_tokens, req.num_logprobs if chat else req.logprobs)
+        for _, ids in prompts:
+            try:
+                self.engine.validate_prompt(ids, params)
+            except RequestError as e:
+                raise P.APIError(400, str(e), param=where, code="invalid_value") from None
+        return params
+
+    async def create(self, request: Request, model: type[P.ChatCompletionRequest] | type[P.CompletionRequest]):
+        req = P.parse(model, await request.body())
+        self._check_model(req.model)
+        kind = "chat" if model is P.ChatCompletionRequest else "completion"
+        prompts = self._prompts(req)
+        params = self._params(req, prompts)
+        job = _Job(f"chatcmpl-{uuid.uuid4().hex}" if kind == "chat" else f"cmpl-{uuid.uuid4().hex}",
+                   kind, req, prompts)
+        arrival = request.state.arrival_time
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = job.id if len(prompts) == 1 else f"{job.id}-{i}"
+                job.streams.append(self.llm.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params,
+                                                        arrival))
+                job.timers.append(self.metrics.timer(arrival))
+                job.last.append(None)
+        except BaseException:
+            job.close()
+            raise
+        if req.stream:
+            return _SSEResponse(self._stream(job), job.close)
+        try:
+            return await self._complete(request, job)
+        finally:
+            job.close()
+
+    # -- responses -------------------------------------------------------------------------------
+    @staticmethod
+    def _choices(job: _Job):
+        """(index, prompt position, CompletionOutput) of every choice, in index order."""
+        return [(i * job.req.n + c.index, i, c) for i, out in enumerate(job.last) for c in out.outputs]
+
+    async def _complete(self, request: Request, job: _Job) -> Response:
+        async def collect():
+            async for i, out in _merge(job.streams):
+                job.timers[i].tokens_sent(1)  # the first call is the TTFT; the count only feeds ITL
+                job.record(i, out)
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # nobody will read it
+        work.result()
+        choices = []
+        for idx, i, c in self._choices(job):
+            if job.kind == "chat":
+                logprobs = P.chat_logprobs(c.logprobs, job.req.num_logprobs) if c.logprobs is not None else None
+                choice = {"index": idx, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                          "logprobs": logprobs, "finish_reason": c.finish_reason}
+            else:
+                prefix = (job.prompts[i][0] or "") if job.req.echo else ""
+                logprobs = P.completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None
+                choice = {"text": prefix + c.text, "index": idx, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason}
+            if job.req.return_token_ids:
+                choice.update(prompt_token_ids=job.prompts[i][1], token_ids=c.token_ids)
+            choices.append(choice)
+        obj = "chat.completion" if job.kind == "chat" else "text_completion"
+        return JSONResponse({"id": job.id, "object": obj, "created": job.created, "model": self.cfg.model_name,
+                             "choices": choices, "usage": job.usage(), "system_fingerprint": None})
+
+    async def _stream(self, job: _Job) -> AsyncIterator[str]:
+        chat = job.kind == "chat"
+        req = job.req
+        base = {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": job.created, "model": self.cfg.model_name, "system_fingerprint": None}
+        # As OpenAI: with include_usage every chunk has a usage, null until the last one.
+        usage = {"usage": None} if req.include_usage else {}
+
+        def chunk(choice: dict) -> str:
+            return f"data: {_json({**base, 'choices': [choice], **usage})}\n\n"
+
+        n = req.n
+        sent_text = [0] * (n * len(job.prompts))
+        sent_tokens = [0] * len(sent_text)
+        ended = [False] * len(sent_text)  # a finished choice stays in its request's later outputs
+        echo = [(job.prompts[k // n][0] or "") if not chat and req.echo else "" for k in range(n * len(job.prompts))]
+        try:
+            if chat:
+                for k in range(len(sent_text)):
+                    yield chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
+            async for i, out in _merge(job.streams):
+                events, new_tokens = [], 0
+                for c in out.outputs:
+                    k = i * n + c.index
+                    if ended[k]:
+                        continue
+                    ended[k] = c.finish_reason is not None
+                    start, text = sent_text[k], c.text[sent_text[k]:]
+                    entries = (c.logprobs or [])[sent_tokens[k]:len(c.token_ids)]
+                    new_tokens = max(new_tokens, len(c.token_ids) - sent_tokens[k])
+                    sent_text[k], sent_tokens[k] = len(c.text), len(c.token_ids)
+                    if chat:
+                        if text or entries:
+                            lp = P.chat_logprobs(entries, req.num_logprobs) if c.logprobs is not None else None
+                            events.append(chunk({"index": k, "delta": {"content": text}, "logprobs": lp,
+                                                 "finish_reason": None}))
+                        if c.finish_reason is not None:
+                            events.append(chunk({"index": k, "delta": {}, "logprobs": None,
+                                                 "finish_reason": c.finish_reason}))
+                    elif text or entries or c.finish_reason is not None:
+                        lp = P.completion_logprobs(entries, start) if c.logprobs is not None else None
+                        events.append(chunk({"text": echo[k] + text, "index": k, "logprobs": lp,
+                                             "finish_reason": c.finish_reason}))
+                        echo[k] = ""
+                job.timers[i].tokens_sent(new_tokens)
+                job.record(i, out)
+                for e in events:
+                    yield e
+            if req.include_usage:
+                yield f"data: {_json({**base, 'choices': [], 'usage': job.usage()})}\n\n"
+        except EngineClosedError as e:  # headers are sent: the error goes in the stream, as OpenAI's do
+            yield f"data: {_json(P.APIError(503, str(e), type='server_error').body())}\n\n"
+        except Exception:
+            log.exception("a streaming response failed")
+            yield f"data: {_json(_INTERNAL.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # -- the small endpoints -------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> dict:
+        req = P.parse(P.TokenizeRequest, await request.body())
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise P.APIError(400, "Give exactly one of 'prompt' and 'messages'.", param="prompt",
+                             code="invalid_value")
+        if req.messages is not None:
+            ids = self._tokenizer().encode(self.render_chat(req.messages, req.add_generation_prompt),
+                                           add_special_tokens=False)
+        else:
+            ids = self._tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request) -> dict:
+        req = P.parse(P.DetokenizeRequest, await request.body())
+        self._check_model(req.model)
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise P.APIError(400, f"Token ids out of range [0, {vocab}): {bad[:5]}", param="tokens",
+                             code="invalid_value")
+        return {"prompt": self._tokenizer().decode(req.tokens)}
+
+
+def create_app(llm: AsyncLLM, cfg: ServerConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await llm.shutdown(cfg.shutdown_timeout)
+
+    app = FastAPI(title="PocketLLM", version=__version__, lifespan=lifespan)
+    metrics = ServerMetrics(llm, cfg.model_name)
+    serving = OpenAIServing(llm, cfg, metrics)
+    created = int(time.time())
+
+    @app.exception_handler(P.APIError)
+    async def api_error(request: Request, e: P.APIError):
+        return _error_response(e)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: Request, e: QueueFullError):
+        return _error_response(P.APIError(503, str(e), type="server_error",
+                                          headers={"Retry-After": str(e.retry_after)}))
+
+    @app.exception_handler(RequestError)
+    async def bad_request(request: Request, e: RequestError):
+        return _error_response(P.APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value"))
+
+    @app.exception_handler(EngineClosedError)
+    async def engine_closed(request: Request, e: EngineClosedError):
+        return _error_response(P.APIError(503, str(e), type="server_error"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        msg = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else str(e.detail)
+        return _error_response(P.APIError(e.status_code, msg, headers=getattr(e, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.error("request failed", exc_info=e)
+        return _error_response(_INTERNAL)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serving.create(request, P.ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serving.create(request, P.CompletionRequest)
+
+    def model_card() -> dict:
+        return {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "pocketllm"}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        serving._check_model(model)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if not llm.is_running:
+            return _error_response(P.APIError(503, "The engine is not running.", type="server_error"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await serving.detokenize(request)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    app.add_middleware(_Guard, api_key=cfg.api_key, max_bytes=cfg.max_request_bytes)
+    if cfg.allowed_origins:  # outermost, so that preflight requests need no API key
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_credentials=True,
+                           allow_methods=["*"], allow_headers=["*"])
+    return app
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None):
+        super().__init__(config)
+        self.on_started = on_started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown; a clean stop should exit 0.
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def serve(llm: AsyncLLM, cfg: ServerConfig, host: str, port: int,
+          on_started: Callable[[], None] | None = None) -> bool:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully: uvicorn stops accepting and gives open
+    requests `shutdown_timeout` seconds, then the engine aborts what is left. False if it could not start."""
+    server = _Server(uvicorn.Config(create_app(llm, cfg), host=host, port=port, log_level="info",
+                                    timeout_graceful_shutdown=cfg.shutdown_timeout), on_started)
+    server.run()
+    return server.started

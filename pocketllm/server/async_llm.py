@@ -1,0 +1,215 @@
+"""`AsyncLLM`: one `LLMEngine` driven by a dedicated thread, consumed from asyncio.
+
+The engine is not thread-safe, so only its thread touches it. New requests and aborts are queued
+under one condition lock and applied between steps, so an abort frees the request's KV blocks
+before the next step runs. Outputs reach each request's `asyncio.Queue` through
+`loop.call_soon_threadsafe`; the event loop never waits on the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pocketllm.engine.llm_engine import LLMEngine
+from pocketllm.errors import PocketLLMError, RequestError
+from pocketllm.outputs import RequestOutput
+from pocketllm.sampling_params import SamplingParams
+
+log = logging.getLogger("pocketllm")
+
+
+class QueueFullError(PocketLLMError):
+    """Too many requests are already waiting for the engine; retry later."""
+
+    def __init__(self, max_queued: int, retry_after: int = 1):
+        super().__init__(f"The server is overloaded: its queue of {max_queued} waiting requests is full. "
+                         "Please retry later.")
+        self.retry_after = retry_after
+
+
+class EngineClosedError(PocketLLMError):
+    """The engine is shutting down, or stopped after an internal error."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine thread publishes after every step, for admission and metrics."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class RequestStream:
+    """The outputs of one request, in order. `close()` aborts it if it has not finished."""
+
+    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.finished = False
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.stats = EngineStats()
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._adds: list[tuple[RequestStream, object, SamplingParams, float]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}  # requests added and not finished or aborted
+        self._accepting = True
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pocketllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._accepting and self.error is None and self._thread.is_alive()
+
+    # -- the event-loop side ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> RequestStream:
+        """Queue a request for the engine. Raises at once if it cannot be admitted."""
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        with self._cond:
+            if not self.is_running:
+                raise EngineClosedError("the engine is not accepting requests (shutting down or failed)")
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            if (self.max_queued_requests is not None
+                    and len(self._adds) + self.stats.num_waiting >= self.max_queued_requests):
+                raise QueueFullError(self.max_queued_requests)
+            self._streams[request_id] = stream
+            self._adds.append((stream, prompt, params, time.monotonic() if arrival_time is None else arrival_time))
+            self._cond.notify()
+        return stream
+
+    async def generate(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; leaving the loop early aborts it."""
+        stream = self.add_request(request_id, prompt, params, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:  # GeneratorExit, CancelledError or an error in the consumer
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            if self._streams.pop(request_id, None) is not None:
+                self._aborts.append(request_id)
+                self._cond.notify()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest."""
+        with self._cond:
+            self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._busy() and time.monotonic() < deadline and self._thread.is_alive():
+            await asyncio.sleep(0.05)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    def _busy(self) -> bool:
+        with self._cond:
+            return bool(self._streams)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._adds or self._aborts or self._stopping or engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    # Applied under the lock so the published waiting count always includes them.
+                    self._apply(self._adds, self._aborts)
+                    self._adds, self._aborts = [], []
+                    self._publish()
+                outs = engine.step()
+                if not outs and engine.last_step.num_seqs == 0:
+                    with self._cond:  # nothing could be scheduled: wait for a change, not spin
+                        self._cond.wait(0.01)
+                with self._cond:
+                    self._publish()
+                    targets = [(self._streams.get(o.request_id), o) for o in outs]
+                    for o in outs:
+                        if o.finished:
+                            self._streams.pop(o.request_id, None)
+                for stream, out in targets:
+                    if stream is not None:
+                        stream.put(out)
+        except Exception as e:
+            log.exception("the engine failed; no more requests will be served")
+            self.error = e
+        self._close_all()
+
+    def _apply(self, adds, aborts) -> None:
+        for stream, prompt, params, arrival in adds:
+            if stream.request_id not in self._streams:
+                continue  # aborted before it reached the engine
+            try:
+                self.engine.add_request(stream.request_id, prompt, params, arrival)
+            except Exception as e:  # a bad request fails alone; the engine goes on
+                del self._streams[stream.request_id]
+                stream.put(e)
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+
+    def _publish(self) -> None:
+        kv, sched = self.engine.kv, self.engine.scheduler
+        self.stats = EngineStats(len(sched.running), len(sched.waiting), kv.usage,
+                                 kv.num_queried_tokens, kv.num_hit_tokens)
+
+    def _close_all(self) -> None:
+        """Abort whatever is left and tell its consumers; the engine thread ends after this."""
+        with self._cond:
+            self._accepting = False
+            streams = list(self._streams.values())  # queued adds are in here too
+            self._streams.clear()
+            self._adds.clear()
+            if self.error is None:
+                for s in streams:
+                    self.engine.abort_request(s.request_id)
+                self._publish()
+        reason = "the server is shutting down" if self.error is None else "the engine failed"
+        for s in streams:
+            s.put(EngineClosedError(f"{reason}; the request was aborted"))

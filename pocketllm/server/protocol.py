@@ -1,0 +1,270 @@
+"""Request bodies of the OpenAI API (and vLLM's sampling extensions), and its error shape.
+
+Parsing is strict about types (`"temperature": "0.5"` is a 400, as with OpenAI) and ignores
+fields it does not know, as OpenAI-compatible servers do.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pocketllm.errors import RequestError
+from pocketllm.outputs import Logprob
+from pocketllm.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error response: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    # Other keys (tool_calls, tool_call_id, ...) are kept for the chat template.
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "\n".join(p.text for p in self.content)
+        if self.role == "developer":  # OpenAI's newer name for the system role
+            d["role"] = "system"
+        return d
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # non-streaming responses: token ids of each choice and its prompt
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                           param="stream_options", code="invalid_value")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "Invalid 'logit_bias': keys must be token ids.", param="logit_bias",
+                           code="invalid_value") from None
+        given = {k: v for k, v in dict(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty).items() if v is not None}
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, logit_bias=bias,
+                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs, **given)
+        except RequestError as e:
+            raise APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value") from None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "Invalid value for 'top_logprobs': 'logprobs' must be set to true "
+                                "when 'top_logprobs' is used.", param="top_logprobs", code="invalid_value")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+    def check(self) -> None:
+        super().check()
+        prompts = self.prompt_list()
+        if not prompts or not all(prompts):
+            raise APIError(400, "Invalid 'prompt': the prompt must not be empty.", param="prompt",
+                           code="invalid_value")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "'echo' together with 'logprobs' is not supported: prompt logprobs are "
+                                "not computed.", param="echo", code="invalid_value")
+
+    def prompt_list(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- validation errors in OpenAI's words ---------------------------------------------------------
+_KINDS = {str: "a string", bool: "a boolean", int: "an integer", float: "a decimal", list: "an array",
+          dict: "an object", type(None): "null"}
+_EXPECTED = {"string_type": "a string", "int_type": "an integer", "int_from_float": "an integer",
+             "float_type": "a decimal", "bool_type": "a boolean", "list_type": "an array",
+             "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object"}
+_FIELDS = {name for m in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, StreamOptions,
+                          TokenizeRequest, DetokenizeRequest) for name in m.model_fields}
+
+
+def _param(loc: tuple) -> str | None:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content'. Union-member tags end the path."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _FIELDS:
+            out += f".{part}" if out else part
+        else:
+            break
+    return out or None
+
+
+def parse(model: type[_Strict], body: bytes) -> Any:
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    if hasattr(req, "check"):
+        req.check()
+    return req
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    err = max(e.errors(), key=lambda x: len(x["loc"]))  # the deepest one says the most
+    kind, loc, value, ctx = err["type"], err["loc"], err.get("input"), err.get("ctx") or {}
+    param = _param(loc)
+    if kind == "json_invalid":
+        return APIError(400, "We could not parse the JSON body of your request. The OpenAI API expects a "
+                             "JSON payload, but what was sent was not valid JSON.")
+    if not loc:
+        return APIError(400, "Invalid request body: expected a JSON object.", code="invalid_type")
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param,
+                        code="missing_required_parameter")
+    if kind in _EXPECTED:
+        got = _KINDS.get(type(value), "another type")
+        return APIError(400, f"Invalid type for '{param}': expected {_EXPECTED[kind]}, but got {got} instead.",
+                        param=param, code="invalid_type")
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        limit = next(iter(ctx.values()))  # typed as the field is: int or float
+        number = "integer" if isinstance(limit, int) else "decimal"
+        above = kind.startswith("less")
+        op = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}[kind]
+        return APIError(400, f"Invalid '{param}': {number} {'above maximum' if above else 'below minimum'} "
+                             f"value. Expected a value {op} {limit:g}, but got {value} instead.", param=param,
+                        code=f"{number}_{'above_max' if above else 'below_min'}_value")
+    if kind == "too_short" and not value:
+        return APIError(400, f"Invalid '{param}': empty array. Expected an array with minimum length "
+                             f"{ctx.get('min_length', 1)}, but got an empty array instead.", param=param,
+                        code="empty_array")
+    if kind == "literal_error":
+        return APIError(400, f"Invalid value: {value!r}. Supported values are: {ctx.get('expected')}.",
+                        param=param, code="invalid_value")
+    return APIError(400, f"Invalid '{param}': {err['msg']}.", param=param, code="invalid_value")
+
+
+# -- response pieces ------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _finite(x: float) -> float:
+    return max(x, -9999.0)  # OpenAI's stand-in for -inf; JSON has no infinities
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], top: int) -> dict:
+    """One entry per sampled token: the sampled token first, then the top ones (engine order)."""
+    def item(lp: Logprob) -> dict:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode())}
+
+    content = []
+    for entry in entries:
+        sampled = next(iter(entry.values()))
+        ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)[:top]
+        content.append({**item(sampled), "top_logprobs": [item(lp) for lp in ranked]})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for entry in entries:
+        sampled = next(iter(entry.values()))
+        token = sampled.decoded_token or ""
+        tokens.append(token)
+        token_lps.append(_finite(sampled.logprob))
+        tops.append({lp.decoded_token or "": _finite(lp.logprob) for lp in entry.values()})
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
