@@ -73,13 +73,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     n = meta.num_decodes
     if n:
         tables = meta.decode_block_tables
-        kd = k_cache[tables].view(n, -1, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
-        vd = v_cache[tables].view(n, -1, hkv, d).transpose(1, 2)
+        # index_select, not k_cache[tables]: advanced indexing is far slower on large caches.
+        flat = tables.reshape(-1)
+        kd = k_cache.index_select(0, flat).view(n, -1, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
+        vd = v_cache.index_select(0, flat).view(n, -1, hkv, d).transpose(1, 2)
         out[:n] = _sdpa(q[:n].unsqueeze(2), kd, vd, dec_mask, scale, softcap).squeeze(2)
     for span, mask in zip(meta.prefills, pre_masks):
         s, ql, cl = span.query_start, span.query_len, span.context_len
-        kp = k_cache[span.block_ids].view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
-        vp = v_cache[span.block_ids].view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
+        kp = k_cache.index_select(0, span.block_ids).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
+        vp = v_cache.index_select(0, span.block_ids).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
         qp = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
         out[s:s + ql] = _sdpa(qp, kp, vp, mask, scale, softcap)[0].transpose(0, 1)
     return out
