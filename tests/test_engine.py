@@ -120,3 +120,16 @@ def test_many_requests_leave_no_leaks(tiny_models):
     outs = llm.generate(prompts, params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     llm.engine.check_no_leaks()
+
+
+def test_capabilities_refuse_what_a_platform_does_not_declare(tiny_models):
+    from pocketllm.config import ModelConfig
+    from pocketllm.models.registry import select_runtime
+
+    cfg = ModelConfig.from_hf_dir(tiny_models["llama"][1])
+    args = EngineArgs()
+    assert select_runtime(cfg, args, "cpu", "float32", {"Q4_1", "Q8_0"}).model_class.__name__ == "LlamaForCausalLM"
+    with pytest.raises(UnsupportedFeatureError, match="cuda platform does not support quantization type 'Q4_1'"):
+        select_runtime(cfg, args, "cuda", "bfloat16", {"Q4_1"})
+    with pytest.raises(UnsupportedFeatureError, match="cpu platform does not support dtype 'float16'"):
+        select_runtime(cfg, args, "cpu", "float16")

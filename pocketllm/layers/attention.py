@@ -43,12 +43,13 @@ class AttentionMetadata:
             dec = None
             if self.decode_mask is not None:
                 lens = self.decode_mask.sum(-1, keepdim=True)  # context length per row
-                idx = torch.arange(self.decode_mask.shape[-1])
+                idx = torch.arange(self.decode_mask.shape[-1], device=lens.device)
                 dec = self.decode_mask & (idx > lens - 1 - window)
             pre = []
             for span in self.prefills:
-                q_pos = torch.arange(span.context_len - span.query_len, span.context_len)[:, None]
-                k_pos = torch.arange(span.context_len)[None, :]
+                dev = span.mask.device
+                q_pos = torch.arange(span.context_len - span.query_len, span.context_len, device=dev)[:, None]
+                k_pos = torch.arange(span.context_len, device=dev)[None, :]
                 pre.append(span.mask & (k_pos > q_pos - window))
             self._window_masks[window] = (dec, pre)
         return self._window_masks[window]

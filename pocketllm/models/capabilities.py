@@ -29,11 +29,14 @@ class RuntimeCapabilities:
 class PlatformCapabilities:
     name: str
     dtypes: frozenset[str]
+    quantizations: frozenset[str]
 
 
 PLATFORMS = {
-    "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"})),
-    "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"})),
+    "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"}), GGUF_TYPES),
+    # GGUF kernels for the GPU are not written yet: only unquantized tensors load there.
+    "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"}),
+                                 frozenset({"F32", "F16", "BF16"})),
 }
 
 

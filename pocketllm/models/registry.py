@@ -48,6 +48,7 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
     check("rope scaling", rope, caps.rope_scaling, where)
     for qtype in sorted(quant_types):
         check("quantization type", qtype, caps.quantizations, where)
+        check("quantization type", qtype, platform.quantizations, f"the {device} platform")
     for kind in cls.attention_kinds(cfg):
         check("attention kind", kind, caps.attention_kinds, where)
     if args.enable_prefix_caching and not caps.prefix_caching:
