@@ -71,6 +71,8 @@ class GGUFModelFile:
         eos = [self.meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         raw = {k: f.contents() for k, f in self.reader.fields.items()
                if k.startswith(f"{self.arch}.") and len(f.data) < 64}
+        if self.arch == "gemma3":
+            raw.update(self._gemma3_settings(self.arch_meta("attention.key_length", hidden // heads)))
         return ModelConfig(
             architecture=ARCHITECTURES[self.arch],
             vocab_size=vocab,
@@ -92,6 +94,21 @@ class GGUFModelFile:
             hidden_act="gelu_pytorch_tanh" if self.arch == "gemma3" else "silu",
             raw={"gguf_arch": self.arch, **raw},
         )
+
+    def _gemma3_settings(self, head_dim: int) -> dict:
+        """GGUF keys -> the Hugging Face config keys the Gemma 3 runtime reads."""
+        out = {"sliding_window": self.arch_meta("attention.sliding_window"),
+               "rope_local_base_freq": float(self.arch_meta("rope.freq_base_swa", 10000.0)),
+               "final_logit_softcapping": self.arch_meta("final_logit_softcapping"),
+               "rope_scaling": self._rope_scaling(),
+               # Not stored in GGUF; llama.cpp takes the head size (all sizes but 27B).
+               "query_pre_attn_scalar": head_dim}
+        pattern = self.arch_meta("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: true = sliding window
+            out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        elif isinstance(pattern, int):
+            out["sliding_window_pattern"] = pattern
+        return out
 
     def _rope_scaling(self) -> dict | None:
         if "rope_freqs.weight" in self.tensors:

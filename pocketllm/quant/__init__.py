@@ -1,0 +1,14 @@
+"""GGUF quantized weights: exact dequantization and linear/embedding layers on CPU."""
+
+from .dequant import dequantize
+from .gguf_types import SUPPORTED_TYPES, block_size, type_size
+from .linear import GGUFLinear, gguf_embedding_lookup
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "GGUFLinear",
+    "block_size",
+    "dequantize",
+    "gguf_embedding_lookup",
+    "type_size",
+]
