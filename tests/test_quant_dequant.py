@@ -92,7 +92,8 @@ def test_float_tensors_as_reader_gives_them():
     x = torch.randn(3, 64)
     assert torch.equal(dequantize(x, T.F32, (3, 64)), x)
     assert torch.equal(dequantize(x.half(), T.F16, (3, 64)), x.half().float())
-    assert torch.equal(dequantize(x.bfloat16().view(torch.uint8), T.BF16, (3, 64)), x.bfloat16().float())
+    bf = x.bfloat16()
+    assert torch.equal(dequantize(bf.view(torch.uint8), T.BF16, (3, 64)), bf.float())
 
 
 def test_roundtrip_through_gguf_file(tmp_path):

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from pocketllm.kernels.cpu import gguf_ops
+
 from pocketllm.quant import linear as qlinear
-from pocketllm.quant.dequant import affine_fields, dequantize
+from pocketllm.quant.dequant import AFFINE_TYPES, affine_fields, dequantize
 from pocketllm.quant.gguf_types import SUPPORTED_TYPES
 from pocketllm.quant.linear import INT4_TYPES, GGUFLinear, gguf_embedding_lookup
 from test_quant_dequant import F16_FIELDS, random_blocks
@@ -71,7 +73,11 @@ def zero_points(raw, qtype, n, k):
 
 
 def paths_of(qtype):
-    return ["auto"] + (["int4", "int4_bf16"] if qtype in INT4_TYPES else [])
+    """Every path a type can take: the C kernel, the torch paths, the opt-in int4 mappings."""
+    quantized = qtype not in (T.F32, T.F16, T.BF16)
+    return (["auto"] + (["scratch"] if quantized else []) + (["c"] if gguf_ops.supports(qtype) else [])
+            + (["planes"] if qtype in AFFINE_TYPES else [])
+            + (["int4", "int4_bf16"] if qtype in INT4_TYPES else []))
 
 
 def check_close(y, x, w, slack=None):
@@ -80,7 +86,7 @@ def check_close(y, x, w, slack=None):
     if slack is not None:
         tol = tol + slack
     err = (y - ref).abs()
-    assert bool((err <= tol).all()), f"max err {err.max():.3g}, worst err/tol {(err / tol).max():.3g}"
+    assert bool((err <= tol).all()), f"max err {err.max():.3g}, err/tol {(err / tol).max():.3g}"
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
@@ -110,8 +116,11 @@ def test_rebuilt_weights_are_exact(qtype):
     raw, w = make(qtype, seed=100 + qtype.value)
     layer = GGUFLinear.from_gguf(raw, qtype, N, K)
     assert layer.path == ("dense" if qtype in (T.F32, T.F16, T.BF16) else
+                          "c" if gguf_ops.supports(qtype) else
                           "scratch" if qtype.name.startswith(("IQ", "MX")) else "planes")
-    assert torch.equal(layer(torch.eye(K)).T, w)
+    for path in paths_of(qtype):
+        if not path.startswith("int4"):
+            assert torch.equal(GGUFLinear.from_gguf(raw, qtype, N, K, path=path)(torch.eye(K)).T, w), path
 
 
 @pytest.mark.parametrize("qtype", sorted(INT4_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
@@ -146,7 +155,7 @@ def test_memory_stays_quantized(qtype):
         assert layer.nbytes() == 4 * N * K  # float types are widened to float32
     elif layer.path == "scratch":
         assert layer.nbytes() == raw.numel()
-        assert layer._t["raw"].data_ptr() == raw.data_ptr()  # not even copied
+        assert layer._store.data_ptr() == raw.data_ptr()  # not even copied
     else:  # planes: same bits; k-quant 6-bit sub-scales take a byte each
         assert raw.numel() <= layer.nbytes() <= 1.2 * raw.numel()
     dense = GGUFLinear.from_gguf(raw, qtype, N, K, dequantize_at_load=True)

@@ -1,15 +1,20 @@
 """GGUF block dequantization in torch, vectorised over all blocks.
 
-Each ``_xxx(blocks)`` takes ``uint8 [n_blocks, type_size]`` and returns
-``float32 [n_blocks, block_size]``.  The float arithmetic mirrors
-``gguf.quants`` operation by operation (same operands, same order, all in
-float32), so results are bit-identical to ``gguf.quants.dequantize``.
-Lookup grids and sign tables are taken from ``gguf.quants``, not copied.
+Types whose weights are an affine map of small integers (Q4_0 Q4_1 Q5_0 Q5_1
+Q8_0 Q2_K..Q6_K) are first split into ``Affine`` fields (integer codes plus
+scales; ``linear.py`` stores these re-laid out) and then combined by
+``affine_dequant``.  The other types (lookup tables and lattice grids) have a
+``_xxx(blocks)`` taking ``uint8 [n_blocks, type_size]`` and returning
+``float32 [n_blocks, block_size]``.  Either way the float arithmetic mirrors
+``gguf.quants`` operation by operation (same operands, same order, float32),
+so results are bit-identical to ``gguf.quants.dequantize``.  Lookup grids,
+sign tables and value tables are taken from ``gguf.quants``, not copied.
 """
 
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import gguf.quants as gq
 import torch
@@ -41,11 +46,9 @@ def u32(b: torch.Tensor) -> torch.Tensor:
 
 
 def shifts(x: torch.Tensor, amounts: list[int], dim: int) -> torch.Tensor:
-    """Insert a new axis at ``dim`` holding ``x >> a`` for each shift ``a``."""
-    s = torch.tensor(amounts, dtype=x.dtype)
-    shape = [1] * (x.dim() + 1)
-    shape[dim] = len(amounts)
-    return x.unsqueeze(dim) >> s.view(shape)
+    """Stack ``x >> a`` for each shift ``a`` along a new axis ``dim``."""
+    # one scalar shift per amount: far faster in torch than a broadcast tensor shift
+    return torch.stack([x >> a for a in amounts], dim)
 
 
 def bits(b: torch.Tensor) -> torch.Tensor:
@@ -84,41 +87,136 @@ def _signs_from_bits(b: torch.Tensor) -> torch.Tensor:
     return torch.where(bits(b) == 0, 1.0, -1.0).to(torch.float32)
 
 
-# ---- legacy 32-wide blocks ----------------------------------------------
+# ---- affine types: w = d*sc[sub] * code (+/-) dmin*mn[sub] -----------------
+
+class Affine(NamedTuple):
+    """Integer codes plus the scales that map them to weights, per block.
+
+    ``w = dl * code + sign * off`` with ``dl = d * sc`` and ``off = dmin * mn``
+    (``sc``/``mn`` None means 1; ``dmin`` None means no offset).  Every
+    product is computed in float32 in the same order as ``gguf.quants``.
+    """
+
+    codes: torch.Tensor  # int16 [nb, block]; codes + bias fit in ``bits`` unsigned bits
+    bits: int
+    bias: int
+    sub: int  # sub-block width sharing one (sc, mn)
+    d: torch.Tensor  # float32 [nb, 1]
+    sc: torch.Tensor | None  # int [nb, nsub]
+    dmin: torch.Tensor | None  # float32 [nb, 1]
+    mn: torch.Tensor | None  # int [nb, nsub]
+    sign: int = 1  # k-quants subtract their mins
+
 
 def _q4_0(b):
-    d = f16(b[:, :2])
-    q = nibbles(b[:, 2:]).flatten(1).to(torch.int8) - 8
-    return d * q.float()
+    q = nibbles(b[:, 2:]).flatten(1).to(torch.int16) - 8
+    return Affine(q, 4, 8, 32, f16(b[:, :2]), None, None, None)
 
 
 def _q4_1(b):
-    d, m = f16(b[:, :2]), f16(b[:, 2:4])
-    q = nibbles(b[:, 4:]).flatten(1).float()
-    return d * q + m
+    q = nibbles(b[:, 4:]).flatten(1).to(torch.int16)
+    return Affine(q, 4, 0, 32, f16(b[:, :2]), None, f16(b[:, 2:4]), None)
 
 
 def _q5(b, off):
     """Q5_0/Q5_1 5-bit values 0..31; ``off`` is where qh starts."""
     qh = bits(b[:, off:off + 4])
     ql = nibbles(b[:, off + 4:]).flatten(1)
-    return ql | (qh << 4)
+    return (ql | (qh << 4)).to(torch.int16)
 
 
 def _q5_0(b):
-    d = f16(b[:, :2])
-    return d * (_q5(b, 2).to(torch.int8) - 16).float()
+    return Affine(_q5(b, 2) - 16, 5, 16, 32, f16(b[:, :2]), None, None, None)
 
 
 def _q5_1(b):
-    d, m = f16(b[:, :2]), f16(b[:, 2:4])
-    return d * _q5(b, 4).float() + m
+    return Affine(_q5(b, 4), 5, 0, 32, f16(b[:, :2]), None, f16(b[:, 2:4]), None)
 
 
 def _q8_0(b):
-    d = f16(b[:, :2])
-    return b[:, 2:].contiguous().view(torch.int8).float() * d
+    q = b[:, 2:].contiguous().view(torch.int8).to(torch.int16)
+    return Affine(q, 8, 0, 32, f16(b[:, :2]), None, None, None)
 
+
+def _q2_k(b):
+    n = b.shape[0]
+    sc, qs = b[:, :16], b[:, 16:80]
+    q = (shifts(qs.reshape(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, QK_K)
+    return Affine(q.to(torch.int16), 2, 0, 16, f16(b[:, 80:82]), sc & 0xF,
+                  f16(b[:, 82:84]), sc >> 4, -1)
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    hmask, qs, sc = b[:, :32], b[:, 32:96], b[:, 96:108]
+    lo = shifts(sc[:, :8], [0, 4], 1).reshape(n, 16) & 0xF
+    hi = shifts(sc[:, 8:], [0, 2, 4, 6], 1).reshape(n, 16) & 3
+    scale = (lo | (hi << 4)).to(torch.int8) - 32
+    ql = (shifts(qs.reshape(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, QK_K)
+    qh = (shifts(hmask.reshape(n, 1, 32), list(range(8)), 2) & 1).reshape(n, QK_K)
+    q = ql.to(torch.int16) - ((qh ^ 1) << 2).to(torch.int16)  # high bit clear means -4
+    return Affine(q, 3, 4, 16, f16(b[:, 108:110]), scale, None, None)
+
+
+def scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12-byte Q4_K/Q5_K scales into 8 six-bit scales and mins."""
+    d, m, md = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scale = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return scale, mins
+
+
+def _q4_k(b):
+    sc, mn = scale_min_k4(b[:, 4:16])
+    q = nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, QK_K)
+    return Affine(q.to(torch.int16), 4, 0, 32, f16(b[:, :2]), sc, f16(b[:, 2:4]), mn, -1)
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    sc, mn = scale_min_k4(b[:, 4:16])
+    qh, qs = b[:, 16:48], b[:, 48:]
+    ql = nibbles(qs.reshape(n, 4, 32)).reshape(n, QK_K)
+    qh = (shifts(qh.reshape(n, 1, 32), list(range(8)), 2) & 1).reshape(n, QK_K)
+    q = (ql | (qh << 4)).to(torch.int16)
+    return Affine(q, 5, 0, 32, f16(b[:, :2]), sc, f16(b[:, 2:4]), mn, -1)
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql, qh, sc = b[:, :128], b[:, 128:192], b[:, 192:208]
+    lo = nibbles(ql.reshape(n, 2, 64)).reshape(n, QK_K)
+    hi = (shifts(qh.reshape(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, QK_K)
+    q = (lo | (hi << 4)).to(torch.int16) - 32
+    return Affine(q, 6, 32, 16, f16(b[:, 208:210]), sc.contiguous().view(torch.int8), None, None)
+
+
+_AFFINE_FNS = {
+    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
+    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+}
+
+
+AFFINE_TYPES = frozenset(_AFFINE_FNS)
+
+
+def affine_fields(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Affine:
+    """Split ``uint8 [nb, type_size]`` blocks of an affine type into codes and scales."""
+    return _AFFINE_FNS[qtype](blocks)
+
+
+def affine_dequant(f: Affine) -> torch.Tensor:
+    """float32 [nb, block] weights from ``Affine`` fields (gguf's operation order)."""
+    nb = f.codes.shape[0]
+    dl = f.d if f.sc is None else f.d * f.sc.float()
+    w = dl.unsqueeze(-1) * f.codes.float().view(nb, -1, f.sub)
+    if f.dmin is not None:
+        off = (f.dmin if f.mn is None else f.dmin * f.mn.float()).unsqueeze(-1)
+        w = w + off if f.sign > 0 else w - off
+    return w.reshape(nb, -1)
+
+
+# ---- lookup-table types ---------------------------------------------------
 
 def _mxfp4(b):
     e = b[:, :1].to(torch.int32)
@@ -132,78 +230,6 @@ def _iq4_nl(b):
     d = f16(b[:, :2])
     q = nibbles(b[:, 2:]).flatten(1)
     return d * _kvalues("IQ4_NL")[q.long()]
-
-
-# ---- k-quants (256-wide super-blocks) -----------------------------------
-
-def _q2_k(b):
-    n = b.shape[0]
-    sc, qs = b[:, :16], b[:, 16:80]
-    d, dmin = f16(b[:, 80:82]), f16(b[:, 82:84])
-    dl = (d * (sc & 0xF).float()).view(n, 16, 1)
-    ml = (dmin * (sc >> 4).float()).view(n, 16, 1)
-    q = (shifts(qs.reshape(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, 16, 16).float()
-    return (dl * q - ml).reshape(n, QK_K)
-
-
-def _q3_k(b):
-    n = b.shape[0]
-    hmask, qs, sc = b[:, :32], b[:, 32:96], b[:, 96:108]
-    d = f16(b[:, 108:110])
-    lo = shifts(sc[:, :8], [0, 4], 1).reshape(n, 16) & 0xF
-    hi = shifts(sc[:, 8:], [0, 2, 4, 6], 1).reshape(n, 16) & 3
-    scale = ((lo | (hi << 4)).to(torch.int8) - 32).float()
-    dl = (d * scale).view(n, 16, 1)
-    ql = (shifts(qs.reshape(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, 16, 16)
-    qh = (shifts(hmask.reshape(n, 1, 32), list(range(8)), 2) & 1).reshape(n, 16, 16)
-    q = ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8)  # high bit clear means -4
-    return (dl * q.float()).reshape(n, QK_K)
-
-
-def scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpack the 12-byte Q4_K/Q5_K scales into 8 six-bit scales and mins."""
-    d, m, md = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
-    scale = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
-    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return scale, mins
-
-
-def _k_scales(b):
-    """d*scale and dmin*min per 32-wide sub-block, shaped [n, 8, 1]."""
-    n = b.shape[0]
-    d, dmin = f16(b[:, :2]), f16(b[:, 2:4])
-    sc, mn = scale_min_k4(b[:, 4:16])
-    return (d * sc.float()).view(n, 8, 1), (dmin * mn.float()).view(n, 8, 1)
-
-
-def q4_k_values(b: torch.Tensor) -> torch.Tensor:
-    """Q4_K 4-bit values 0..15 as uint8 [n, 8, 32] (sub-block, element)."""
-    return nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
-
-
-def _q4_k(b):
-    d, dm = _k_scales(b)
-    return (d * q4_k_values(b).float() - dm).reshape(-1, QK_K)
-
-
-def _q5_k(b):
-    n = b.shape[0]
-    d, dm = _k_scales(b)
-    qh, qs = b[:, 16:48], b[:, 48:]
-    ql = nibbles(qs.reshape(n, 4, 32)).reshape(n, 8, 32)
-    qh = (shifts(qh.reshape(n, 1, 32), list(range(8)), 2) & 1).reshape(n, 8, 32)
-    return (d * (ql | (qh << 4)).float() - dm).reshape(n, QK_K)
-
-
-def _q6_k(b):
-    n = b.shape[0]
-    ql, qh, sc = b[:, :128], b[:, 128:192], b[:, 192:208]
-    d = f16(b[:, 208:210])
-    d = (d * sc.contiguous().view(torch.int8).float()).view(n, 16, 1)
-    lo = nibbles(ql.reshape(n, 2, 64)).reshape(n, 8, 32)
-    hi = (shifts(qh.reshape(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, 8, 32)
-    q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-    return (d * q).reshape(n, QK_K)
 
 
 def _iq4_xs(b):
@@ -310,12 +336,18 @@ def _iq1_m(b):
 
 
 _BLOCK_FNS = {
-    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    **{t: (lambda b, fn=fn: affine_dequant(fn(b))) for t, fn in _AFFINE_FNS.items()},
     T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs, T.IQ2_XS: _iq2_xs,
     T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s, T.IQ1_S: _iq1_s,
     T.IQ1_M: _iq1_m, T.MXFP4: _mxfp4,
 }
+
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """``uint8 [n_blocks, type_size]`` of a quantized type -> ``float32 [n_blocks, block_size]``."""
+    return _BLOCK_FNS[qtype](blocks)
+
 
 _FLOAT_VIEWS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
@@ -348,5 +380,5 @@ def dequantize(
         out = raw.view(_FLOAT_VIEWS[qtype]).to(torch.float32)
     else:
         ts = gq.GGML_QUANT_SIZES[qtype][1]
-        out = _BLOCK_FNS[qtype](raw.view(-1, ts))
+        out = dequantize_blocks(raw.view(-1, ts), qtype)
     return out.reshape(shape).to(dtype)

@@ -1,77 +1,216 @@
 """Linear layers and embedding lookups over GGUF weights that stay quantized.
 
-Paths (``GGUFLinear.path``):
+Compute paths (``GGUFLinear.path``):
 
-* ``"dense"``   F32 weights as-is; F16/BF16 widened to float32 at load (2x
-  their file size, but exact and BLAS-fast); any type with
-  ``dequantize_at_load=True``.
-* ``"scratch"`` the default for every quantized type: raw GGUF bytes are kept
-  and dequantized (exactly, see ``dequant.py``) into float32 chunks of at most
-  ``SCRATCH_BYTES``, each followed by a BLAS ``F.linear``.
-* ``"int4"``    opt-in for Q4_0/Q4_1/Q4_K: blocks are mapped onto
-  ``aten._weight_int4pack_mm_for_cpu`` (group size 32, float32 activations,
-  scales and zeros).  The kernel computes ``w = (q - 8) * scale + zero``; we use
-  ``scale = d`` (Q4_1: ``d``; Q4_K: ``d*sc``) and ``zero = 0`` /
-  ``8*d + m`` / ``8*d*sc - dmin*m``.  Q4_0 is bit-exact; Q4_1/Q4_K are exact
-  whenever the zero fits in float32, else off by at most half an ulp of it.
-  Not the default: on x86 torch only vectorises this kernel for bfloat16, the
-  float32 version is scalar and slower than the scratch path (see
-  ``benchmarks/bench_quant_linear.py``).
-* ``"int4_bf16"`` opt-in, same mapping with bfloat16 activations, scales,
-  zeros and output: fast (vectorised), but each of those is rounded to bf16
-  (relative error up to 2**-9 each), so it is not exact.
+* ``"c"``      default where the C kernels built (``pocketllm/kernels/cpu``) cover the
+  type (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS):
+  raw GGUF bytes are kept as they are (a view of the file) and each block is
+  dequantized, exactly, in registers right before it is used. Up to
+  ``C_GEMM_ROWS`` activation rows the block is multiplied in the same pass
+  (weights read once); larger batches dequantize row chunks into scratch for BLAS.
+* ``"dense"``  F32 weights as-is; F16/BF16 widened to float32 at load (2x their
+  file size, exact, BLAS speed); any type with ``dequantize_at_load=True``.
+* ``"planes"`` default for the affine types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K).
+  At load the integer codes are re-laid out transposed ([K, N]) as packed
+  bit planes with fp16 scales and int8 sub-scales: the GGUF size, plus a few
+  percent for k-quants whose 6-bit sub-scales take a byte.  Forward rebuilds
+  float32 weights for a slice of output rows at a time in a per-thread scratch
+  buffer (<= ``SCRATCH_BYTES``, reused by all layers) and multiplies with BLAS.
+  The rebuilt weights are bit-identical to ``gguf.quants.dequantize``; the
+  transposed layout makes every step a contiguous or middle-axis broadcast
+  op, which torch runs several times faster than GGUF's interleaved layout.
+* ``"scratch"`` default for the rest (IQ*, MXFP4): raw blocks are kept and
+  dequantized row chunk by row chunk (``dequant.py``, exact), then ``F.linear``.
+* ``"int4"`` opt-in for Q4_0/Q4_1/Q4_K: ``aten._weight_int4pack_mm_for_cpu``
+  with group size 32 and float32 activations/scales/zeros.  The kernel computes
+  ``w = (q - 8) * scale + zero``; with ``scale = d*sc`` and
+  ``zero = (8 - bias) * scale +/- dmin*m`` this is exact for Q4_0, and for
+  Q4_1/Q4_K exact whenever ``zero`` is exact in float32 (else off by half an
+  ulp of ``zero``).  Not the default: on x86 torch vectorises this kernel only
+  for bfloat16, the float32 one is scalar and slower than ``"planes"``.
+* ``"int4_bf16"`` opt-in, same mapping in bfloat16 (activations, scales, zeros
+  and output each rounded to bf16, relative error up to 2**-9 each): fast, inexact.
+
+Inference only: the planes path reuses its scratch buffer, so no autograd.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from .dequant import _BLOCK_FNS, as_bytes, dequantize, f16, nibbles, q4_k_values, scale_min_k4
-from .gguf_types import check_supported, row_nbytes, type_size
+from pocketllm.kernels.cpu import gguf_ops
+
+from .dequant import AFFINE_TYPES, Affine, affine_fields, as_bytes, dequantize, dequantize_blocks
+from .gguf_types import block_size, check_supported, row_nbytes, type_size
 
 T = GGMLQuantizationType
 
-# Bound on the float32 chunk the scratch path dequantizes at once.  Dequant
-# temporaries are at most ~3x that, so a call's extra peak stays under ~16 MiB.
+# Float32 weight slice rebuilt at once.  The per-thread scratch buffers (this plus
+# a quarter for codes) live on across calls and layers: fresh multi-MiB buffers
+# each call cost more in page faults than the dequantization itself.  4 MiB
+# measured fastest (fewer, larger torch ops; still cache friendly).
 SCRATCH_BYTES = 4 << 20
 
 INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 _FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-_PATHS = ("auto", "dense", "scratch", "int4", "int4_bf16")
-_GROUP = 32  # int4 kernel group size; every Q4_0/Q4_1/Q4_K (sub-)block is 32 wide
+_PATHS = ("auto", "c", "dense", "planes", "scratch", "int4", "int4_bf16")
+C_GEMM_ROWS = 16  # beyond this many rows, dequantize-then-BLAS beats the fused kernel
+_GROUP = 32  # int4 kernel group size = Q4_0/Q4_1 block = Q4_K sub-block
+_TEMP_FACTOR = 4  # scratch path: float chunk = SCRATCH_BYTES / this
+_LOAD_ROWS = 4096  # rows converted at once at load, bounds load-time temporaries
+# code bits -> widths of the bit planes that store them
+_PIECES = {8: (8,), 6: (4, 2), 5: (4, 1), 4: (4,), 3: (2, 1), 2: (2,)}
+
+_tls = threading.local()
 
 
-def _int4_fields(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int):
-    """GGUF 4-bit blocks -> (q int32 [n, k] in 0..15, scale, zero float32 [n, k/32])."""
-    blocks = raw.view(-1, type_size(qtype))
-    if qtype == T.Q4_K:
-        d, dmin = f16(blocks[:, :2]), f16(blocks[:, 2:4])
-        sc, mn = scale_min_k4(blocks[:, 4:16])
-        q = q4_k_values(blocks)
-        scale = d * sc.float()
-        zero = 8 * scale - dmin * mn.float()
-    else:
-        off = 2 if qtype == T.Q4_0 else 4
-        q = nibbles(blocks[:, off:])
-        scale = f16(blocks[:, :2])
-        zero = torch.zeros_like(scale) if qtype == T.Q4_0 else 8 * scale + f16(blocks[:, 2:4])
-    return q.reshape(n, k).to(torch.int32), scale.reshape(n, -1), zero.reshape(n, -1)
+def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = getattr(_tls, name, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_tls, name, buf)
+    return buf[:numel]
 
 
-def _pack_int4(q: torch.Tensor) -> torch.Tensor:
-    # the packer wants int32 [N, K]; go 4096 rows at a time (a multiple of its
-    # 64-row tiles, so the pieces concatenate) to bound the load-time temporary
-    step = 4096
-    return torch.cat([
-        torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[i:i + step].contiguous(), 1)
-        for i in range(0, q.shape[0], step)
-    ])
+def _pack_planes(u: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """uint8 codes [K, N] -> bit planes; plane of width w packs K*w/8 rows per byte row."""
+    planes, shift = [], 0
+    for w in _PIECES[bits]:
+        piece = (u >> shift) & ((1 << w) - 1)
+        rows = u.shape[0] * w // 8
+        plane = torch.zeros(rows, u.shape[1], dtype=torch.uint8)
+        for i in range(8 // w):
+            plane |= piece[i * rows:(i + 1) * rows] << (i * w)
+        planes.append(plane)
+        shift += w
+    return planes
+
+
+def _unpack_planes(planes: list[torch.Tensor], bits: int, out: torch.Tensor) -> None:
+    """Inverse of ``_pack_planes`` into ``out`` (uint8 [K, n]); planes already column-sliced."""
+    shift = 0  # where this piece lands in the code
+    for w, plane in zip(_PIECES[bits], planes):
+        rows, mask = plane.shape[0], (1 << w) - 1
+        for i in range(8 // w):
+            dst, at = out[i * rows:(i + 1) * rows], i * w  # ``at``: its place in the byte
+            if shift:  # one shift straight to the destination bits, then mask and merge
+                moved = plane << (shift - at) if shift >= at else plane >> (at - shift)
+                dst |= moved & (mask << shift)
+            elif at + w == 8:
+                torch.bitwise_right_shift(plane, at, out=dst)
+            else:
+                torch.bitwise_and(plane >> at if at else plane, mask, out=dst)
+        shift += w
+
+
+def _cat_row_chunks(rows: torch.Tensor, qtype: GGMLQuantizationType, fn) -> list[torch.Tensor]:
+    """Apply ``fn(Affine, n_rows) -> tensors`` to row chunks; concatenate along rows (dim 0)."""
+    ts, outs = type_size(qtype), []
+    for r0 in range(0, rows.shape[0], _LOAD_ROWS):
+        r = rows[r0:r0 + _LOAD_ROWS]
+        outs.append(fn(affine_fields(qtype, r.reshape(-1, ts)), r.shape[0]))
+    return [torch.cat(parts) for parts in zip(*outs)]
+
+
+class _Planes:
+    """Affine-type weight stored transposed: bit planes of codes, fp16/int8 scales."""
+
+    def __init__(self, rows: torch.Tensor, qtype: GGMLQuantizationType, k: int):
+        self.k = k
+        nsb = k // block_size(qtype)  # super-blocks per row
+        first = affine_fields(qtype, rows[:1].reshape(-1, type_size(qtype)))
+        self.bits, self.bias, self.sub, self.sign = first.bits, first.bias, first.sub, first.sign
+        has_sc, has_dmin, has_mn = (x is not None for x in (first.sc, first.dmin, first.mn))
+
+        def parts(f: Affine, n: int) -> list[torch.Tensor]:
+            # stored code u = code + bias in [0, 2**bits); Q8_0 keeps two's complement bytes
+            u = ((f.codes + f.bias) & 0xFF).to(torch.uint8).view(n, k)
+            out = [p.T for p in _pack_planes(u.T, self.bits)]  # row-major chunks for cat
+            out.append(f.d.view(n, nsb).half())  # exact: d came from fp16
+            if has_sc:
+                out.append(f.sc.view(n, -1).to(torch.int8))
+            if has_dmin:
+                out.append(f.dmin.view(n, nsb).half())
+            if has_mn:
+                out.append(f.mn.view(n, -1).to(torch.int8))
+            return out
+
+        held = [t.T.contiguous() for t in _cat_row_chunks(rows, qtype, parts)]  # -> [.., N]
+        n_planes = len(_PIECES[self.bits])
+        self.planes, rest = held[:n_planes], held[n_planes:]
+        self.d = rest.pop(0)
+        self.sc = rest.pop(0) if has_sc else None
+        self.dmin = rest.pop(0) if has_dmin else None
+        self.mn = rest.pop(0) if has_mn else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.planes, self.d, self.sc, self.dmin, self.mn) if t is not None]
+
+    def weights_t(self, cols: slice) -> torch.Tensor:
+        """Exact float32 W.T[:, cols] ([K, m]) in the per-thread scratch buffer."""
+        k, m = self.k, cols.stop - cols.start
+        u = _scratch("codes", k * m, torch.uint8).view(k, m)
+        _unpack_planes([p[:, cols] for p in self.planes], self.bits, u)
+        codes = u.view(torch.int8)
+        if self.bias:
+            codes.sub_(self.bias)
+        w = _scratch("weights", k * m, torch.float32).view(k, m)
+        w.copy_(codes)
+        w3 = w.view(-1, self.sub, m)  # [sub-block, element, column]
+        w3.mul_(_sub_scale(self.d[:, cols], self.sc, cols).unsqueeze(1))
+        if self.dmin is not None:
+            off = _sub_scale(self.dmin[:, cols], self.mn, cols).unsqueeze(1)
+            if self.sign > 0:
+                w3.add_(off)
+            else:
+                w3.sub_(off)
+        return w
+
+
+def _sub_scale(d16: torch.Tensor, mult: torch.Tensor | None, cols: slice) -> torch.Tensor:
+    """float32 [sub-blocks, m]: fp16 super-block scale times its int sub-block multiplier."""
+    d = d16.float()
+    if mult is None:
+        return d
+    mult = mult[:, cols].float()
+    return (d.unsqueeze(1) * mult.view(d.shape[0], -1, d.shape[1])).view(-1, d.shape[1])
+
+
+class _Int4:
+    """Q4_0/Q4_1/Q4_K mapped onto ``aten._weight_int4pack_mm_for_cpu`` (see module docs)."""
+
+    def __init__(self, rows: torch.Tensor, qtype: GGMLQuantizationType, k: int, dtype: torch.dtype):
+        self.dtype = dtype
+
+        def parts(f: Affine, n: int) -> list[torch.Tensor]:
+            dl = f.d if f.sc is None else f.d * f.sc.float()  # [blocks, subs per block]
+            zero = (8 - f.bias) * dl  # kernel: w = (q - 8) * scale + zero
+            if f.dmin is not None:
+                off = f.dmin if f.mn is None else f.dmin * f.mn.float()
+                zero = zero + off if f.sign > 0 else zero - off
+            q = (f.codes + f.bias).view(n, k).to(torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            return [packed, dl.reshape(n, -1), zero.reshape(n, -1)]
+
+        self.packed, scale, zero = _cat_row_chunks(rows, qtype, parts)
+        # kernel layout [K/32, N, (scale, zero)], in the activation dtype
+        self.scale_zero = torch.stack([scale.T, zero.T], -1).to(dtype).contiguous()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scale_zero]
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2.to(self.dtype).contiguous(), self.packed, _GROUP, self.scale_zero)
+        return y.to(torch.float32)
 
 
 class GGUFLinear(torch.nn.Module):
-    """``y = x @ W.T + b`` with ``W`` kept in its GGUF encoding."""
+    """``y = x @ W.T + b`` with ``W`` kept in its GGUF encoding (see module docs)."""
 
     def __init__(self):
         super().__init__()
@@ -80,7 +219,7 @@ class GGUFLinear(torch.nn.Module):
         self.in_features = 0
         self.path = "dense"
         self.bias: torch.Tensor | None = None
-        self._tensors: dict[str, torch.Tensor] = {}
+        self._store = None  # dense weight, raw bytes, _Planes or _Int4, by path
 
     @classmethod
     def from_gguf(
@@ -95,8 +234,8 @@ class GGUFLinear(torch.nn.Module):
     ) -> "GGUFLinear":
         """Wrap raw GGUF bytes of an ``[out_features, in_features]`` weight.
 
-        ``path`` picks the compute path (see module docs); ``"auto"`` means
-        ``"dense"`` for float types or ``dequantize_at_load``, else ``"scratch"``.
+        ``path="auto"`` picks ``"dense"`` for float types or with
+        ``dequantize_at_load``, ``"planes"`` for affine types, else ``"scratch"``.
         """
         qtype = check_supported(qtype)
         if path not in _PATHS:
@@ -105,35 +244,44 @@ class GGUFLinear(torch.nn.Module):
         raw = as_bytes(data_uint8)
         want = n * row_nbytes(qtype, k)
         if raw.numel() != want:
-            raise ValueError(f"{qtype.name} weight [{n}, {k}] needs {want} bytes, got {raw.numel()}")
-        if path == "auto":
-            path = "dense" if dequantize_at_load or qtype in _FLOAT_TYPES else "scratch"
-        if path.startswith("int4") and (qtype not in INT4_TYPES or n % 16):
             raise ValueError(
-                f"path {path!r} needs a Q4_0/Q4_1/Q4_K weight with out_features % 16 == 0, "
-                f"got {qtype.name} with out_features={n}"
-            )
+                f"{qtype.name} weight [{n}, {k}] needs {want} bytes, got {raw.numel()}")
+        if path == "auto":
+            if dequantize_at_load or qtype in _FLOAT_TYPES:
+                path = "dense"
+            elif gguf_ops.supports(qtype):
+                path = "c"
+            else:
+                path = "planes" if qtype in AFFINE_TYPES else "scratch"
+        if path == "c" and not gguf_ops.supports(qtype):
+            raise ValueError(f"path 'c' does not support {qtype.name} (or the C kernels did not build)")
+        if path == "planes" and qtype not in AFFINE_TYPES:
+            raise ValueError(f"path 'planes' does not support {qtype.name}")
+        if path.startswith("int4") and (qtype not in INT4_TYPES or n % 16):
+            raise ValueError(f"path {path!r} needs Q4_0/Q4_1/Q4_K and out_features % 16 == 0, "
+                             f"got {qtype.name} with out_features={n}")
 
         self = cls()
         self.qtype, self.out_features, self.in_features, self.path = qtype, n, k, path
         self.bias = None if bias is None else bias.detach().to(torch.float32).reshape(n)
+        rows = raw.view(n, -1)
         if path == "dense":
-            self._tensors["weight"] = dequantize(raw, qtype, (n, k))
-        elif path == "scratch":
-            self._tensors["raw"] = raw.view(n, -1)
-            # whole rows per chunk, as many as fit in SCRATCH_BYTES of float32
-            self._chunk_rows = max(1, SCRATCH_BYTES // (4 * k))
+            self._store = dequantize(raw, qtype, (n, k))
+        elif path in ("scratch", "c"):
+            self._store = rows.contiguous()  # a view: the caller's bytes are not copied
+        elif path == "planes":
+            self._store = _Planes(rows, qtype, k)
         else:
-            q, scale, zero = _int4_fields(raw, qtype, n, k)
             dt = torch.bfloat16 if path == "int4_bf16" else torch.float32
-            self._tensors["packed"] = _pack_int4(q)
-            # kernel layout: [K/32, N, (scale, zero)], in the activation dtype
-            self._tensors["scale_zero"] = torch.stack([scale.T, zero.T], -1).to(dt).contiguous()
+            self._store = _Int4(rows, qtype, k, dt)
         return self
 
     def nbytes(self) -> int:
         """Bytes of weight data (and bias) this layer holds."""
-        held = list(self._tensors.values()) + ([self.bias] if self.bias is not None else [])
+        s = self._store
+        held = [s] if isinstance(s, torch.Tensor) else s.tensors()
+        if self.bias is not None:
+            held.append(self.bias)
         return sum(t.numel() * t.element_size() for t in held)
 
     def extra_repr(self) -> str:
@@ -143,27 +291,39 @@ class GGUFLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.float32)
-        if self.path == "dense":
-            y = F.linear(x2, self._tensors["weight"])
+        if self.path == "c":
+            if x2.shape[0] <= C_GEMM_ROWS:
+                y = gguf_ops.gemm(x2, self._store, self.qtype, self.out_features)
+            else:
+                y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(x2, self._c_rows(c)))
+        elif self.path == "dense":
+            y = F.linear(x2, self._store)
+        elif self.path == "planes":
+            y = self._chunked(x2, SCRATCH_BYTES, lambda c: x2 @ self._store.weights_t(c))
         elif self.path == "scratch":
-            y = self._scratch_linear(x2)
+            y = self._chunked(x2, SCRATCH_BYTES // _TEMP_FACTOR,
+                              lambda c: F.linear(x2, self._dequant_rows(c)))
         else:
-            dt = torch.bfloat16 if self.path == "int4_bf16" else torch.float32
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(dt).contiguous(), self._tensors["packed"], _GROUP, self._tensors["scale_zero"]
-            ).to(torch.float32)
+            y = self._store(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
-    def _scratch_linear(self, x2: torch.Tensor) -> torch.Tensor:
-        raw, step = self._tensors["raw"], self._chunk_rows
-        fn, ts = _BLOCK_FNS[self.qtype], type_size(self.qtype)
-        y = x2.new_empty(x2.shape[0], self.out_features)
-        for r0 in range(0, self.out_features, step):
-            rows = raw[r0:r0 + step]
-            w = fn(rows.reshape(-1, ts)).view(rows.shape[0], self.in_features)
-            y[:, r0:r0 + rows.shape[0]] = F.linear(x2, w)
+    def _c_rows(self, rows: slice) -> torch.Tensor:
+        ids = torch.arange(rows.start, rows.stop)
+        return gguf_ops.dequant_rows(self._store, self.qtype, self.in_features, ids)
+
+    def _dequant_rows(self, rows: slice) -> torch.Tensor:
+        blocks = self._store[rows].reshape(-1, type_size(self.qtype))
+        return dequantize_blocks(blocks, self.qtype).view(-1, self.in_features)
+
+    def _chunked(self, x2: torch.Tensor, budget: int, part) -> torch.Tensor:
+        """Output columns in slices whose float32 weights fit in ``budget`` bytes."""
+        n, step = self.out_features, max(1, budget // (4 * self.in_features))
+        y = x2.new_empty(x2.shape[0], n)
+        for c0 in range(0, n, step):
+            cols = slice(c0, min(n, c0 + step))
+            y[:, cols] = part(cols)
         return y
 
 
@@ -181,9 +341,13 @@ def gguf_embedding_lookup(
     """
     qtype = check_supported(qtype)
     table = as_bytes(data_uint8).view(int(num_embeddings), row_nbytes(qtype, int(dim)))
-    ids_shape = torch.as_tensor(token_ids).shape
-    ids = torch.as_tensor(token_ids).reshape(-1).long()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
-        raise IndexError(f"token ids must be in [0, {num_embeddings}), got {ids.min()}..{ids.max()}")
-    rows = table.index_select(0, ids)
-    return dequantize(rows, qtype, (ids.numel(), int(dim))).reshape(*ids_shape, int(dim))
+    ids = torch.as_tensor(token_ids)
+    flat = ids.reshape(-1).long()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_embeddings):
+        raise IndexError(f"token ids must be in [0, {num_embeddings}), "
+                         f"got {int(flat.min())}..{int(flat.max())}")
+    if gguf_ops.supports(qtype):
+        out = gguf_ops.dequant_rows(table.contiguous(), qtype, int(dim), flat)
+    else:
+        out = dequantize(table.index_select(0, flat), qtype, (flat.numel(), int(dim)))
+    return out.reshape(*ids.shape, int(dim))

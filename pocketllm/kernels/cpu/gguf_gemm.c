@@ -6,10 +6,14 @@
  * Rows of the weight matrix are split over OpenMP threads.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__F16C__)
 static inline float h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 #else
 static inline float h2f(const uint8_t *p) {
@@ -29,7 +33,7 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
 
 static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-static inline void deq_q4_0(const uint8_t *b, float *w) {
+static inline void deq_q4_0(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b);
     for (int i = 0; i < 16; i++) {
         w[i] = (float)((b[2 + i] & 0xF) - 8) * d;
@@ -37,7 +41,7 @@ static inline void deq_q4_0(const uint8_t *b, float *w) {
     }
 }
 
-static inline void deq_q4_1(const uint8_t *b, float *w) {
+static inline void deq_q4_1(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b), m = h2f(b + 2);
     for (int i = 0; i < 16; i++) {
         w[i] = (float)(b[4 + i] & 0xF) * d + m;
@@ -45,7 +49,7 @@ static inline void deq_q4_1(const uint8_t *b, float *w) {
     }
 }
 
-static inline void deq_q5_0(const uint8_t *b, float *w) {
+static inline void deq_q5_0(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b); uint32_t qh; memcpy(&qh, b + 2, 4);
     const uint8_t *qs = b + 6;
     for (int j = 0; j < 16; j++) {
@@ -55,7 +59,7 @@ static inline void deq_q5_0(const uint8_t *b, float *w) {
     }
 }
 
-static inline void deq_q5_1(const uint8_t *b, float *w) {
+static inline void deq_q5_1(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b), m = h2f(b + 2); uint32_t qh; memcpy(&qh, b + 4, 4);
     const uint8_t *qs = b + 8;
     for (int j = 0; j < 16; j++) {
@@ -65,13 +69,13 @@ static inline void deq_q5_1(const uint8_t *b, float *w) {
     }
 }
 
-static inline void deq_q8_0(const uint8_t *b, float *w) {
+static inline void deq_q8_0(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b);
     const int8_t *q = (const int8_t *)(b + 2);
     for (int i = 0; i < 32; i++) w[i] = (float)q[i] * d;
 }
 
-static inline void deq_iq4_nl(const uint8_t *b, float *w) {
+static inline void deq_iq4_nl(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b);
     for (int i = 0; i < 16; i++) {
         w[i] = d * (float)kvalues_iq4nl[b[2 + i] & 0xF];
@@ -84,7 +88,7 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
     else { *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
 }
 
-static inline void deq_q4_k(const uint8_t *b, float *w) {
+static inline void deq_q4_k(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b), dmin = h2f(b + 2);
     const uint8_t *sc = b + 4, *q = b + 16;
     for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
@@ -96,7 +100,7 @@ static inline void deq_q4_k(const uint8_t *b, float *w) {
     }
 }
 
-static inline void deq_q5_k(const uint8_t *b, float *w) {
+static inline void deq_q5_k(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b), dmin = h2f(b + 2);
     const uint8_t *sc = b + 4, *qh = b + 16, *ql = b + 48;
     uint8_t u1 = 1, u2 = 2;
@@ -109,26 +113,25 @@ static inline void deq_q5_k(const uint8_t *b, float *w) {
     }
 }
 
-static inline void deq_q6_k(const uint8_t *b, float *w) {
+static inline void deq_q6_k(const uint8_t *restrict b, float *restrict w) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     float d = h2f(b + 208);
     for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
-        for (int l = 0; l < 32; l++) {
-            int is = l / 16;
-            int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            w[n + l] = d * (float)sc[is] * (float)q1;
-            w[n + l + 32] = d * (float)sc[is + 2] * (float)q2;
-            w[n + l + 64] = d * (float)sc[is + 4] * (float)q3;
-            w[n + l + 96] = d * (float)sc[is + 6] * (float)q4;
+        for (int h = 0; h < 32; h += 16) { /* one scale per 16 elements: inner loops vectorize */
+            int is = h / 16;
+            float s1 = d * sc[is], s2 = d * sc[is + 2], s3 = d * sc[is + 4], s4 = d * sc[is + 6];
+            for (int l = h; l < h + 16; l++) {
+                w[n + l] = s1 * (float)((int)((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+                w[n + l + 32] = s2 * (float)((int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                w[n + l + 64] = s3 * (float)((int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                w[n + l + 96] = s4 * (float)((int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
         }
     }
 }
 
-static inline void deq_iq4_xs(const uint8_t *b, float *w0) {
+static inline void deq_iq4_xs(const uint8_t *restrict b, float *restrict w0) {
     float *w = w0;
     float d = h2f(b);
     uint16_t sh; memcpy(&sh, b + 2, 2);
@@ -143,8 +146,8 @@ static inline void deq_iq4_xs(const uint8_t *b, float *w0) {
     }
 }
 
-static inline void deq_f16(const uint8_t *b, float *w) { for (int i = 0; i < 32; i++) w[i] = h2f(b + 2 * i); }
-static inline void deq_f32(const uint8_t *b, float *w) { memcpy(w, b, 32 * sizeof(float)); }
+static inline void deq_f16(const uint8_t *restrict b, float *restrict w) { for (int i = 0; i < 32; i++) w[i] = h2f(b + 2 * i); }
+static inline void deq_f32(const uint8_t *restrict b, float *restrict w) { memcpy(w, b, 32 * sizeof(float)); }
 
 typedef void (*deq_fn)(const uint8_t *, float *);
 
@@ -171,54 +174,70 @@ int gguf_supported(int type) { int qk, nb; return lookup(type, &qk, &nb) != 0; }
 
 #define RB 8 /* activation rows per pass: their accumulators stay in vector registers */
 
-/* One weight row against R activation rows; R and the block decoder are compile-time
- * constants here so the accumulators live in registers and the decoder is inlined. */
-#define ROWS_KERNEL(NAME, DEQ, QK, NBYTES, R)                                                   \
-    static void NAME##_r##R(const uint8_t *restrict row, int64_t nblk, const float *restrict X,   \
-                            int64_t K, float *restrict Y, int64_t N, int64_t n) {                \
-        float w[QK] __attribute__((aligned(64)));                                                 \
+/* One dequantized weight row `w` against R activation rows; R is a compile-time constant so
+ * the accumulators live in registers. K is a multiple of 32. */
+#if defined(__AVX512F__)
+#define ROWS_KERNEL(R)                                                                            \
+    static void dot_rows_##R(const float *restrict w, const float *restrict X, int64_t K,          \
+                             float *restrict Y, int64_t N, int64_t n) {                          \
+        __m512 acc[R];                                                                            \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                 \
+        for (int64_t i = 0; i < K; i += 16) {                                                     \
+            __m512 wv = _mm512_load_ps(w + i);                                                    \
+            for (int r = 0; r < R; r++)                                                           \
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(X + r * K + i), wv, acc[r]);             \
+        }                                                                                         \
+        for (int r = 0; r < R; r++) Y[r * N + n] = _mm512_reduce_add_ps(acc[r]);                  \
+    }
+#else
+#define ROWS_KERNEL(R)                                                                            \
+    static void dot_rows_##R(const float *restrict w, const float *restrict X, int64_t K,          \
+                             float *restrict Y, int64_t N, int64_t n) {                          \
         float acc[R][16] __attribute__((aligned(64)));                                            \
         memset(acc, 0, sizeof(acc));                                                              \
-        for (int64_t j = 0; j < nblk; j++) {                                                      \
-            DEQ(row + j * NBYTES, w);                                                             \
-            for (int r = 0; r < R; r++) {                                                         \
-                const float *x = X + r * K + j * QK;                                              \
-                for (int i = 0; i < QK; i += 16)                                                  \
-                    for (int l = 0; l < 16; l++) acc[r][l] += x[i + l] * w[i + l];                \
-            }                                                                                     \
-        }                                                                                         \
+        for (int64_t i = 0; i < K; i += 16)                                                       \
+            for (int r = 0; r < R; r++)                                                           \
+                for (int l = 0; l < 16; l++) acc[r][l] += X[r * K + i + l] * w[i + l];            \
         for (int r = 0; r < R; r++) {                                                             \
             float s = 0.f;                                                                        \
             for (int l = 0; l < 16; l++) s += acc[r][l];                                          \
             Y[r * N + n] = s;                                                                     \
         }                                                                                         \
     }
+#endif
+ROWS_KERNEL(1) ROWS_KERNEL(2) ROWS_KERNEL(3) ROWS_KERNEL(4)
+ROWS_KERNEL(5) ROWS_KERNEL(6) ROWS_KERNEL(7) ROWS_KERNEL(8)
 
+/* Each weight row is dequantized whole into a per-thread buffer, then multiplied with all
+ * activation rows. Dequantizing a full row before reading it back keeps the vector loads
+ * clear of the just-written stores (mismatched widths there stall store forwarding). */
 #define GEMM_FOR_TYPE(NAME, DEQ, QK, NBYTES)                                                      \
-    ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 1) ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 2)                   \
-    ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 3) ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 4)                   \
-    ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 5) ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 6)                   \
-    ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 7) ROWS_KERNEL(NAME, DEQ, QK, NBYTES, 8)                   \
     static void NAME##_gemm(const uint8_t *W, int64_t N, int64_t K, const float *X, int64_t B,    \
                             float *Y, int nthreads) {                                             \
         const int64_t nblk = K / QK, row_bytes = nblk * NBYTES;                                   \
-        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                        \
-        for (int64_t n = 0; n < N; n++) {                                                         \
-            const uint8_t *row = W + n * row_bytes;                                               \
-            for (int64_t b0 = 0; b0 < B; b0 += RB) {                                              \
-                const float *x = X + b0 * K;                                                      \
-                float *y = Y + b0 * N;                                                            \
-                switch (B - b0 < RB ? B - b0 : RB) {                                              \
-                case 1: NAME##_r1(row, nblk, x, K, y, N, n); break;                               \
-                case 2: NAME##_r2(row, nblk, x, K, y, N, n); break;                               \
-                case 3: NAME##_r3(row, nblk, x, K, y, N, n); break;                               \
-                case 4: NAME##_r4(row, nblk, x, K, y, N, n); break;                               \
-                case 5: NAME##_r5(row, nblk, x, K, y, N, n); break;                               \
-                case 6: NAME##_r6(row, nblk, x, K, y, N, n); break;                               \
-                case 7: NAME##_r7(row, nblk, x, K, y, N, n); break;                               \
-                default: NAME##_r8(row, nblk, x, K, y, N, n); break;                              \
+        _Pragma("omp parallel num_threads(nthreads)")                                             \
+        {                                                                                         \
+            float *w = aligned_alloc(64, ((K * sizeof(float) + 63) / 64) * 64);                   \
+            _Pragma("omp for schedule(static)")                                                   \
+            for (int64_t n = 0; n < N; n++) {                                                     \
+                const uint8_t *row = W + n * row_bytes;                                           \
+                for (int64_t j = 0; j < nblk; j++) DEQ(row + j * NBYTES, w + j * QK);             \
+                for (int64_t b0 = 0; b0 < B; b0 += RB) {                                          \
+                    const float *x = X + b0 * K;                                                  \
+                    float *y = Y + b0 * N;                                                        \
+                    switch (B - b0 < RB ? B - b0 : RB) {                                          \
+                    case 1: dot_rows_1(w, x, K, y, N, n); break;                                  \
+                    case 2: dot_rows_2(w, x, K, y, N, n); break;                                  \
+                    case 3: dot_rows_3(w, x, K, y, N, n); break;                                  \
+                    case 4: dot_rows_4(w, x, K, y, N, n); break;                                  \
+                    case 5: dot_rows_5(w, x, K, y, N, n); break;                                  \
+                    case 6: dot_rows_6(w, x, K, y, N, n); break;                                  \
+                    case 7: dot_rows_7(w, x, K, y, N, n); break;                                  \
+                    default: dot_rows_8(w, x, K, y, N, n); break;                                 \
+                    }                                                                             \
                 }                                                                                 \
             }                                                                                     \
+            free(w);                                                                              \
         }                                                                                         \
     }
 
