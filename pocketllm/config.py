@@ -32,6 +32,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     dequantize_at_load: bool = False  # GGUF: trade memory for speed
+    load_format: str = "auto"  # auto | dummy (random weights; `model` may name a shape, e.g. llama3-8b)
     tokenizer: str | None = None  # defaults to the model's own
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
 
@@ -61,7 +62,8 @@ class EngineArgs:
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         need(self.num_threads is None or self.num_threads >= 1,
              f"num_threads must be >= 1; got {self.num_threads}")
-        if self.model is not None:
+        need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
+        if self.model is not None and not (self.load_format == "dummy" and self._named_shape()):
             need(os.path.exists(self.model),
                  f"model path {self.model!r} does not exist; give a Hugging Face model directory "
                  "or a .gguf file")
@@ -69,6 +71,10 @@ class EngineArgs:
             need(self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens "
                  f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
+
+    def _named_shape(self) -> bool:
+        from pocketllm.models.shapes import SHAPES
+        return self.model in SHAPES
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

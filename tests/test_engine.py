@@ -133,3 +133,13 @@ def test_capabilities_refuse_what_a_platform_does_not_declare(tiny_models):
         select_runtime(cfg, args, "cuda", "bfloat16", {"Q4_1"})
     with pytest.raises(UnsupportedFeatureError, match="cpu platform does not support dtype 'float16'"):
         select_runtime(cfg, args, "cpu", "float16")
+
+
+def test_dummy_weights_build_a_named_shape_without_files():
+    llm = LLM("smollm2-135m", load_format="dummy", dtype="float32", max_model_len=256, num_kv_blocks=64)
+    cfg = llm.engine.model_config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        EngineArgs(model="smollm2-135m")  # a shape name is only a model with load_format="dummy"

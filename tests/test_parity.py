@@ -51,7 +51,7 @@ def test_last_position_logits_match_transformers(reference):
     captured = []
     model_rt = llm.engine.runner.model
     original = model_rt.compute_logits
-    model_rt.compute_logits = lambda h: captured.append(original(h)) or captured[-1]
+    model_rt.compute_logits = lambda h: captured.append(original(h).cpu()) or captured[-1]
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
     ours = torch.cat(captured)  # one row per prompt, in batch order
     rows = {len(p): hf_last_logits(model, p) for p in prompts}

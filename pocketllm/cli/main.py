@@ -1,11 +1,14 @@
-"""`pocketllm` command line: serve, generate, chat, pull, quantize, bench."""
+"""`pocketllm` command line: serve, generate, chat, pull, quantize, bench.
+
+Only the chosen command's module is imported, so e.g. `pocketllm bench` needs no server packages.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
-# subcommand -> module with `add_arguments(parser, command)` and `run(args) -> int | None`
+# command -> (module with `add_arguments(parser, command)` and `run(args) -> int | None`, help)
 _COMMANDS = {
     "serve": ("pocketllm.cli.serve", "serve the OpenAI-compatible API (the default model if none is given)"),
     "generate": ("pocketllm.cli.generate", "print a completion of a prompt"),
@@ -20,25 +23,28 @@ _BENCH = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pocketllm", description="PocketLLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    words = [a for a in argv if not a.startswith("-")]
     for name, (module, help_text) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p, name)
+        if words[:1] == [name]:
+            p.set_defaults(_module=module)
+            importlib.import_module(module).add_arguments(p, name)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in _BENCH.items():
         p = bench.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p, name)
+        if words[:2] == ["bench", name]:
+            p.set_defaults(_module=module)
+            importlib.import_module(module).add_arguments(p, name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    mod = importlib.import_module(args._module)
-    return mod.run(args) or 0
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return importlib.import_module(args._module).run(args) or 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pocketllm.models.registry import select_runtime
 from pocketllm.outputs import RequestOutput
 from pocketllm.runner.model_runner import ModelRunner
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.structured.backend import StructuredOutputs
 
 log = logging.getLogger("pocketllm")
 
@@ -67,8 +68,10 @@ class LLMEngine:
         if args.model is None:
             from pocketllm.pull import pull_default_model
             args.model = str(pull_default_model())
+        from pocketllm.models.shapes import SHAPES
         path = Path(args.model)
         self.is_gguf = path.is_file() and path.suffix == ".gguf"
+        self.dummy = args.load_format == "dummy"
         quant_types: set[str] = set()
         if self.is_gguf:
             from pocketllm.loaders import gguf_loader
@@ -76,7 +79,8 @@ class LLMEngine:
             self.model_config = self.gguf.model_config()
             quant_types = self.gguf.quant_types()
         else:
-            self.model_config = ModelConfig.from_hf_dir(path)
+            self.model_config = (ModelConfig.from_hf_dict(SHAPES[args.model]) if args.model in SHAPES
+                                 else ModelConfig.from_hf_dir(path if path.is_dir() else path.parent))
         cfg = self.model_config
 
         self.device = resolve_device(args.device)
@@ -98,7 +102,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         model = self.runtime.model_class(cfg, dtype=self.dtype, device=self.device,
                                          max_model_len=self.max_model_len)
-        if self.is_gguf:
+        if self.dummy:
+            from pocketllm.loaders.dummy_loader import dummy_weights
+            model.load_weights(dummy_weights(model, self.dtype, self.device, args.seed))
+        elif self.is_gguf:
             for m in model.modules():
                 if hasattr(m, "dequantize_at_load"):
                     m.dequantize_at_load = args.dequantize_at_load
@@ -113,7 +120,9 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = free - (1 - args.gpu_memory_utilization) * total
-            num_blocks = int(budget // per_block)
+            # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.
+            cap = 4 * args.max_num_seqs * -(-self.max_model_len // self.block_size)
+            num_blocks = min(int(budget // per_block), cap)
             self._check_kv_fits(num_blocks)
         self.num_blocks = num_blocks
         self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed)
@@ -128,6 +137,7 @@ class LLMEngine:
                             enable_chunked_prefill=args.enable_chunked_prefill), self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self.last_step = StepStats()
 
@@ -156,7 +166,7 @@ class LLMEngine:
             from pocketllm.tokenizer.gguf_vocab import tokenizer_from_gguf
             return tokenizer_from_gguf(self.gguf.reader)
         if not self.is_gguf and tok_path == path and not (path / "tokenizer.json").exists():
-            return None  # a weights-only directory: token ids in, token ids out
+            return None  # weights only (or a named shape): token ids in, token ids out
         from pocketllm.tokenizer import get_tokenizer
         return get_tokenizer(tok_path)
 
@@ -197,6 +207,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self.validate_prompt(ids, params)
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         parent = ParentState(request_id, text, ids)
         leader = None
         for i in range(params.n):
@@ -206,6 +217,8 @@ class LLMEngine:
                                                  "seed": None if params.seed is None else params.seed + i})
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival_time, leader=leader)
+            if grammar is not None:  # each sibling walks the grammar on its own
+                req.structured = self.structured.new_state(grammar)
             leader = leader or req
             parent.children.append(self.outputs.make_child(i, req))
         self.outputs.add(parent)

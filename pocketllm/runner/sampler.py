@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pocketllm.engine.request import Request
+from pocketllm.structured.backend import apply_grammar_masks
 
 
 @dataclass
@@ -22,11 +23,16 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
-        logits = logits.float()
+        # Sampling runs on the host for now: per-row parameters, generators and grammar masks
+        # live there. (A sync-free GPU sampler belongs to the CUDA fast path.)
+        logits = logits.float().cpu()
         raw = logits
         logits = logits.clone()
         vocab = logits.shape[1]
         self._apply_bias_and_bans(logits, reqs, vocab)
+        constrained = [i for i, r in enumerate(reqs) if r.structured is not None]
+        if constrained:
+            apply_grammar_masks(logits, constrained, [reqs[i].structured for i in constrained])
         pen = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
         if pen:
             logits[pen] = apply_penalties(logits[pen], [reqs[i] for i in pen], vocab)
@@ -63,7 +69,7 @@ class Sampler:
                 logits[i].index_add_(0, ids, vals)
             if r.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids)
-                if not p.ignore_eos:
+                if not p.ignore_eos and r.structured is None:  # a grammar decides when EOS may come
                     banned |= r.eos_token_ids
                 if banned:
                     logits[i, [t for t in banned if t < vocab]] = float("-inf")

@@ -1,0 +1,37 @@
+"""Random weights for a model of any shape (`load_format="dummy"`), fed through the same
+`load_weights` path as a checkpoint, under the checkpoint's own tensor names."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from pocketllm.layers.linear import Embedding, Linear
+from pocketllm.layers.norm import RMSNorm
+from pocketllm.models.base import CausalLM
+
+
+def dummy_weights(model: CausalLM, dtype: torch.dtype, device, seed: int = 0,
+                  std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    unpacked = {fused: name for name, fused in model.packed_modules.items()}
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+    for path, m in list(model.named_modules()):
+        parent, _, leaf = path.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        if isinstance(m, Linear):
+            if path == "lm_head" and model.cfg.tie_word_embeddings:
+                continue
+            for shard, size in enumerate(m.out_sizes):
+                name = unpacked.get((leaf, shard), leaf)
+                yield f"{prefix}{name}.weight", randn(size, m.in_features)
+                if m.bias is not None:
+                    yield f"{prefix}{name}.bias", randn(size)
+        elif isinstance(m, Embedding):
+            yield f"{path}.weight", randn(m.num_embeddings, m.dim)
+        elif isinstance(m, RMSNorm):
+            # Gemma-style norms scale by 1 + w: w = 0 is the identity scale there.
+            yield f"{path}.weight", torch.full_like(m.weight, 0.0 if m.offset else 1.0)

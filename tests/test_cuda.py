@@ -1,0 +1,48 @@
+"""The CUDA path against transformers. Skipped where no GPU is visible; on a GPU machine run
+`python -m pytest -q tests/test_cuda.py` (the other suites also run there with device=auto)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import prompts_of
+from pocketllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+LENGTHS = [1, 5, 17, 33, 48, 70]
+
+
+def hf_greedy(model, prompt, new):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_fp32_greedy_tokens_on_cuda_equal_transformers(tiny):
+    model, path = tiny
+    prompts = prompts_of(LENGTHS)
+    llm = LLM(str(path), device="cuda", dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 32) for p in prompts]
+    llm.engine.check_no_leaks()
+
+
+def test_bf16_on_cuda_stays_close(tiny):
+    model, path = tiny
+    prompts = prompts_of(LENGTHS)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16")
+    captured = []
+    rt = llm.engine.runner.model
+    original = rt.compute_logits
+    rt.compute_logits = lambda h: captured.append(original(h).cpu()) or captured[-1]
+    for p in prompts:
+        llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=1))
+    for p, ours in zip(prompts, captured):
+        with torch.no_grad():
+            ref = model(torch.tensor([p])).logits[0, -1]
+        # bf16 keeps 8 mantissa bits: a few per cent of the logit scale after a few layers
+        assert float((ours[0] - ref).abs().max()) < 0.05 * float(ref.abs().max())
