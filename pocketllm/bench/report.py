@@ -13,8 +13,9 @@ from pathlib import Path
 def environment() -> dict:
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or None
+    # A copy of the tree without .git (a remote benchmark machine) names its commit in the environment.
+    commit = os.environ.get("POCKETLLM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip() or None
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True, cwd=Path(__file__).parent).stdout.strip())
     cpu = platform.processor()
