@@ -114,6 +114,8 @@ class LLMEngine:
             from pocketllm.loaders.safetensors_loader import iter_safetensors
             model.load_weights((n, t.to(self.device)) for n, t in iter_safetensors(path, self.dtype))
         model.eval()
+        if self.is_gguf:
+            self.gguf.release()
         self.load_time = time.perf_counter() - t0
 
         if self.device.type == "cuda" and args.num_kv_blocks is None:

@@ -53,10 +53,10 @@ class Linear(torch.nn.Module):
         self._quant_parts = {}
         bias = None if self.bias is None else self.bias.data.float()
         if len({p.qtype for p in parts}) == 1:
-            # Rows of a GGUF matrix are independent blocks: same-type parts concatenate exactly.
-            data = torch.cat([p.data.reshape(p.shape[0], -1) for p in parts])
-            self.quantized = GGUFLinear.from_gguf(data, parts[0].qtype, sum(self.out_sizes),
-                                                  self.in_features, bias, self.dequantize_at_load)
+            # Rows of a GGUF matrix are independent blocks: same-type parts fuse exactly.
+            self.quantized = GGUFLinear.from_gguf([p.data.reshape(p.shape[0], -1) for p in parts],
+                                                  parts[0].qtype, sum(self.out_sizes), self.in_features,
+                                                  bias, self.dequantize_at_load)
         else:
             subs, lo = [], 0
             for p, size in zip(parts, self.out_sizes):

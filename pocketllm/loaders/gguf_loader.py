@@ -6,6 +6,8 @@ What llama.cpp's converter changed is undone here: tensor names, the Q/K row per
 """
 from __future__ import annotations
 
+import gc
+import mmap
 import re
 import warnings
 from collections.abc import Iterator
@@ -119,6 +121,15 @@ class GGUFModelFile:
         if kind in (None, "none"):
             return None
         return {"rope_type": kind, "factor": self.arch_meta("rope.scaling.factor", 1.0)}
+
+    def release(self) -> None:
+        """After loading: drop the parsed metadata, and let the kernel reclaim file pages that were
+        copied into fused weights (pages still in use fault back in from the page cache)."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        self.reader = self.tensors = None
+        gc.collect()
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def hf_name(self, name: str) -> str | None:
         if name == "rope_freqs.weight":

@@ -224,7 +224,7 @@ class GGUFLinear(torch.nn.Module):
     @classmethod
     def from_gguf(
         cls,
-        data_uint8: torch.Tensor,
+        data_uint8: torch.Tensor | list[torch.Tensor],
         qtype: GGMLQuantizationType,
         out_features: int,
         in_features: int,
@@ -234,6 +234,9 @@ class GGUFLinear(torch.nn.Module):
     ) -> "GGUFLinear":
         """Wrap raw GGUF bytes of an ``[out_features, in_features]`` weight.
 
+        ``data_uint8`` may be a list of row blocks of the same type (a fused projection's parts,
+        e.g. Q, K and V): the C path points at them where they are, other paths concatenate.
+
         ``path="auto"`` picks ``"dense"`` for float types or with
         ``dequantize_at_load``, ``"planes"`` for affine types, else ``"scratch"``.
         """
@@ -241,11 +244,6 @@ class GGUFLinear(torch.nn.Module):
         if path not in _PATHS:
             raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
         n, k = int(out_features), int(in_features)
-        raw = as_bytes(data_uint8)
-        want = n * row_nbytes(qtype, k)
-        if raw.numel() != want:
-            raise ValueError(
-                f"{qtype.name} weight [{n}, {k}] needs {want} bytes, got {raw.numel()}")
         if path == "auto":
             if dequantize_at_load or qtype in _FLOAT_TYPES:
                 path = "dense"
@@ -253,6 +251,12 @@ class GGUFLinear(torch.nn.Module):
                 path = "c"
             else:
                 path = "planes" if qtype in AFFINE_TYPES else "scratch"
+        parts = [as_bytes(p) for p in data_uint8] if isinstance(data_uint8, (list, tuple)) else [as_bytes(data_uint8)]
+        want = n * row_nbytes(qtype, k)
+        got = sum(p.numel() for p in parts)
+        if got != want:
+            raise ValueError(f"{qtype.name} weight [{n}, {k}] needs {want} bytes, got {got}")
+        raw = parts[0] if len(parts) == 1 else None if path == "c" else torch.cat([p.reshape(-1) for p in parts])
         if path == "c" and not gguf_ops.supports(qtype):
             raise ValueError(f"path 'c' does not support {qtype.name} (or the C kernels did not build)")
         if path == "planes" and qtype not in AFFINE_TYPES:
@@ -264,11 +268,15 @@ class GGUFLinear(torch.nn.Module):
         self = cls()
         self.qtype, self.out_features, self.in_features, self.path = qtype, n, k, path
         self.bias = None if bias is None else bias.detach().to(torch.float32).reshape(n)
+        if path == "c":
+            self._store = [p.view(-1, row_nbytes(qtype, k)).contiguous() for p in parts]  # views: no copy
+            self._rows = gguf_ops.row_pointers(self._store)
+            return self
         rows = raw.view(n, -1)
         if path == "dense":
             self._store = dequantize(raw, qtype, (n, k))
-        elif path in ("scratch", "c"):
-            self._store = rows.contiguous()  # a view: the caller's bytes are not copied
+        elif path == "scratch":
+            self._store = rows  # a view: the caller's bytes are not copied
         elif path == "planes":
             self._store = _Planes(rows, qtype, k)
         else:
@@ -279,7 +287,7 @@ class GGUFLinear(torch.nn.Module):
     def nbytes(self) -> int:
         """Bytes of weight data (and bias) this layer holds."""
         s = self._store
-        held = [s] if isinstance(s, torch.Tensor) else s.tensors()
+        held = [s] if isinstance(s, torch.Tensor) else list(s) if isinstance(s, list) else s.tensors()
         if self.bias is not None:
             held.append(self.bias)
         return sum(t.numel() * t.element_size() for t in held)
@@ -293,9 +301,10 @@ class GGUFLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.float32)
         if self.path == "c":
             if x2.shape[0] <= C_GEMM_ROWS:
-                y = gguf_ops.gemm(x2, self._store, self.qtype, self.out_features)
+                y = gguf_ops.gemm(x2, self._rows, self.qtype)
             else:
-                y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(x2, self._c_rows(c)))
+                y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(
+                    x2, gguf_ops.dequant_row_ptrs(self._rows[c], self.qtype, self.in_features)))
         elif self.path == "dense":
             y = F.linear(x2, self._store)
         elif self.path == "planes":
@@ -308,10 +317,6 @@ class GGUFLinear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
-
-    def _c_rows(self, rows: slice) -> torch.Tensor:
-        ids = torch.arange(rows.start, rows.stop)
-        return gguf_ops.dequant_rows(self._store, self.qtype, self.in_features, ids)
 
     def _dequant_rows(self, rows: slice) -> torch.Tensor:
         blocks = self._store[rows].reshape(-1, type_size(self.qtype))

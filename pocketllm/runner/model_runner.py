@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pocketllm.engine.scheduler import SchedulerOutput
@@ -22,6 +23,17 @@ class RunnerOutput:
     prepare_time: float = 0.0  # seconds spent building inputs
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled KV memory. On the CPU it comes from calloc (numpy), whose large blocks are
+    lazily zeroed pages: the cache becomes resident only as requests fill it. (Zeros, not
+    garbage: masked slots are still read, and NaN * 0 would poison the attention.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * elem, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, seed: int = 0):
@@ -30,8 +42,8 @@ class ModelRunner:
         self.device = device
         cfg = model.cfg
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)]
+        self.k_caches = [_zeros(shape, kv_dtype, device) for _ in range(cfg.num_layers)]
+        self.v_caches = [_zeros(shape, kv_dtype, device) for _ in range(cfg.num_layers)]
         model.bind_kv_cache(self.k_caches, self.v_caches)
         self.sampler = Sampler(seed)
 

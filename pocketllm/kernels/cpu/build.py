@@ -71,5 +71,6 @@ def load_gguf_kernels() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     dll.gguf_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     dll.gguf_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+    dll.gguf_dequant_row_ptrs.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]
     dll.gguf_supported.argtypes = [ctypes.c_int]
     return dll

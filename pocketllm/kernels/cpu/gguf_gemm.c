@@ -212,15 +212,15 @@ ROWS_KERNEL(5) ROWS_KERNEL(6) ROWS_KERNEL(7) ROWS_KERNEL(8)
  * activation rows. Dequantizing a full row before reading it back keeps the vector loads
  * clear of the just-written stores (mismatched widths there stall store forwarding). */
 #define GEMM_FOR_TYPE(NAME, DEQ, QK, NBYTES)                                                      \
-    static void NAME##_gemm(const uint8_t *W, int64_t N, int64_t K, const float *X, int64_t B,    \
+    static void NAME##_gemm(const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, \
                             float *Y, int nthreads) {                                             \
-        const int64_t nblk = K / QK, row_bytes = nblk * NBYTES;                                   \
+        const int64_t nblk = K / QK;                                                              \
         _Pragma("omp parallel num_threads(nthreads)")                                             \
         {                                                                                         \
             float *w = aligned_alloc(64, ((K * sizeof(float) + 63) / 64) * 64);                   \
             _Pragma("omp for schedule(static)")                                                   \
             for (int64_t n = 0; n < N; n++) {                                                     \
-                const uint8_t *row = W + n * row_bytes;                                           \
+                const uint8_t *row = W[n];                                                        \
                 for (int64_t j = 0; j < nblk; j++) DEQ(row + j * NBYTES, w + j * QK);             \
                 for (int64_t b0 = 0; b0 < B; b0 += RB) {                                          \
                     const float *x = X + b0 * K;                                                  \
@@ -254,8 +254,9 @@ GEMM_FOR_TYPE(q6_k, deq_q6_k, 256, 210)
 GEMM_FOR_TYPE(iq4_nl, deq_iq4_nl, 32, 18)
 GEMM_FOR_TYPE(iq4_xs, deq_iq4_xs, 256, 136)
 
-/* Y[B, N] = X[B, K] @ W[N, K]^T, W given as N rows of GGUF blocks. */
-int gguf_gemm(int type, const uint8_t *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y, int nthreads) {
+/* Y[B, N] = X[B, K] @ W[N, K]^T. W is given as a table of N row pointers, each to one row of
+ * GGUF blocks, so fused projections (QKV, gate/up) are tables over their parts: no copies. */
+int gguf_gemm(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y, int nthreads) {
     int qk, nbytes;
     if (!lookup(type, &qk, &nbytes) || K % qk) return -1;
     switch (type) {
@@ -276,7 +277,7 @@ int gguf_gemm(int type, const uint8_t *W, int64_t N, int64_t K, const float *X, 
     return 0;
 }
 
-/* out[rows, K] = dequantized rows [n0, n0 + rows) of W (for large batches and embeddings). */
+/* out[r, K] = dequantized row row_ids[r] of W[N, K] (contiguous rows; for embeddings). */
 int gguf_dequant_rows(int type, const uint8_t *W, int64_t K, const int64_t *row_ids, int64_t rows, float *out, int nthreads) {
     int qk, nbytes;
     deq_fn deq = lookup(type, &qk, &nbytes);
@@ -287,5 +288,17 @@ int gguf_dequant_rows(int type, const uint8_t *W, int64_t K, const int64_t *row_
         const uint8_t *row = W + row_ids[r] * row_bytes;
         for (int64_t j = 0; j < nblk; j++) deq(row + j * nbytes, out + r * K + j * qk);
     }
+    return 0;
+}
+
+/* out[r, K] = dequantized row W[r] for r < rows, W a table of row pointers (large batches). */
+int gguf_dequant_row_ptrs(int type, const uint8_t *const *W, int64_t K, int64_t rows, float *out, int nthreads) {
+    int qk, nbytes;
+    deq_fn deq = lookup(type, &qk, &nbytes);
+    if (!deq || K % qk) return -1;
+    const int64_t nblk = K / qk;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nblk; j++) deq(W[r] + j * nbytes, out + r * K + j * qk);
     return 0;
 }

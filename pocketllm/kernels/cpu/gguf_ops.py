@@ -1,5 +1,5 @@
-"""torch-facing wrappers of the C GGUF kernels (see build.py). They return None when the
-kernels are unavailable or do not cover a type, and the caller takes its torch path."""
+"""torch-facing wrappers of the C GGUF kernels (see build.py). Callers check `supports` first
+and take their torch path where the kernels are unavailable or do not cover a type."""
 from __future__ import annotations
 
 import torch
@@ -12,16 +12,36 @@ def supports(qtype: int) -> bool:
     return lib is not None and bool(lib.gguf_supported(int(qtype)))
 
 
-def gemm(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
-    """x [B, K] float32 @ dequant(data [N, row_bytes]).T -> [B, N] float32."""
+def row_pointers(parts: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [N]: the address of every row of the given uint8 [rows, row_bytes] parts, in order.
+    The caller keeps the parts alive as long as the table is used."""
+    tables = []
+    for p in parts:
+        assert p.dtype == torch.uint8 and p.dim() == 2 and p.is_contiguous()
+        tables.append(p.data_ptr() + torch.arange(p.shape[0], dtype=torch.int64) * p.shape[1])
+    return torch.cat(tables)
+
+
+def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [B, K] float32 @ dequant(W).T -> [B, N] float32, W given by its row pointer table."""
     lib = load_gguf_kernels()
     x = x.contiguous()
     b, k = x.shape
+    n = rows.numel()
     y = torch.empty(b, n, dtype=torch.float32)
-    rc = lib.gguf_gemm(int(qtype), data.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr(),
-                       torch.get_num_threads())
+    rc = lib.gguf_gemm(int(qtype), rows.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
     assert rc == 0, f"gguf_gemm failed for type {qtype} with K={k}"
     return y
+
+
+def dequant_row_ptrs(rows: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Dequantize the rows a pointer table names -> [len(rows), K] float32."""
+    lib = load_gguf_kernels()
+    out = torch.empty(rows.numel(), k, dtype=torch.float32)
+    rc = lib.gguf_dequant_row_ptrs(int(qtype), rows.data_ptr(), k, rows.numel(), out.data_ptr(),
+                                   torch.get_num_threads())
+    assert rc == 0, f"gguf_dequant_row_ptrs failed for type {qtype} with K={k}"
+    return out
 
 
 def dequant_rows(data: torch.Tensor, qtype: int, k: int, rows: torch.Tensor) -> torch.Tensor:
