@@ -47,11 +47,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D]: queries and keys of all heads at once."""
+        cached = self._cached
+        if cached is None or cached[0] is not positions:
+            # Every layer of a step passes the same positions tensor: gather the tables once.
+            cached = self._cached = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return _rotate(x, cached[1], cached[2])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

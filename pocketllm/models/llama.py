@@ -38,14 +38,13 @@ class Attention(torch.nn.Module):
         self.k_cache = self.v_cache = None  # bound by the runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        t, hq = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+        qk = self.rotary(positions, qk)  # queries and keys rotate in one pass
+        q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                             self.window, self.softcap)
         return self.o_proj(o.reshape(t, -1))
