@@ -28,7 +28,14 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         engine = self.engine
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, sampling_params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, sampling_params):
+                ids.append(engine.add_request(None, p, sp))
+        except BaseException:  # one bad prompt: queue none of the batch
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         show = len(prompts) >= 8 if use_tqdm is None else use_tqdm
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not show) as bar:

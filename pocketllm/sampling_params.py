@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pocketllm.errors import RequestError
+from pocketllm.structured.spec import normalize
 
 
 @dataclass
@@ -26,6 +27,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled token
     skip_special_tokens: bool = True
+    # One constraint on the output: {"json": schema} | {"regex": ...} | {"choice": [...]} |
+    # {"grammar": ebnf} | {"json_object": True} | {"structural_tag": ...} (see pocketllm.structured.spec)
     structured_outputs: dict | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -36,6 +39,8 @@ class SamplingParams:
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if self.structured_outputs is not None:
+            self.structured_outputs = normalize(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -466,7 +466,8 @@ def test_full_queue_gets_503(small_server):
     url = f"{small_server}/v1/completions"
     with httpx.Client(headers=auth, timeout=60) as http:
         with http.stream("POST", url, json=body) as running:
-            next(line for line in running.iter_lines() if line.startswith("data: "))  # it is running
+            lines = running.iter_lines()  # kept: dropping the iterator would close the stream
+            next(line for line in lines if line.startswith("data: "))  # it is running
             with http.stream("POST", url, json=body) as waiting:
                 assert waiting.status_code == 200
                 deadline = time.monotonic() + 5

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from pocketllm.cli.args import add_engine_args, engine_args_from
 from pocketllm.engine.llm_engine import LLMEngine
+from pocketllm.structured.reasoning import REASONING_PARSERS
+from pocketllm.structured.tool_parsers import TOOL_PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -29,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish on SIGTERM/SIGINT")
     parser.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body accepted")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how the model writes tool calls (default: inferred from the chat template)")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split <think>...</think> reasoning into reasoning_content")
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
@@ -77,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
         chat_template=chat_template, max_request_bytes=args.max_request_bytes,
-        shutdown_timeout=args.shutdown_timeout)
+        shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser)
     llm = AsyncLLM(engine, max_queued_requests=args.max_queued_requests)
     host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}/v1"

@@ -59,6 +59,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        self.structured = None  # a GrammarState when the output is constrained (structured_outputs)
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -87,6 +88,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.structured is not None:  # once per sampled token: recomputing KV never comes here
+            self.structured.accept(token_id)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

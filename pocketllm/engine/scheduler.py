@@ -194,6 +194,9 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
+        if req.structured is not None and req.structured.is_terminated:  # the grammar took a stop token
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None

@@ -27,6 +27,9 @@ from pocketllm.sampling_params import SamplingParams
 from pocketllm.server import protocol as P
 from pocketllm.server.async_llm import AsyncLLM, EngineClosedError, QueueFullError, RequestStream
 from pocketllm.server.metrics import RequestTimer, ServerMetrics
+from pocketllm.structured.chat import ReplyParser, template_messages, tool_constraint
+from pocketllm.structured.reasoning import get_reasoning_parser
+from pocketllm.structured.tool_parsers import ToolParser, get_tool_parser, infer_tool_parser
 
 log = logging.getLogger("pocketllm")
 
@@ -37,6 +40,8 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
     chat_template: str | None = None  # overrides the model's
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: inferred from the template
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
 
@@ -148,6 +153,7 @@ class _Job:
     streams: list[RequestStream] = field(default_factory=list)
     timers: list[RequestTimer] = field(default_factory=list)
     last: list[RequestOutput | None] = field(default_factory=list)
+    replies: list[ReplyParser] | None = None  # per choice, when tools or reasoning shape chat replies
     created: int = field(default_factory=lambda: int(time.time()))
 
     def close(self) -> None:
@@ -171,6 +177,9 @@ class OpenAIServing:
     def __init__(self, llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics):
         self.llm, self.cfg, self.metrics = llm, cfg, metrics
         self.engine = llm.engine
+        if cfg.tool_call_parser is not None:
+            get_tool_parser(cfg.tool_call_parser)  # an unknown name fails at start-up
+        self.reasoning = get_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None
 
     # -- building a job --------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> None:
@@ -184,18 +193,64 @@ class OpenAIServing:
                              param="prompt", code="invalid_value")
         return self.engine.tokenizer
 
-    def render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True) -> str:
+    def _template(self, tools: list[dict] | None) -> str | None:
+        tok = self._tokenizer()
+        return self.cfg.chat_template or (tools and tok.chat_templates.get("tool_use")) or tok.chat_template
+
+    def _tool_parser(self, template: str | None) -> ToolParser | None:
+        name = self.cfg.tool_call_parser or infer_tool_parser(template)
+        return get_tool_parser(name) if name else None
+
+    def render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        template = self._template(tools)
+        dicts = [m.as_template_dict() for m in messages]
+        reserved = {"messages", "tools", "add_generation_prompt", "chat_template"}
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in reserved}
         try:
+            if template is not None:
+                parser = self._tool_parser(template) or get_tool_parser("hermes")
+                dicts = template_messages(dicts, tools, template, parser)
             return self._tokenizer().apply_chat_template(
-                [m.as_template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
-                chat_template=self.cfg.chat_template)
+                dicts, tools=tools, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs)
         except (jinja2.TemplateError, ConfigurationError) as e:
             raise P.APIError(400, f"The chat template could not render the messages: {e}", param="messages",
                              code="invalid_value") from None
 
+    @staticmethod
+    def _tools(req) -> list[dict] | None:
+        if not isinstance(req, P.ChatCompletionRequest) or not req.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in req.tools]
+
+    def _reply_tool_parser(self, req, tools: list[dict] | None) -> ToolParser | None:
+        """The parser that finds calls in the replies: none when calls are off."""
+        choice = req.effective_tool_choice
+        if not tools or choice == "none":
+            return None
+        parser = self._tool_parser(self._template(tools))
+        if parser is None and choice == "auto":
+            raise P.APIError(400, "\"auto\" tool choice needs a tool-call parser: start the server with "
+                                  "--tool-call-parser (hermes, llama3_json or mistral).", param="tool_choice",
+                             code="invalid_value")
+        return parser or get_tool_parser("hermes")  # forced calls: the grammar fixes the syntax anyway
+
+    def _constraint(self, req, tools, parser: ToolParser | None, opened: bool | None) -> tuple[dict | None, str]:
+        """`structured_outputs` for the request, and the parameter its errors belong to."""
+        constraint, param = req.output_constraint()
+        if parser is not None:
+            forced = tool_constraint(tools, req.effective_tool_choice, req.parallel_tool_calls, parser)
+            if forced is not None:
+                constraint, param = forced, "tools"
+        if constraint is not None and self.reasoning is not None and isinstance(req, P.ChatCompletionRequest):
+            prefix = self.reasoning.grammar_prefix(opened)
+            if prefix is not None:
+                constraint = {**constraint, "reasoning": prefix}
+        return constraint, param
+
     def _prompts(self, req) -> list[tuple[str | None, list[int]]]:
         if isinstance(req, P.ChatCompletionRequest):
-            text = self.render_chat(req.messages)
+            text = self.render_chat(req.messages, tools=self._tools(req), template_kwargs=req.chat_template_kwargs)
             # The template writes the special tokens it wants (BOS included).
             return [(text, self._tokenizer().encode(text, add_special_tokens=False))]
         out = []
@@ -207,7 +262,8 @@ class OpenAIServing:
                 out.append((tok.decode(p) if tok is not None and req.echo else None, list(p)))
         return out
 
-    def _params(self, req, prompts) -> SamplingParams:
+    def _params(self, req, prompts, constraint: dict | None = None, constraint_param: str | None = None,
+                skip_special_tokens: bool = True) -> SamplingParams:
         chat = isinstance(req, P.ChatCompletionRequest)
         limit = self.engine.max_model_len
         longest = max(len(ids) for _, ids in prompts)
@@ -223,7 +279,8 @@ class OpenAIServing:
                                   f"requested {longest + max_tokens} tokens ({longest} in the {where}, "
                                   f"{max_tokens} in the completion). Please reduce the length of the {where} "
                                   "or completion.", param=where, code="context_length_exceeded")
-        params = req.sampling_params(max_tokens, req.num_logprobs if chat else req.logprobs)
+        params = req.sampling_params(max_tokens, req.num_logprobs if chat else req.logprobs, constraint,
+                                     constraint_param, skip_special_tokens)
         for _, ids in prompts:
             try:
                 self.engine.validate_prompt(ids, params)
@@ -236,9 +293,20 @@ class OpenAIServing:
         self._check_model(req.model)
         kind = "chat" if model is P.ChatCompletionRequest else "completion"
         prompts = self._prompts(req)
-        params = self._params(req, prompts)
+        tools = self._tools(req)
+        parser = self._reply_tool_parser(req, tools) if kind == "chat" else None
+        opened = self.reasoning.prompt_state(prompts[0][0]) if kind == "chat" and self.reasoning else None
+        constraint, where = self._constraint(req, tools, parser, opened)
+        params = self._params(req, prompts, constraint, where, not (parser and parser.needs_special_tokens))
+        if params.structured_outputs:  # compiled (and cached) here, so a bad one is a 400 before queueing
+            try:
+                await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
+            except RequestError as e:
+                raise P.APIError(400, str(e), param=where, code="invalid_value") from None
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}" if kind == "chat" else f"cmpl-{uuid.uuid4().hex}",
                    kind, req, prompts)
+        if kind == "chat" and (parser is not None or self.reasoning is not None):
+            job.replies = [ReplyParser(self.reasoning, opened, parser) for _ in range(req.n)]
         arrival = request.state.arrival_time
         try:
             for i, (text, ids) in enumerate(prompts):
@@ -286,8 +354,10 @@ class OpenAIServing:
         for idx, i, c in self._choices(job):
             if job.kind == "chat":
                 logprobs = P.chat_logprobs(c.logprobs, job.req.num_logprobs) if c.logprobs is not None else None
-                choice = {"index": idx, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                          "logprobs": logprobs, "finish_reason": c.finish_reason}
+                message, finish = {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
+                if job.replies is not None:
+                    message, finish = job.replies[idx].message(c.text, c.finish_reason)
+                choice = {"index": idx, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
                 prefix = (job.prompts[i][0] or "") if job.req.echo else ""
                 logprobs = P.completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None
@@ -333,13 +403,21 @@ class OpenAIServing:
                     new_tokens = max(new_tokens, len(c.token_ids) - sent_tokens[k])
                     sent_text[k], sent_tokens[k] = len(c.text), len(c.token_ids)
                     if chat:
-                        if text or entries:
-                            lp = P.chat_logprobs(entries, req.num_logprobs) if c.logprobs is not None else None
-                            events.append(chunk({"index": k, "delta": {"content": text}, "logprobs": lp,
+                        reply = job.replies[k] if job.replies is not None else None
+                        if reply is None:
+                            deltas = [{"content": text}] if text or entries else []
+                        else:
+                            deltas = reply.deltas(c.text, c.finish_reason is not None) or ([{}] if entries else [])
+                        lp = P.chat_logprobs(entries, req.num_logprobs) if c.logprobs is not None else None
+                        for j, delta in enumerate(deltas):
+                            events.append(chunk({"index": k, "delta": delta, "logprobs": None if j else lp,
                                                  "finish_reason": None}))
                         if c.finish_reason is not None:
+                            finish = c.finish_reason
+                            if reply is not None and reply.called and finish == "stop":
+                                finish = "tool_calls"
                             events.append(chunk({"index": k, "delta": {}, "logprobs": None,
-                                                 "finish_reason": c.finish_reason}))
+                                                 "finish_reason": finish}))
                     elif text or entries or c.finish_reason is not None:
                         lp = P.completion_logprobs(entries, start) if c.logprobs is not None else None
                         events.append(chunk({"text": echo[k] + text, "index": k, "logprobs": lp,

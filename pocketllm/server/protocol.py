@@ -40,12 +40,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    # Other keys (tool_calls, tool_call_id, ...) are kept for the chat template.
+    # Other keys are kept for the chat template.
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         d = self.model_dump(exclude_none=True)
@@ -54,6 +67,40 @@ class ChatMessage(_Strict):
         if self.role == "developer":  # OpenAI's newer name for the system role
             d["role"] = "system"
         return d
+
+
+class JSONSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class _SamplingRequest(_Strict):
@@ -79,6 +126,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # non-streaming responses: token ids of each choice and its prompt
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | ...
 
     @property
     def include_usage(self) -> bool:
@@ -88,8 +137,28 @@ class _SamplingRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                            param="stream_options", code="invalid_value")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise APIError(400, "Give either 'response_format' or 'structured_outputs', not both.",
+                           param="structured_outputs", code="invalid_value")
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+            raise APIError(400, "Missing required parameter: 'response_format.json_schema.schema'.",
+                           param="response_format", code="missing_required_parameter")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def output_constraint(self) -> tuple[dict | None, str | None]:
+        """The `structured_outputs` asked for, and the parameter that asked."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs, "structured_outputs"
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None, None
+        if rf.type == "json_object":
+            return {"json_object": True}, "response_format"
+        return {"json": rf.json_schema.schema_}, "response_format"
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, structured_outputs: dict | None = None,
+                        constraint_param: str | None = None, skip_special_tokens: bool = True) -> SamplingParams:
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
@@ -103,9 +172,12 @@ class _SamplingRequest(_Strict):
             return SamplingParams(
                 n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, logit_bias=bias,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs, **given)
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                structured_outputs=structured_outputs, skip_special_tokens=skip_special_tokens, **given)
         except RequestError as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value") from None
+            param = getattr(e, "param", None)
+            raise APIError(400, str(e), param=constraint_param if param == "structured_outputs" else param,
+                           code="invalid_value") from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -113,12 +185,32 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "Invalid value for 'top_logprobs': 'logprobs' must be set to true "
                                 "when 'top_logprobs' is used.", param="top_logprobs", code="invalid_value")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError(400, "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
+                                "are specified.", param="tool_choice", code="invalid_value")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise APIError(400, f"Invalid value for 'tool_choice': no function named '{name}' in 'tools'.",
+                               param="tool_choice", code="invalid_value")
+
+    @property
+    def effective_tool_choice(self) -> str | dict:
+        """"none", "auto", "required" or {"type": "function", "function": {"name": ...}}, as OpenAI
+        defaults it: "auto" when there are tools."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
 
     @property
     def num_logprobs(self) -> int | None:
@@ -172,7 +264,9 @@ _EXPECTED = {"string_type": "a string", "int_type": "an integer", "int_from_floa
              "float_type": "a decimal", "bool_type": "a boolean", "list_type": "an array",
              "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object"}
 _FIELDS = {name for m in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, StreamOptions,
-                          TokenizeRequest, DetokenizeRequest) for name in m.model_fields}
+                          TokenizeRequest, DetokenizeRequest, MessageToolCall, FunctionCall, ResponseFormat,
+                          JSONSchemaFormat, ChatTool, FunctionDefinition, NamedToolChoice)
+           for name in m.model_fields} | {"schema"}
 
 
 def _param(loc: tuple) -> str | None:

@@ -1,0 +1,146 @@
+"""xgrammar on the engine's tokenizer: compiled grammars cached by source, one matcher per sequence,
+and the batched logits mask. xgrammar is imported at the first constrained request."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+from pocketllm.errors import RequestError
+from pocketllm.structured.spec import cache_key, kind_of
+
+log = logging.getLogger("pocketllm")
+
+# Special tokens vanish from decoded text, so grammars may not emit them; these stay usable because
+# tool-call and reasoning syntaxes are written with them.
+_MARKERS = frozenset({"[TOOL_CALLS]", "<|python_tag|>", "<tool_call>", "</tool_call>", "<think>", "</think>"})
+
+
+def _flatten(node: dict | None) -> list[dict]:
+    if not node:
+        return []
+    inner = node.get("decoders") or node.get("normalizers") or node.get("pretokenizers")
+    return [leaf for n in inner for leaf in _flatten(n)] if inner else [node]
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids):
+    """The vocabulary as xgrammar reads it: raw token texts (byte-level "Ġ" forms, SentencePiece "▁"
+    and "<0xXX>" forms), `vocab_size` rows (the logits width), special tokens blanked out."""
+    import xgrammar as xgr
+
+    backend = tokenizer._backend  # the tokenizers.Tokenizer: only it has the undecoded token texts
+    encoded = [""] * vocab_size
+    for text, i in backend.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size:
+            encoded[i] = text
+    for i in tokenizer.all_special_ids:
+        if i < vocab_size and encoded[i] not in _MARKERS:
+            encoded[i] = ""
+    desc = json.loads(backend.to_str())
+    kinds = {d.get("type") for d in _flatten(desc.get("decoder")) + _flatten(desc.get("pre_tokenizer"))}
+    prefix = False
+    if "ByteLevel" in kinds:
+        vocab_type = xgr.VocabType.BYTE_LEVEL
+    elif kinds & {"ByteFallback", "Metaspace"} or desc.get("model", {}).get("byte_fallback"):
+        vocab_type = xgr.VocabType.BYTE_FALLBACK
+        normalizers = _flatten(desc.get("normalizer"))
+        prefix = any(n.get("type") == "Prepend" for n in normalizers) or any(
+            d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never"
+            for d in _flatten(desc.get("pre_tokenizer")))
+    else:
+        vocab_type = xgr.VocabType.RAW
+    return xgr.TokenizerInfo(encoded, vocab_type, vocab_size=vocab_size,
+                             stop_token_ids=sorted(stop_token_ids), add_prefix_space=prefix)
+
+
+class GrammarState:
+    """A sequence's place in its grammar. It is advanced once per sampled token, when the token
+    joins the output (`Request.append_output_token`): recomputing a preempted request's KV replays
+    no token, so the matcher never sees one twice."""
+
+    __slots__ = ("matcher", "rejected")
+
+    def __init__(self, compiled):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.rejected = False
+
+    def accept(self, token_id: int) -> None:
+        if not self.rejected and not self.matcher.accept_token(token_id):
+            # The mask allows only accepted tokens, so this is a bug: end the sequence, not its grammar.
+            log.error("the grammar rejected sampled token %d; ending the sequence", token_id)
+            self.rejected = True
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted: the request is done."""
+        return self.rejected or self.matcher.is_terminated()
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+    """Set logits[row] to -inf wherever row's grammar forbids the token; other rows are untouched."""
+    import xgrammar as xgr
+
+    bitmask = torch.empty((logits.shape[0], (logits.shape[1] + 31) // 32), dtype=torch.int32)
+    # fill_... returns False for a row that allows every token: nothing to apply there.
+    masked = [row for row, s in zip(rows, states) if s.matcher.fill_next_token_bitmask(bitmask, row)]
+    if masked:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)
+
+
+_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?:\d+: |Check failed: \(.*?\) is false: ")
+
+
+class StructuredOutputs:
+    """The engine's grammar compiler and its LRU of compiled grammars, keyed by (kind, source).
+    Thread-safe: the server compiles while validating a request, outside the engine thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 128):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need the model's tokenizer")
+            import xgrammar as xgr
+
+            info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1))
+        return self._compiler
+
+    def compile(self, spec: dict):
+        """The compiled grammar of a normalized `structured_outputs`; RequestError if it is invalid."""
+        key = cache_key(spec)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            compiler = self._get_compiler()
+        from pocketllm.structured.grammars import LABELS, build
+
+        try:
+            compiled = compiler.compile_grammar(build(spec))
+        except (RuntimeError, ValueError) as e:
+            message = _LOG_PREFIX.sub("", str(e)).strip()
+            err = RequestError(f"invalid {LABELS[kind_of(spec)]}: {message}")
+            err.param = "structured_outputs"
+            raise err from None
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @staticmethod
+    def new_state(compiled) -> GrammarState:
+        return GrammarState(compiled)
