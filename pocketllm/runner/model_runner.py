@@ -62,25 +62,28 @@ class ModelRunner:
         sampling = []
         dec_tables, dec_lens = [], []
         prefills: list[tuple[int, int, int, list[int]]] = []
-        for i, sr in enumerate(out.scheduled):
+        # Query-length-1 rows come first; they are most of a busy step, so they get a lean loop.
+        for sr in out.scheduled[:out.num_decodes]:
+            req = sr.request
+            p, blocks, tokens = req.num_computed_tokens, req.block_ids, req.all_token_ids
+            input_ids.append(tokens[p])
+            positions.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            dec_tables.append(blocks)  # exactly ceil((p + 1) / bs) blocks: the allocation's invariant
+            dec_lens.append(p + 1)
+            if p + 1 == len(tokens):
+                logits_rows.append(len(input_ids) - 1)
+                sampling.append(req)
+        for sr in out.scheduled[out.num_decodes:]:
             req, n = sr.request, sr.num_tokens
-            start = req.num_computed_tokens
+            start, blocks = req.num_computed_tokens, req.block_ids
             q0 = len(input_ids)
             input_ids += req.all_token_ids[start:start + n]
-            blocks = req.block_ids
-            if n == 1:
-                positions.append(start)
-                slots.append(blocks[start // bs] * bs + start % bs)
-            else:
-                pos = range(start, start + n)
-                positions += pos
-                slots += [blocks[p // bs] * bs + p % bs for p in pos]
+            pos = range(start, start + n)
+            positions += pos
+            slots += [blocks[p // bs] * bs + p % bs for p in pos]
             ctx = start + n
-            if i < out.num_decodes:
-                dec_tables.append(blocks[:-(-ctx // bs)])
-                dec_lens.append(ctx)
-            else:
-                prefills.append((q0, n, ctx, blocks[:-(-ctx // bs)]))
+            prefills.append((q0, n, ctx, blocks[:-(-ctx // bs)]))
             if sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
