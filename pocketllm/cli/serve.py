@@ -77,7 +77,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"error: cannot read the chat template {args.chat_template}: {e}", file=sys.stderr)
             return 2
-    engine = load_engine(args)
+    try:
+        llm = AsyncLLM(lambda: load_engine(args), max_queued_requests=args.max_queued_requests)
+    except Exception as e:  # noqa: BLE001  (a bad configuration: say what, exit non-zero)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = llm.engine
     cfg = ServerConfig(
         model_name=args.served_model_name or Path(engine.args.model).name,
         api_key=args.api_key,
@@ -85,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template, max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser)
-    llm = AsyncLLM(engine, max_queued_requests=args.max_queued_requests)
     host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}/v1"
 
