@@ -23,6 +23,9 @@ class RuntimeCapabilities:
     prefix_caching: bool = True
     cuda_graphs: bool = False
     max_batch_size: int | None = None
+    # How sliding-window layers hold KV: "full" = the whole sequence, like global layers (exact
+    # accounting, more memory than they read); "window" would free blocks that fall out of it.
+    sliding_window_kv: str = "full"
 
 
 @dataclass(frozen=True)

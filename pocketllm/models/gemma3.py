@@ -3,8 +3,8 @@ rotary bases, q/k RMSNorm, GeGLU, a scaled embedding and four norms per layer (G
 RMSNorm multiplies by 1 + w).
 
 KV memory: sliding-window layers share the block table of the global layers, so they keep
-KV for the whole sequence (declared below as `sliding_window_kv="full"`); the scheduler's
-block accounting is exact for that layout — it charges every layer the full length.
+KV for the whole sequence (declared in the capabilities as `sliding_window_kv="full"`); the
+scheduler's block accounting is exact for that layout — it charges every layer the full length.
 """
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ class Gemma3Model(torch.nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}))
-    sliding_window_kv = "full"
+    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}),
+                                       sliding_window_kv="full")
 
     @classmethod
     def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
