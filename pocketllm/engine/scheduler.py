@@ -86,10 +86,6 @@ class Scheduler:
         req.finished_time = time.monotonic()
         self.kv.free(req)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_work(self) -> bool:
         return bool(self.requests)
 

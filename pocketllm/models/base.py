@@ -37,10 +37,6 @@ class CausalLM(torch.nn.Module):
     def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
         return {"full"}
 
-    def layer_windows(self) -> list[int | None]:
-        """Per layer: the sliding window it reads, or None for full attention."""
-        return [None] * self.cfg.num_layers
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError

@@ -100,9 +100,6 @@ class Gemma3ForCausalLM(CausalLM):
             from pocketllm.layers.linear import Linear
             self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device)
 
-    def layer_windows(self) -> list[int | None]:
-        return [layer.self_attn.window for layer in self.model.layers]
-
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
