@@ -6,19 +6,12 @@ import pytest
 import torch
 
 from conftest import prompts_of
+from reference import captured_logits, hf_greedy, hf_last_logits
 from pocketllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 LENGTHS = [1, 5, 17, 33, 48, 70]
-
-
-def hf_greedy(model, prompt, new):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_fp32_greedy_tokens_on_cuda_equal_transformers(tiny):
@@ -35,14 +28,10 @@ def test_bf16_on_cuda_stays_close(tiny):
     model, path = tiny
     prompts = prompts_of(LENGTHS)
     llm = LLM(str(path), device="cuda", dtype="bfloat16")
-    captured = []
-    rt = llm.engine.runner.model
-    original = rt.compute_logits
-    rt.compute_logits = lambda h: captured.append(original(h).cpu()) or captured[-1]
-    for p in prompts:
-        llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=1))
+    with captured_logits(llm) as captured:
+        for p in prompts:
+            llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=1))
     for p, ours in zip(prompts, captured):
-        with torch.no_grad():
-            ref = model(torch.tensor([p])).logits[0, -1]
+        ref = hf_last_logits(model, p)
         # bf16 keeps 8 mantissa bits: a few per cent of the logit scale after a few layers
         assert float((ours[0] - ref).abs().max()) < 0.05 * float(ref.abs().max())

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fixtures import default_model_gguf
+from reference import captured_logits, hf_greedy, hf_last_logits
 from pocketllm import LLM, SamplingParams
 
 CHATS = [
@@ -44,18 +45,11 @@ def chat_prompts(llm):
 
 
 def test_last_position_logits_close_to_transformers(llm, hf_model, chat_prompts):
-    captured = []
-    rt = llm.engine.runner.model
-    original = rt.compute_logits
-    rt.compute_logits = lambda h: captured.append(original(h)) or captured[-1]
-    try:
+    with captured_logits(llm) as captured:
         for ids in chat_prompts:
             llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1))
-    finally:
-        rt.compute_logits = original
     for ids, ours in zip(chat_prompts, captured):
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([ids])).logits[0, -1]
+        ref = hf_last_logits(hf_model, ids)
         # Same dequantized weights, float32 both sides: only summation order differs.
         assert float((ours[0] - ref).abs().max()) < 2e-3 * float(ref.abs().max())
         assert int(ours[0].argmax()) == int(ref.argmax())
@@ -65,12 +59,8 @@ def test_greedy_chat_continuations_match_transformers(llm, hf_model, chat_prompt
     ours = llm.generate([{"prompt_token_ids": ids} for ids in chat_prompts],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for ids, out in zip(chat_prompts, ours):
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            # An explicit all-ones mask: pad_token_id equals <|im_end|>, which the prompt contains.
-            ref = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
-                                    eos_token_id=None, pad_token_id=hf_model.config.pad_token_id)
-        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+        # pad_token_id equals <|im_end|>, which the prompt contains: hf_greedy passes an all-ones mask.
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, 32, hf_model.config.pad_token_id)
     llm.engine.check_no_leaks()
 
 

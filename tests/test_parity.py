@@ -2,33 +2,20 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import prompts_of
+from reference import captured_logits, hf_greedy, hf_last_logits
 from pocketllm import LLM, SamplingParams
 
 LENGTHS = [1, 5, 17, 33, 48, 70]
 NEW = 32
 
 
-def hf_greedy(model, prompt):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def hf_last_logits(model, prompt):
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0, -1].float()
-
-
 @pytest.fixture
 def reference(tiny):
     model, path = tiny
     prompts = prompts_of(LENGTHS)
-    return path, prompts, [hf_greedy(model, p) for p in prompts], model
+    return path, prompts, [hf_greedy(model, p, NEW) for p in prompts], model
 
 
 def run(path, prompts, **engine_args):
@@ -48,17 +35,13 @@ def test_greedy_tokens_match_transformers(reference):
 def test_last_position_logits_match_transformers(reference):
     path, prompts, _, model = reference
     llm = LLM(str(path), dtype="float32")
-    captured = []
-    model_rt = llm.engine.runner.model
-    original = model_rt.compute_logits
-    model_rt.compute_logits = lambda h: captured.append(original(h).cpu()) or captured[-1]
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
-    ours = torch.cat(captured)  # one row per prompt, in batch order
-    rows = {len(p): hf_last_logits(model, p) for p in prompts}
-    assert ours.shape[0] == len(prompts)
-    for row in ours:
-        diffs = [float((row - ref).abs().max()) for ref in rows.values()]
-        assert min(diffs) < 1e-4, diffs
+    with captured_logits(llm) as captured:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
+    # One step: the 1-token prompt is a query-length-1 row (placed first), then the others in
+    # admission order -- the order of `prompts`.
+    assert len(captured) == 1 and captured[0].shape[0] == len(prompts)
+    for prompt, row in zip(prompts, captured[0]):
+        assert float((row - hf_last_logits(model, prompt)).abs().max()) < 1e-4
 
 
 def test_batch_invariance(reference):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import prompts_of
+from reference import captured_logits, hf_greedy
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
@@ -273,21 +274,10 @@ def test_f32_file_loads_back_exactly(tiny_models, tmp_path):
 
 def engine_run(path, prompts, max_tokens, **kw):
     llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64, **kw)  # a small cache: quick to set up
-    captured = []
-    rt = llm.engine.runner.model
-    original = rt.compute_logits
-    rt.compute_logits = lambda h: captured.append(original(h)) or captured[-1]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    with captured_logits(llm) as captured:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs], captured[0]
-
-
-def hf_greedy(model, prompt, new):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def dequantized_copy(model, path):

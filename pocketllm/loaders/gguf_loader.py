@@ -55,6 +55,7 @@ class GGUFModelFile:
             raise UnsupportedFeatureError(
                 f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self._config: ModelConfig | None = None  # read once: the loader and the engine both need it
 
     def meta(self, key: str, default=None):
         field = self.reader.fields.get(key)
@@ -67,6 +68,11 @@ class GGUFModelFile:
         return {t.tensor_type.name for t in self.reader.tensors if len(t.shape) > 1}
 
     def model_config(self) -> ModelConfig:
+        if self._config is None:
+            self._config = self._read_config()
+        return self._config
+
+    def _read_config(self) -> ModelConfig:
         heads = self.arch_meta("attention.head_count")
         hidden = self.arch_meta("embedding_length")
         vocab = self.arch_meta("vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
