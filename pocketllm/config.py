@@ -31,6 +31,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     seed: int = 0
     enforce_eager: bool = False
+    # Schedule and launch the next step while the last one runs (opt-in: see benchmarks/NOTES.md)
+    async_scheduling: bool = False
     dequantize_at_load: bool = False  # GGUF: trade memory for speed
     load_format: str = "auto"  # auto | dummy (random weights; `model` may name a shape, e.g. llama3-8b)
     tokenizer: str | None = None  # defaults to the model's own

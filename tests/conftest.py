@@ -1,7 +1,14 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under Triton's interpreter on CPU tensors; it is chosen when a kernel
+    # is decorated, so before any kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import CONFIGS, make_model
 

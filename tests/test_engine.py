@@ -129,8 +129,10 @@ def test_capabilities_refuse_what_a_platform_does_not_declare(tiny_models):
     cfg = ModelConfig.from_hf_dir(tiny_models["llama"][1])
     args = EngineArgs()
     assert select_runtime(cfg, args, "cpu", "float32", {"Q4_1", "Q8_0"}).model_class.__name__ == "LlamaForCausalLM"
-    with pytest.raises(UnsupportedFeatureError, match="cuda platform does not support quantization type 'Q4_1'"):
-        select_runtime(cfg, args, "cuda", "bfloat16", {"Q4_1"})
+    # every GGUF type loads on CUDA (the lattice IQ types dequantized at load)
+    assert select_runtime(cfg, args, "cuda", "bfloat16", {"Q4_K", "Q6_K", "IQ2_XS"}).model_class is not None
+    with pytest.raises(UnsupportedFeatureError, match="runtime does not support quantization type 'TQ1_0'"):
+        select_runtime(cfg, args, "cuda", "bfloat16", {"TQ1_0"})
     with pytest.raises(UnsupportedFeatureError, match="cpu platform does not support dtype 'float16'"):
         select_runtime(cfg, args, "cpu", "float16")
 

@@ -53,3 +53,29 @@ def test_batch_invariance(reference):
     tight, outs, llm = run(path, prompts, num_kv_blocks=9, max_model_len=128)
     assert tight == expected
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the small cache should force preemption"
+
+
+def test_async_scheduling_gives_the_same_tokens(reference):
+    """Each step scheduled and launched while the one before is still in flight
+    (--async-scheduling; the same logic on the CPU, where a launch completes at once): decode rows
+    take their input token from the previous step's output, through chunked prefill, preemption
+    with a token in flight, and stops."""
+    path, prompts, expected, _ = reference
+    got, _, _ = run(path, prompts, async_scheduling=True)
+    assert got == expected
+    chunked, _, _ = run(path, prompts, async_scheduling=True, max_num_batched_tokens=8)
+    assert chunked == expected
+    tight, outs, _ = run(path, prompts, async_scheduling=True, num_kv_blocks=9, max_model_len=128)
+    assert tight == expected
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the small cache should force preemption"
+
+    llm = LLM(str(path), dtype="float32", async_scheduling=True)
+    stop_at = expected[2][6]
+    params = [SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, stop_token_ids=[stop_at]),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": prompts[2]}, {"prompt_token_ids": prompts[3]}], params)
+    first = expected[2].index(stop_at)
+    assert outs[0].outputs[0].token_ids == expected[2][:first + 1]
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].token_ids == expected[3][:5]
+    llm.engine.check_no_leaks()

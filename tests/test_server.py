@@ -524,6 +524,53 @@ def test_async_llm_aborts_and_shuts_down(tiny_engine):
     tiny_engine.check_no_leaks()
 
 
+def test_async_llm_admits_a_burst_in_one_step_and_coalesces_outputs(tiny_models):
+    engine = LLMEngine(EngineArgs(model=str(tiny_models["qwen3"][1]), dtype="float32", max_num_seqs=4))
+    step_sizes = []
+    step = engine.step
+
+    def recorded_step():
+        outs = step()
+        step_sizes.append(engine.last_step.num_seqs)
+        return outs
+
+    engine.step = recorded_step
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([20, 21, 22], seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def burst(llm: AsyncLLM, gap: float) -> None:
+        step_sizes.clear()
+        streams = []
+        for i, prompt in enumerate(prompts):
+            streams.append(llm.add_request(f"{gap}-{i}", prompt, params))
+            await asyncio.sleep(gap)
+        for s in streams:
+            async for _ in s:
+                pass
+
+    async def main():
+        # Requests arriving while the engine is idle, each within the admission gap of the last,
+        # are scheduled together: none waits for another one's prefill step.
+        llm = AsyncLLM(engine, admission_gap=0.5, admission_max_wait=5.0)
+        await burst(llm, 0.05)
+        assert step_sizes[0] == 3
+        await llm.shutdown()
+        # Without the gap the first request's prefill runs alone.
+        llm = AsyncLLM(engine, admission_gap=0.0)
+        await burst(llm, 0.05)
+        assert step_sizes[0] == 1
+        # A consumer that falls behind (here: an event loop blocked for a second) gets the newest
+        # cumulative output, not a backlog of one per step.
+        stream = llm.add_request("slow", prompts[0], params)
+        time.sleep(1.0)
+        outs = [o async for o in stream]
+        assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 8
+        await llm.shutdown()
+
+    asyncio.run(main())
+    engine.check_no_leaks()
+
+
 # -- pocketllm chat ------------------------------------------------------------------------------
 def test_chat_command_answers_and_exits_on_eof(launched):
     chat = launched["chat"]  # given one line on stdin, then EOF

@@ -40,6 +40,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, conc
     starts, ttft, finished = {}, {}, {}
     overhead_at: dict[int, list[float]] = {}
     decode_steps = []
+    prefill_steps = []  # (prompt tokens, step time) of every step that prefills
     t0 = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and len(engine.outputs.parents) < concurrency:
@@ -52,6 +53,8 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, conc
         if st.num_seqs and st.num_decodes == st.num_seqs:  # a pure decode step
             overhead_at.setdefault(st.num_seqs, []).append(st.overhead_time)
             decode_steps.append((st.num_seqs, st.total_time, st.forward_time))
+        elif st.num_tokens > st.num_decodes:
+            prefill_steps.append((st.num_tokens - st.num_decodes, st.total_time))
         for o in outs:
             ttft.setdefault(o.request_id, now - starts[o.request_id])
             if o.finished:
@@ -64,7 +67,11 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, conc
         "concurrency": concurrency, "num_prompts": len(prompts), "elapsed_s": elapsed,
         "output_tok_s": n_out / elapsed,
         "total_tok_s": (n_out + sum(map(len, prompts))) / elapsed,
+        # tokens per second of the full-batch decode steps, and of the steps that prefill
+        # (those may carry a few decode rows too: a conservative prefill figure)
         "decode_tok_s": (sum(n for n, _, _ in full) / sum(t for _, t, _ in full)) if full else None,
+        "prefill_tok_s": (sum(n for n, _ in prefill_steps) / sum(t for _, t in prefill_steps))
+        if prefill_steps else None,
         "ttft_p50_s": percentile(list(ttft.values()), 50), "ttft_p99_s": percentile(list(ttft.values()), 99),
         "e2e_p50_s": percentile(list(finished.values()), 50),
         "step_overhead_ms": {str(k): {"p50": 1e3 * percentile(v, 50), "p99": 1e3 * percentile(v, 99),
@@ -83,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
         num = lambda c: max(args.num_prompts, c)  # noqa: E731
     results = []
     for c in sweep:
-        prompts = random_prompts(num(c), args.input_len, vocab, seed=c)
-        for _ in range(args.warmup):
-            run_batch(engine, prompts[:c], min(args.output_len, 8), c)
+        # Fresh prompts for every run: a prefix-cache hit would make prefill look free.
+        for w in range(args.warmup):
+            run_batch(engine, random_prompts(c, args.input_len, vocab, seed=-1 - w - 100 * c),
+                      min(args.output_len, 8), c)
         iters = args.num_iters if args.bench == "latency" else 1
-        runs = [run_batch(engine, prompts, args.output_len, c) for _ in range(iters)]
+        runs = [run_batch(engine, random_prompts(num(c), args.input_len, vocab, seed=c + 10_000 * i),
+                          args.output_len, c) for i in range(iters)]
         best = min(runs, key=lambda r: r["elapsed_s"])
         best["runs_elapsed_s"] = [r["elapsed_s"] for r in runs]
         results.append(best)
@@ -97,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         top = max(r["step_overhead_ms"], key=int, default=None)
         r["overhead_ms_p50_at_max"] = r["step_overhead_ms"][top]["p50"] if top else None
     print_table(results, ["concurrency", "num_prompts", "elapsed_s", "output_tok_s", "decode_tok_s",
-                          "ttft_p50_s", "speedup_vs_first", "overhead_ms_p50_at_max"])
+                          "prefill_tok_s", "ttft_p50_s", "speedup_vs_first", "overhead_ms_p50_at_max"])
     write_json(args.output_json, {**environment(), "benchmark": args.bench,
                                   "model": engine.args.model, "dtype": engine.dtype_name,
                                   "input_len": args.input_len, "output_len": args.output_len,

@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--max-concurrency", type=int, default=8, help="the sweep doubles up to this")
+    parser.add_argument("--concurrency", default=None, help="comma list of levels instead of the doubling sweep")
     parser.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -96,7 +97,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
     if not chunk_times:
         return {"error": "no tokens received"}
     return {"ttft": chunk_times[0] - start, "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])],
-            "tokens": tokens}
+            "e2e": time.perf_counter() - start, "tokens": tokens}
 
 
 async def run_level(client: httpx.AsyncClient, model: str, prompts: list[list[int]], output_len: int,
@@ -117,6 +118,7 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list[list[in
     after = histogram_buckets((await client.get("/metrics")).text, _QUEUE_METRIC)
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
+    e2e = [r["e2e"] for r in ok]
     itl = [x for r in ok for x in r["itl"]]
     queue_p99 = histogram_quantile(0.99, before, after)
     errors = [r["error"] for r in results if "error" in r]
@@ -125,6 +127,7 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list[list[in
         "output_tok_s": sum(r["tokens"] for r in ok) / elapsed,
         "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
         "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "e2e_p50_ms": 1e3 * percentile(e2e, 50),
         "queue_p99_ms": None if queue_p99 is None else 1e3 * queue_p99,
         "first_error": errors[0] if errors else None,
     }
@@ -136,11 +139,13 @@ async def bench(args: argparse.Namespace) -> dict:
                                  limits=httpx.Limits(max_connections=args.max_concurrency + 2)) as client:
         models = (await client.get("/v1/models")).raise_for_status().json()["data"]
         model = args.model or models[0]["id"]
-        pool = (await client.post("/tokenize", json={"prompt": _SEED_TEXT, "add_special_tokens": False})
-                ).raise_for_status().json()["tokens"]
+        tokenized = await client.post("/tokenize", json={"prompt": _SEED_TEXT, "add_special_tokens": False})
+        # A model served without a tokenizer (random weights of a named shape) takes plain ids.
+        pool = tokenized.json()["tokens"] if tokenized.status_code == 200 else list(range(1000, 10000))
         rng = random.Random(args.seed)
         rows = []
-        for concurrency in sweep(args.max_concurrency):
+        levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else sweep(args.max_concurrency)
+        for concurrency in levels:
             prompts = [[rng.choice(pool) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
             rows.append(await run_level(client, model, prompts, args.output_len, concurrency))
     return {"model": model, "rows": rows}

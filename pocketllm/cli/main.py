@@ -1,4 +1,4 @@
-"""`pocketllm` command line: serve, generate, chat, pull, quantize, bench.
+"""`pocketllm` command line: serve, generate, chat, pull, quantize, dummy-gguf, bench.
 
 Only the chosen command's module is imported, so e.g. `pocketllm bench` needs no server packages.
 """
@@ -15,6 +15,7 @@ _COMMANDS = {
     "chat": ("pocketllm.cli.chat", "chat with a model in the terminal"),
     "pull": ("pocketllm.cli.pull", "download the default model into the cache"),
     "quantize": ("pocketllm.cli.quantize", "write a quantized GGUF from a Hugging Face model"),
+    "dummy-gguf": ("pocketllm.cli.dummy_gguf", "write a random-weight GGUF of a model shape (benchmarks)"),
 }
 _BENCH = {
     "latency": ("pocketllm.bench.offline", "single-batch latency of the offline engine"),

@@ -84,10 +84,11 @@ class KVCacheManager:
         return True
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register the request's full blocks whose KV has now been written."""
+        """Register the request's full blocks whose KV is written (or being written by a launched
+        step) and whose tokens are all known."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if num_full <= req.num_hashed_blocks:
             return
         self._update_hashes(req, num_full * self.block_size)

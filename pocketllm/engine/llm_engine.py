@@ -14,11 +14,11 @@ from pocketllm.config import EngineArgs, ModelConfig
 from pocketllm.engine.kv_cache_manager import KVCacheManager
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.request import Request, RequestStatus
-from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
+from pocketllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pocketllm.errors import ConfigurationError, RequestError
 from pocketllm.models.registry import select_runtime
 from pocketllm.outputs import RequestOutput
-from pocketllm.runner.model_runner import ModelRunner
+from pocketllm.runner.model_runner import LaunchedStep, ModelRunner
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured.backend import StructuredOutputs
 
@@ -127,7 +127,9 @@ class LLMEngine:
             num_blocks = min(int(budget // per_block), cap)
             self._check_kv_fits(num_blocks)
         self.num_blocks = num_blocks
-        self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed)
+        self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=args.enforce_eager)
         salt = "|".join(map(str, (cfg.architecture, self.dtype_name, cfg.num_layers, cfg.num_kv_heads,
                                   cfg.head_dim, self.block_size, path.resolve(), sorted(quant_types))))
         self.kv = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching,
@@ -142,6 +144,10 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self.last_step = StepStats()
+        # Launched and not yet read back (asynchronous scheduling): (its schedule, its launch).
+        self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._wait_time = 0.0
+        self.async_scheduling = args.async_scheduling
 
     # -- set-up helpers --------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -243,13 +249,38 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches a step, then returns the outputs of the step that completes:
+        this one, or with asynchronous scheduling the one before it (whose tokens are read
+        back and processed while this one runs on the device). `last_step` describes the
+        step launched here; with asynchronous scheduling its time includes waiting for the
+        step before."""
         t0 = time.perf_counter()
+        self._wait_time = 0.0
+        outs: list[RequestOutput] = []
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and any(r.needs_host_tokens for r in self.scheduler.requests.values()):
+            outs, inflight = self._complete(*inflight), None  # the next step needs its tokens on the host
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        if sched.is_empty:
-            self.last_step = StepStats(schedule_time=t1 - t0, total_time=t1 - t0)
-            return []
-        result = self.runner.execute(sched)
+        launched = None if sched.is_empty else self.runner.launch(sched, inflight[1] if inflight else None)
+        if inflight is not None:
+            outs = self._complete(*inflight)
+        if launched is not None:
+            if self.async_scheduling:
+                self._inflight = (sched, launched)
+            else:
+                outs = self._complete(sched, launched)
+        self.last_step = StepStats(sched.total_tokens, len(sched.scheduled), sched.num_decodes, t1 - t0,
+                                   launched.prepare_time if launched else 0.0,
+                                   (launched.launch_time if launched else 0.0) + self._wait_time,
+                                   time.perf_counter() - t0)
+        return outs
+
+    def _complete(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """Reads a launched step's tokens back and turns them into request outputs."""
+        t0 = time.perf_counter()
+        result = self.runner.collect(launched)
+        self._wait_time += time.perf_counter() - t0
         sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
         touched = self.scheduler.update_from_output(sched, sampled)
         now = time.monotonic()
@@ -266,9 +297,6 @@ class LLMEngine:
         for parent in parents.values():
             outs.append(parent.output())
             self.outputs.pop_finished(parent.request_id)
-        self.last_step = StepStats(sched.total_tokens, len(sched.scheduled), sched.num_decodes,
-                                   t1 - t0, result.prepare_time, result.forward_time,
-                                   time.perf_counter() - t0)
         return outs
 
     # -- introspection -------------------------------------------------------------------------------

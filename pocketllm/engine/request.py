@@ -48,7 +48,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # tokens whose KV is computed or being computed by a launched step
+        self.num_pending = 0  # tokens sampled by launched steps that have not been appended yet
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission; -1 = not admitted yet
         self.num_preemptions = 0
 
@@ -80,6 +81,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling this request reads its previous tokens on the host (a grammar,
+        penalties, a minimum length): its next step cannot be scheduled before the last
+        one's token is back."""
+        p = self.params
+        return self.structured is not None or p.needs_penalties or p.min_tokens > 0
 
     @property
     def prefill_done(self) -> bool:

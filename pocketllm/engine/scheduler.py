@@ -5,6 +5,11 @@ token budget moving requests toward their token count — decode tokens of runni
 first, then prefill chunks of partially prefilled requests, then new admissions (FCFS), all
 in one mixed batch. When KV blocks run out, the most recently admitted request is preempted
 (its blocks freed, its tokens recomputed later), so the oldest request always progresses.
+
+A request's progress advances when it is scheduled, not when the step's results come back:
+with asynchronous scheduling the next step is scheduled while the last one still runs, and a
+request whose sampled token is still in flight (`num_pending`) decodes that token next (the
+runner takes it from the previous step's output on the device).
 """
 from __future__ import annotations
 
@@ -28,13 +33,9 @@ class SchedulerConfig:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens (so a token is sampled)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_tokens == r.num_tokens
+    num_tokens: int  # tokens computed this step
+    start: int = 0  # position of the first of them (set when the batch is final)
+    samples: bool = False  # the step reaches the end of the request's tokens: a token is sampled
 
 
 @dataclass
@@ -95,13 +96,15 @@ class Scheduler:
         out = SchedulerOutput()
         batch: dict[str, ScheduledRequest] = {}
         # Decode rows first, then running requests still in prefill.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda r: r.num_tokens + r.num_pending - r.num_computed_tokens > 1)
         for req in order:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and self._ends_with_pending(req):
+                continue  # its token in flight is its last: nothing more to compute
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {req}"
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
@@ -122,6 +125,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
+            if req.num_pending:  # preempted with a token in flight: readmit once it is back
+                break
             leader = req.leader
             if (leader is not None and self.kv.enable_prefix_caching and not leader.is_finished
                     and not leader.prefill_done):
@@ -155,7 +160,25 @@ class Scheduler:
         out.scheduled = decodes + chunks
         out.num_decodes = len(decodes)
         assert budget >= 0 and len(self.running) <= self.config.max_num_seqs
+        for sr in out.scheduled:
+            req = sr.request
+            sr.start = req.num_computed_tokens
+            req.num_computed_tokens += sr.num_tokens
+            sr.samples = req.num_computed_tokens == req.num_tokens + req.num_pending
+            # Only a decode row can start at a token still in flight (the runner reads it on the device).
+            assert sr.start + sr.num_tokens <= req.num_tokens or (sr.num_tokens == 1 and sr.start == req.num_tokens)
+            if sr.samples:
+                req.num_pending += 1
+            # Later steps run after this one (one stream), so its blocks may serve as prefix hits now.
+            self.kv.cache_computed_blocks(req)
         return out
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """Whether the tokens in flight already reach the request's length limit."""
+        p = req.params
+        if p.max_tokens is not None and req.num_output_tokens + req.num_pending >= p.max_tokens:
+            return True
+        return req.num_tokens + req.num_pending >= self.config.max_model_len
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
@@ -167,25 +190,21 @@ class Scheduler:
 
     # -- after the forward --------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance each scheduled request, append sampled tokens, finish what must stop.
+        """Append the step's sampled tokens and finish what must stop. A request preempted since
+        the step was launched still gets its token (it is recomputed with the rest); one that
+        finished meanwhile (abort, stop string, an earlier stop) does not.
         Returns the requests that received a token this step."""
         touched = []
         for sr in out.scheduled:
             req = sr.request
-            if req.status != RequestStatus.RUNNING:
+            if not sr.samples or req.is_finished:
                 continue
-            req.num_computed_tokens += sr.num_tokens
-            self.kv.cache_computed_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.append_output_token(token)
+            req.num_pending -= 1
+            req.append_output_token(sampled[req.request_id])
             touched.append(req)
-            status = self._check_stop(req, token)
+            status = self._check_stop(req, req.output_token_ids[-1])
             if status is not None:
-                self.running.remove(req)
-                del self.requests[req.request_id]
-                self._finish(req, status)
+                self.finish_request(req.request_id, status)
         return touched
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

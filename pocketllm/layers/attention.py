@@ -1,12 +1,12 @@
-"""Paged attention over a block-table KV cache, in plain torch (the CPU path and the
-reference for GPU kernels).
+"""Paged attention over a block-table KV cache: plain torch on the CPU (and the reference for
+the GPU kernels), the Triton kernels of pocketllm.kernels.triton on CUDA.
 
 Each layer owns K and V caches shaped [num_blocks, block_size, num_kv_heads, head_dim];
 a token at position p of a request lives in slot block_ids[p // bs] * bs + p % bs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +25,20 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the runner and shared by every layer."""
+    """Built once per step by the runner and shared by every layer. The torch path reads the
+    per-request masks and spans; the kernel path reads the flat tensors (graph-capturable)."""
 
-    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written (-1: nowhere)
     num_decodes: int  # the first rows have query length 1
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * bs] bool
-    prefills: list[PrefillSpan]
+    # torch path
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * bs] bool
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # kernel path: every request of the step, decodes first
+    block_tables: torch.Tensor | None = None  # [R, max_blocks] int32
+    seq_lens: torch.Tensor | None = None  # [R] int32, tokens including this step's
+    query_start_loc: torch.Tensor | None = None  # [R + 1] int32
+    max_query_len: int = 0
     # Sliding-window layers read a narrower mask, made from the same metadata on first use.
     _window_masks: dict | None = None
 
@@ -66,6 +73,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]."""
+    if meta.block_tables is not None:
+        from pocketllm.kernels.triton import attention as kernels
+
+        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, meta.max_query_len, scale, window, softcap)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nb, bs, hkv, d = k_cache.shape
     out = torch.empty_like(q)

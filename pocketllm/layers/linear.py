@@ -23,6 +23,7 @@ class Linear(torch.nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
+        self.dtype, self.device = dtype, torch.device(device)  # where GGUF weights go
         out = sum(out_sizes)
         # torch.empty touches no memory: a quantized checkpoint replaces it without ever filling it.
         self.weight = torch.nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device),
@@ -56,20 +57,21 @@ class Linear(torch.nn.Module):
             # Rows of a GGUF matrix are independent blocks: same-type parts fuse exactly.
             self.quantized = GGUFLinear.from_gguf([p.data.reshape(p.shape[0], -1) for p in parts],
                                                   parts[0].qtype, sum(self.out_sizes), self.in_features,
-                                                  bias, self.dequantize_at_load)
-        else:
+                                                  bias, self.dequantize_at_load, device=self.device,
+                                                  dtype=self.dtype)
+        else:  # e.g. Q4_K_M's Q4_K q/k with a Q6_K v: one layer per part
             subs, lo = [], 0
             for p, size in zip(parts, self.out_sizes):
                 b = None if bias is None else bias[lo:lo + size]
                 subs.append(GGUFLinear.from_gguf(p.data, p.qtype, size, self.in_features, b,
-                                                 self.dequantize_at_load))
+                                                 self.dequantize_at_load, device=self.device, dtype=self.dtype))
                 lo += size
             self.quantized = ConcatLinear(subs)
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized(x.float()).to(x.dtype)
+            return self.quantized(x).to(x.dtype)  # CPU paths compute in float32, CUDA ones in x's dtype
         return F.linear(x, self.weight, self.bias)
 
 
@@ -90,13 +92,21 @@ class Embedding(torch.nn.Module):
         self.num_embeddings, self.dim = num_embeddings, dim
         self.weight = torch.nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device),
                                          requires_grad=False)
-        self.quantized: QuantizedTensor | None = None
-        self.dtype = dtype
+        self.quantized: QuantizedTensor | None = None  # looked up row by row (on the CPU)
+        self.source: QuantizedTensor | None = None  # the GGUF table, for a tied output projection
+        self.dtype, self.device = dtype, torch.device(device)
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
-        if isinstance(tensor, QuantizedTensor):
-            self.quantized = tensor
+        if isinstance(tensor, QuantizedTensor) and self.device.type == "cpu":
+            self.quantized = self.source = tensor
             self.weight = None
+        elif isinstance(tensor, QuantizedTensor):
+            # Off the CPU the table is a lookup: dequantized once, in the model's dtype.
+            from pocketllm.quant.linear import _dequantize_rows
+
+            rows = tensor.data.reshape(self.num_embeddings, -1)
+            _dequantize_rows(rows, tensor.qtype, self.dim, self.device, self.dtype, out=self.weight.data)
+            self.source = tensor
         else:
             self.weight.data.copy_(tensor)
 
@@ -111,8 +121,9 @@ class Embedding(torch.nn.Module):
     def as_linear(self) -> Linear:
         """The same matrix as an output projection (tied embeddings)."""
         lin = Linear(self.dim, [self.num_embeddings], dtype=self.dtype, device="meta")
-        if self.quantized is not None:
-            lin.load(self.quantized)
+        lin.device = self.device
+        if self.source is not None:  # stays quantized (CUDA: the Triton kernels)
+            lin.load(self.source)
         else:
             lin.weight = self.weight
         return lin

@@ -25,6 +25,10 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual)."""
+        if x.is_cuda:
+            from pocketllm.kernels.triton.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.offset, residual)
         if residual is not None:
             x = x + residual
             residual = x

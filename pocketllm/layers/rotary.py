@@ -50,7 +50,11 @@ class RotaryEmbedding(torch.nn.Module):
         self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D]: queries and keys of all heads at once."""
+        """x [T, H, D]: queries and keys of all heads at once. On CUDA x is rotated in place."""
+        if x.is_cuda:
+            from pocketllm.kernels.triton.fused import rotary_
+
+            return rotary_(x, positions, self.cos, self.sin)
         cached = self._cached
         if cached is None or cached[0] is not positions:
             # Every layer of a step passes the same positions tensor: gather the tables once.

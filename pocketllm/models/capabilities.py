@@ -28,18 +28,32 @@ class RuntimeCapabilities:
     sliding_window_kv: str = "full"
 
 
+# GGUF types the CUDA platform multiplies in their GGUF encoding (the Triton kernels of
+# pocketllm/kernels/triton/gguf.py, TRITON_GGUF_TYPES; a test keeps the two lists equal).
+CUDA_KERNEL_TYPES = frozenset({
+    "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    "MXFP4",
+})
+
+
 @dataclass(frozen=True)
 class PlatformCapabilities:
     name: str
     dtypes: frozenset[str]
-    quantizations: frozenset[str]
+    quantizations: frozenset[str]  # GGUF types that load
+    # The quantized types kept in their GGUF encoding in memory and multiplied as such; the
+    # platform dequantizes the other quantized types at load, to the model's dtype (exact, but
+    # 2 bytes a weight in bfloat16: the slower path).
+    kept_quantized: frozenset[str]
 
 
 PLATFORMS = {
-    "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"}), GGUF_TYPES),
-    # GGUF kernels for the GPU are not written yet: only unquantized tensors load there.
-    "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"}),
-                                 frozenset({"F32", "F16", "BF16"})),
+    "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"}), GGUF_TYPES,
+                                GGUF_TYPES - {"F32", "F16", "BF16"}),
+    # Every GGUF type loads on CUDA; the IQ1/IQ2/IQ3 lattice types have no kernel there and are
+    # dequantized at load.
+    "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"}), GGUF_TYPES,
+                                 CUDA_KERNEL_TYPES),
 }
 
 

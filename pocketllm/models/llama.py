@@ -18,6 +18,7 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+_KERNEL_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}  # codes of kernels.triton.fused
 
 
 class Attention(torch.nn.Module):
@@ -57,9 +58,15 @@ class MLP(torch.nn.Module):
         self.gate_up_proj = Linear(h, [i, i], cfg.mlp_bias, dtype, device)
         self.down_proj = Linear(i, [h], cfg.mlp_bias, dtype, device)
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act_code = _KERNEL_ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from pocketllm.kernels.triton.fused import gated_act
+
+            return self.down_proj(gated_act(gate_up, self.act_code))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -1,4 +1,5 @@
-"""GGUF quantized weights: exact dequantization and linear/embedding layers on CPU."""
+"""GGUF quantized weights: exact dequantization and linear/embedding layers (CPU kernels; on CUDA the
+Triton kernels of pocketllm/kernels/triton/gguf.py)."""
 
 from .dequant import dequantize
 from .gguf_types import SUPPORTED_TYPES, block_size, type_size

@@ -31,6 +31,17 @@ Compute paths (``GGUFLinear.path``):
 * ``"int4_bf16"`` opt-in, same mapping in bfloat16 (activations, scales, zeros
   and output each rounded to bf16, relative error up to 2**-9 each): fast, inexact.
 
+On a CUDA device (``device=`` of ``from_gguf``) two paths exist:
+
+* ``"triton"`` default for the types the Triton kernels cover (``TRITON_GGUF_TYPES``:
+  Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K IQ4_NL IQ4_XS MXFP4): the GGUF bytes go to the GPU as
+  they are, re-laid out per row (codes first, then scales: the same bytes, the same size;
+  ``kernels/triton/gguf.py``), and every call multiplies them in their GGUF encoding, in the
+  activations' dtype.
+* ``"dense"`` for the others (the IQ1/IQ2/IQ3 lattice types) or with ``dequantize_at_load``:
+  dequantized exactly (float32) at load, then stored in the model's dtype: the slower path,
+  2 bytes a weight in bfloat16.
+
 Inference only: the planes path reuses its scratch buffer, so no autograd.
 """
 
@@ -57,7 +68,10 @@ SCRATCH_BYTES = 4 << 20
 
 INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 _FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-_PATHS = ("auto", "c", "dense", "planes", "scratch", "int4", "int4_bf16")
+_PATHS = ("auto", "c", "dense", "planes", "scratch", "int4", "int4_bf16", "triton")
+# Devices whose "auto" path is "triton" for the covered types.  Tests add "cpu" to run the Triton
+# path on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
+TRITON_DEVICES = {"cuda"}
 C_GEMM_ROWS = 16  # beyond this many rows, dequantize-then-BLAS beats the fused kernel
 _GROUP = 32  # int4 kernel group size = Q4_0/Q4_1 block = Q4_K sub-block
 _TEMP_FACTOR = 4  # scratch path: float chunk = SCRATCH_BYTES / this
@@ -231,6 +245,8 @@ class GGUFLinear(torch.nn.Module):
         bias: torch.Tensor | None = None,
         dequantize_at_load: bool = False,
         path: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> "GGUFLinear":
         """Wrap raw GGUF bytes of an ``[out_features, in_features]`` weight.
 
@@ -238,12 +254,26 @@ class GGUFLinear(torch.nn.Module):
         e.g. Q, K and V): the C path points at them where they are, other paths concatenate.
 
         ``path="auto"`` picks ``"dense"`` for float types or with
-        ``dequantize_at_load``, ``"planes"`` for affine types, else ``"scratch"``.
+        ``dequantize_at_load``, ``"planes"`` for affine types, else ``"scratch"``; on a CUDA
+        ``device``, ``"triton"`` for the types the Triton kernels cover, else ``"dense"``.
+        ``dtype``: what the dense and triton paths hold off the CPU (the model's dtype); the CPU
+        paths compute in float32.
         """
         qtype = check_supported(qtype)
         if path not in _PATHS:
             raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
         n, k = int(out_features), int(in_features)
+        device = torch.device("cpu" if device is None else device)
+        on_cpu = device.type == "cpu"
+        if path == "auto" and device.type in TRITON_DEVICES and not dequantize_at_load:
+            from pocketllm.kernels.triton.gguf import TRITON_GGUF_TYPES
+
+            if qtype in TRITON_GGUF_TYPES:
+                path = "triton"
+        if path == "auto" and not on_cpu:
+            path = "dense"
+        if path not in ("dense", "triton") and not on_cpu:
+            raise ValueError(f"path {path!r} runs on the CPU only, not on {device}")
         if path == "auto":
             if dequantize_at_load or qtype in _FLOAT_TYPES:
                 path = "dense"
@@ -267,7 +297,16 @@ class GGUFLinear(torch.nn.Module):
 
         self = cls()
         self.qtype, self.out_features, self.in_features, self.path = qtype, n, k, path
-        self.bias = None if bias is None else bias.detach().to(torch.float32).reshape(n)
+        held = torch.float32 if on_cpu and path != "triton" else dtype  # what this layer computes in
+        self.bias = None if bias is None else bias.detach().to(device, held).reshape(n)
+        if path == "triton":
+            from pocketllm.kernels.triton.gguf import pack_gguf
+
+            self._store = pack_gguf(raw.view(n, -1), qtype, k, device)
+            return self
+        if not on_cpu:  # dense, in the model's dtype
+            self._store = _dequantize_rows(raw.view(n, -1), qtype, k, device, dtype)
+            return self
         if path == "c":
             self._store = [p.view(-1, row_nbytes(qtype, k)).contiguous() for p in parts]  # views: no copy
             self._rows = gguf_ops.row_pointers(self._store)
@@ -298,7 +337,15 @@ class GGUFLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.float32)
+        x2 = x.reshape(-1, self.in_features)
+        if self.path == "triton":
+            from pocketllm.kernels.triton.gguf import gguf_matmul
+
+            y = gguf_matmul(x2, self._store, self.qtype, self.in_features, packed=True)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*lead, self.out_features)
+        x2 = x2.to(self._store.dtype if self.path == "dense" else torch.float32)
         if self.path == "c":
             if x2.shape[0] <= C_GEMM_ROWS:
                 y = gguf_ops.gemm(x2, self._rows, self.qtype)
@@ -330,6 +377,28 @@ class GGUFLinear(torch.nn.Module):
             cols = slice(c0, min(n, c0 + step))
             y[:, cols] = part(cols)
         return y
+
+
+def _dequantize_rows(rows: torch.Tensor, qtype: GGMLQuantizationType, k: int, device: torch.device,
+                     dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF rows (uint8 [n, row_bytes]) dequantized, exactly, into a dense [n, k] ``dtype`` tensor
+    on ``device`` (``out`` if given), ``_LOAD_ROWS`` rows at a time (no float32 copy of the whole
+    matrix)."""
+    if out is None:
+        out = torch.empty((rows.shape[0], k), dtype=dtype, device=device)
+    gpu = None
+    if device.type == "cuda":  # the Triton decoder, where it covers the type (an ulp off: FMA)
+        from pocketllm.kernels.triton import gguf as kg
+
+        gpu = kg if qtype in kg.TRITON_GGUF_TYPES else None
+    for r0 in range(0, rows.shape[0], _LOAD_ROWS):
+        part = rows[r0:r0 + _LOAD_ROWS]
+        dst = out[r0:r0 + part.shape[0]]
+        if gpu is not None:
+            gpu.gguf_dequantize(gpu.pack_gguf(part.contiguous(), qtype, k, device), qtype, k, packed=True, out=dst)
+        else:
+            dst.copy_(dequantize(part.cpu(), qtype, (part.shape[0], k)))
+    return out
 
 
 def gguf_embedding_lookup(

@@ -1,6 +1,8 @@
 """Turns a SchedulerOutput into one flattened varlen forward and samples the rows that end.
 
 The KV cache is allocated here once, per layer, and bound to the model's attention layers.
+On the CPU attention runs in torch over per-request masks; on CUDA it runs in the Triton
+kernels over flat metadata tensors, and pure-decode steps replay captured CUDA graphs.
 """
 from __future__ import annotations
 
@@ -13,14 +15,43 @@ import torch
 from pocketllm.engine.scheduler import SchedulerOutput
 from pocketllm.layers.attention import AttentionMetadata, PrefillSpan
 from pocketllm.models.base import CausalLM
-from pocketllm.runner.sampler import SampledToken, Sampler
+from pocketllm.runner.sampler import DeviceSample, SampledToken, Sampler
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
-    forward_time: float = 0.0  # seconds spent in the model and sampler
+    forward_time: float = 0.0  # seconds spent in the model and sampler (launch and wait)
     prepare_time: float = 0.0  # seconds spent building inputs
+
+
+@dataclass
+class StepInputs:
+    """The step flattened on the host: one row of `rows` per scheduled request, decodes first."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    rows: list[tuple[int, int, list[int]]]  # (query_len, context_len, block ids covering the context)
+    num_decodes: int
+    logits_rows: list[int]  # token rows whose logits are sampled
+    sampling: list  # their requests
+    # decode rows whose input token is still in flight: (token row, row in the previous step's sample)
+    pending: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; `collect` reads it back."""
+
+    sample: DeviceSample | None
+    tokens: torch.Tensor | None  # the sampled ids on the device
+    sampling: list  # requests, in sample row order
+    prepare_time: float
+    launch_time: float
+
+    def sample_row(self) -> dict[str, int]:
+        return {req.request_id: i for i, req in enumerate(self.sampling)}
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -36,7 +67,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device, seed: int = 0):
+                 device: torch.device, seed: int = 0, max_num_seqs: int = 64, max_model_len: int = 2048,
+                 enforce_eager: bool = False):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -45,7 +77,13 @@ class ModelRunner:
         self.k_caches = [_zeros(shape, kv_dtype, device) for _ in range(cfg.num_layers)]
         self.v_caches = [_zeros(shape, kv_dtype, device) for _ in range(cfg.num_layers)]
         model.bind_kv_cache(self.k_caches, self.v_caches)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, device)
+        self.use_kernels = device.type == "cuda"
+        self.graphs = None
+        if self.use_kernels and model.capabilities.cuda_graphs and not enforce_eager:
+            from pocketllm.runner.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, device, max_num_seqs, -(-max_model_len // block_size))
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -53,73 +91,130 @@ class ModelRunner:
         elem = torch.empty((), dtype=kv_dtype).element_size()
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def prepare(self, out: SchedulerOutput):
+    def flatten(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        rows: list[tuple[int, int, list[int]]] = []
         logits_rows: list[int] = []
         sampling = []
-        dec_tables, dec_lens = [], []
-        prefills: list[tuple[int, int, int, list[int]]] = []
+        pending: list[tuple[int, int]] = []
+        prev_rows = None
         # Query-length-1 rows come first; they are most of a busy step, so they get a lean loop.
         for sr in out.scheduled[:out.num_decodes]:
             req = sr.request
-            p, blocks, tokens = req.num_computed_tokens, req.block_ids, req.all_token_ids
-            input_ids.append(tokens[p])
+            p, blocks, tokens = sr.start, req.block_ids, req.all_token_ids
+            if p < len(tokens):
+                input_ids.append(tokens[p])
+            else:  # the token the previous step is sampling
+                if prev_rows is None:
+                    prev_rows = prev.sample_row()
+                pending.append((len(input_ids), prev_rows[req.request_id]))
+                input_ids.append(0)
             positions.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
-            dec_tables.append(blocks)  # exactly ceil((p + 1) / bs) blocks: the allocation's invariant
-            dec_lens.append(p + 1)
-            if p + 1 == len(tokens):
+            rows.append((1, p + 1, blocks))  # exactly ceil((p + 1) / bs) blocks: the allocation's invariant
+            if sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
         for sr in out.scheduled[out.num_decodes:]:
-            req, n = sr.request, sr.num_tokens
-            start, blocks = req.num_computed_tokens, req.block_ids
-            q0 = len(input_ids)
+            req, n, start = sr.request, sr.num_tokens, sr.start
+            blocks = req.block_ids
             input_ids += req.all_token_ids[start:start + n]
             pos = range(start, start + n)
             positions += pos
             slots += [blocks[p // bs] * bs + p % bs for p in pos]
             ctx = start + n
-            prefills.append((q0, n, ctx, blocks[:-(-ctx // bs)]))
+            rows.append((n, ctx, blocks[:-(-ctx // bs)]))
             if sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
+        return StepInputs(input_ids, positions, slots, rows, out.num_decodes, logits_rows, sampling, pending)
 
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=out.num_decodes, decode_block_tables=None, decode_mask=None,
-            prefills=[self._prefill_span(*p) for p in prefills])
-        if dec_tables:
-            width = max(len(t) for t in dec_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables],
+    def _torch_metadata(self, step: StepInputs) -> AttentionMetadata:
+        dev, bs, n = self.device, self.block_size, step.num_decodes
+        meta = AttentionMetadata(slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
+                                 num_decodes=n)
+        if n:
+            tables = [blocks for _, _, blocks in step.rows[:n]]
+            width = max(len(t) for t in tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                                     dtype=torch.long, device=dev)
-            lens = torch.tensor(dec_lens, device=dev)
+            lens = torch.tensor([ctx for _, ctx, _ in step.rows[:n]], device=dev)
             meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=dev)
-        return ids, pos, meta, rows, sampling
+        q0 = n
+        for ql, ctx, blocks in step.rows[n:]:
+            q_pos = torch.arange(ctx - ql, ctx, device=dev)[:, None]
+            mask = torch.arange(ctx, device=dev)[None, :] <= q_pos
+            meta.prefills.append(PrefillSpan(q0, ql, ctx, torch.tensor(blocks, dtype=torch.long, device=dev), mask))
+            q0 += ql
+        return meta
 
-    def _prefill_span(self, q0: int, n: int, ctx: int, blocks: list[int]) -> PrefillSpan:
-        dev = self.device
-        q_pos = torch.arange(ctx - n, ctx, device=dev)[:, None]
-        mask = torch.arange(ctx, device=dev)[None, :] <= q_pos
-        return PrefillSpan(q0, n, ctx, torch.tensor(blocks, dtype=torch.long, device=dev), mask)
+    def _kernel_metadata(self, step: StepInputs) -> AttentionMetadata:
+        width = max(len(b) for _, _, b in step.rows)
+        tables = np.zeros((len(step.rows), width), dtype=np.int32)
+        for i, (_, _, blocks) in enumerate(step.rows):
+            tables[i, :len(blocks)] = blocks
+        qlens = np.array([ql for ql, _, _ in step.rows], dtype=np.int32)
+        host = {
+            "slot_mapping": torch.tensor(step.slots, dtype=torch.long),
+            "block_tables": torch.from_numpy(tables),
+            "seq_lens": torch.tensor([ctx for _, ctx, _ in step.rows], dtype=torch.int32),
+            "query_start_loc": torch.from_numpy(np.concatenate(([0], np.cumsum(qlens))).astype(np.int32)),
+        }
+        if self.device.type == "cuda":
+            host = {k: v.pin_memory() for k, v in host.items()}
+        dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
+        return AttentionMetadata(num_decodes=step.num_decodes, max_query_len=int(qlens.max()), **dev)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues the step's forward and sampling; returns without waiting for the device.
+        `prev` is the step before, whose sampled tokens some decode rows take as input."""
         t0 = time.perf_counter()
-        ids, pos, meta, rows, sampling = self.prepare(out)
-        t1 = time.perf_counter()
-        hidden = self.model(ids, pos, meta)
-        result = RunnerOutput(prepare_time=t1 - t0)
-        if sampling:
-            logits = self.model.compute_logits(hidden[rows])
-            for req, tok in zip(sampling, self.sampler(logits, sampling)):
+        step = self.flatten(out, prev)
+        dev = self.device
+        rows = step.logits_rows
+        pending = None
+        if step.pending:
+            dst, src = zip(*step.pending)
+            pending = (torch.tensor(dst).to(dev, non_blocking=True), prev.tokens,
+                       torch.tensor(src).to(dev, non_blocking=True))
+        graphed = (self.graphs is not None and step.num_decodes == len(step.rows)
+                   and self.graphs.fits(len(step.rows)))
+        if graphed:
+            t1 = time.perf_counter()
+            hidden = self.graphs.run(step, pending)
+        else:
+            meta = self._kernel_metadata(step) if self.use_kernels else self._torch_metadata(step)
+            ids = torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True)
+            if pending is not None:
+                dst, tokens, src = pending
+                ids[dst] = tokens[src]
+            pos = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
+            t1 = time.perf_counter()
+            hidden = self.model(ids, pos, meta)
+        sample = None
+        if step.sampling:
+            if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:
+                hidden = hidden[torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)]
+            sample = self.sampler.sample(self.model.compute_logits(hidden), step.sampling)
+            tokens = sample.tokens  # the next step's pending inputs read this copy, on the device
+            sample.start_copy()
+        else:
+            tokens = None
+        return LaunchedStep(sample, tokens, step.sampling, t1 - t0, time.perf_counter() - t1)
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """Waits for a launched step and returns its sampled tokens."""
+        t0 = time.perf_counter()
+        result = RunnerOutput(prepare_time=launched.prepare_time)
+        if launched.sample is not None:
+            for req, tok in zip(launched.sampling, launched.sample.to_host()):
                 result.sampled[req.request_id] = tok
-        result.forward_time = time.perf_counter() - t1
+        result.forward_time = launched.launch_time + time.perf_counter() - t0
         return result
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.launch(out))

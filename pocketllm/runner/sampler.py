@@ -18,54 +18,91 @@ class SampledToken:
     top: list[tuple[int, float]] | None = None  # top-k (token, logprob), best first
 
 
+@dataclass
+class DeviceSample:
+    """A step's sampled tokens, on their way to the host. On CUDA the copy into pinned memory is
+    queued right behind the sampling, so that reading it waits for this step only, not for a
+    step launched after it (`tolist()` on the device tensor would queue behind that one)."""
+
+    tokens: torch.Tensor  # [rows] long
+    logprob_rows: list[int]  # rows that asked for logprobs, and how many top entries each
+    logprob_counts: list[int]
+    logprobs: tuple[torch.Tensor, ...] = ()  # chosen logprob, rank, top values, top ids
+    _copied: object = None  # the CUDA event after the copies
+
+    def start_copy(self) -> "DeviceSample":
+        if self.tokens.is_cuda:
+            def pinned(t: torch.Tensor) -> torch.Tensor:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                return host.copy_(t, non_blocking=True)
+
+            self.tokens = pinned(self.tokens)
+            self.logprobs = tuple(pinned(t) for t in self.logprobs)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self
+
+    def to_host(self) -> list[SampledToken]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        if not self.logprob_rows:
+            return [SampledToken(t) for t in self.tokens.tolist()]
+        tokens, chosen_lp, ranks, top_vals, top_ids = (t.cpu() for t in (self.tokens, *self.logprobs))
+        out = [SampledToken(t) for t in tokens.tolist()]
+        for j, (i, n) in enumerate(zip(self.logprob_rows, self.logprob_counts)):
+            out[i].logprob = float(chosen_lp[j])
+            out[i].rank = int(ranks[j])
+            out[i].top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
+        return out
+
+
 class Sampler:
-    def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+    """Samples on the logits' device without a host synchronisation; `DeviceSample.to_host`
+    reads the chosen tokens (and, for rows that ask, their logprobs) back."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
-        # Sampling runs on the host for now: per-row parameters, generators and grammar masks
-        # live there. (A sync-free GPU sampler belongs to the CUDA fast path.)
-        logits = logits.float().cpu()
-        raw = logits
-        logits = logits.clone()
+        return self.sample(logits, reqs).to_host()
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> DeviceSample:
+        raw = logits = logits.float()
         vocab = logits.shape[1]
-        self._apply_bias_and_bans(logits, reqs, vocab)
         constrained = [i for i, r in enumerate(reqs) if r.structured is not None]
-        if constrained:
-            apply_grammar_masks(logits, constrained, [reqs[i].structured for i in constrained])
         pen = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
-        if pen:
-            logits[pen] = apply_penalties(logits[pen], [reqs[i] for i in pen], vocab)
+        if constrained or pen or any(r.params.logit_bias or r.num_output_tokens < r.params.min_tokens
+                                     for r in reqs):
+            logits = logits.clone()  # `raw` stays intact for logprobs
+            self._apply_bias_and_bans(logits, reqs, vocab)
+            if constrained:
+                apply_grammar_masks(logits, constrained, [reqs[i].structured for i in constrained])
+            if pen:
+                logits[pen] = apply_penalties(logits[pen], [reqs[i] for i in pen], vocab)
 
         tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
             tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand])
 
-        tokens_list = tokens.tolist()
-        out = [SampledToken(t) for t in tokens_list]
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if lp_rows:
-            logprobs = torch.log_softmax(raw[lp_rows], dim=-1)
-            k = max(reqs[i].params.logprobs for i in lp_rows)
-            top_vals, top_ids = logprobs.topk(max(k, 1), dim=-1)
-            chosen = tokens[lp_rows]
-            chosen_lp = logprobs.gather(1, chosen[:, None])
-            ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
-            for j, i in enumerate(lp_rows):
-                n = reqs[i].params.logprobs
-                out[i].logprob = chosen_lp[j, 0].item()
-                out[i].rank = int(ranks[j])
-                out[i].top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
-        return out
+        if not lp_rows:
+            return DeviceSample(tokens, [], [])
+        counts = [reqs[i].params.logprobs for i in lp_rows]
+        logprobs = torch.log_softmax(raw[lp_rows], dim=-1)
+        top_vals, top_ids = logprobs.topk(max(max(counts), 1), dim=-1)
+        chosen_lp = logprobs.gather(1, tokens[lp_rows][:, None])[:, 0]
+        ranks = (logprobs > chosen_lp[:, None]).sum(dim=-1) + 1
+        return DeviceSample(tokens, lp_rows, counts, (chosen_lp, ranks, top_vals, top_ids))
 
     @staticmethod
     def _apply_bias_and_bans(logits: torch.Tensor, reqs: list[Request], vocab: int) -> None:
+        dev = logits.device
         for i, r in enumerate(reqs):
             p = r.params
             if p.logit_bias:
-                ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
-                vals = torch.tensor([v for t, v in p.logit_bias.items() if 0 <= t < vocab])
+                ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long, device=dev)
+                vals = torch.tensor([v for t, v in p.logit_bias.items() if 0 <= t < vocab], device=dev)
                 logits[i].index_add_(0, ids, vals)
             if r.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids)
@@ -75,55 +112,58 @@ class Sampler:
                     logits[i, [t for t in banned if t < vocab]] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        temp = torch.tensor([r.params.temperature for r in reqs])
-        logits = logits / temp[:, None]
+        dev = logits.device
+        logits = logits / _column([r.params.temperature for r in reqs], dev)
         top_k = [r.params.top_k for r in reqs]
         if any(top_k):
-            k = torch.tensor([kk if kk > 0 else logits.shape[1] for kk in top_k])
+            k = torch.tensor([kk if kk > 0 else logits.shape[1] for kk in top_k], device=dev)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        top_p = torch.tensor([r.params.top_p for r in reqs])
-        if (top_p < 1).any():
+        if any(r.params.top_p < 1 for r in reqs):
             sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]
+            drop = (sorted_p.cumsum(dim=-1) - sorted_p) > _column([r.params.top_p for r in reqs], dev)
             probs = probs.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), 0.0)
-        min_p = torch.tensor([r.params.min_p for r in reqs])
-        if (min_p > 0).any():
-            cut = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        if any(r.params.min_p > 0 for r in reqs):
+            cut = probs.max(dim=-1, keepdim=True).values * _column([r.params.min_p for r in reqs], dev)
             probs = probs.masked_fill(probs < cut, 0.0)
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no host sync;
-        # seeded rows draw their noise from their own generator, so the batch cannot change it.
+        # seeded rows draw their noise on the host from their own generator, so neither the
+        # batch nor the device can change what they sample.
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(dev, non_blocking=True)
         return (probs / noise).argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request], vocab: int) -> torch.Tensor:
     """Repetition penalty over prompt and output tokens (as vLLM and transformers apply it);
     presence and frequency penalties over output tokens (as OpenAI defines them)."""
-    n = len(reqs)
-    out_counts = torch.zeros(n, vocab + 1)
-    outs = _padded([r.output_token_ids for r in reqs], vocab)
+    n, dev = len(reqs), logits.device
+    out_counts = torch.zeros(n, vocab + 1, device=dev)
+    outs = _padded([r.output_token_ids for r in reqs], vocab, dev)
     out_counts.scatter_add_(1, outs, torch.ones_like(outs, dtype=torch.float32))
     out_counts = out_counts[:, :vocab]
-    seen = torch.zeros(n, vocab + 1, dtype=torch.bool)
-    seen.scatter_(1, _padded([r.prompt_token_ids for r in reqs], vocab), True)
+    seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev)
+    seen.scatter_(1, _padded([r.prompt_token_ids for r in reqs], vocab, dev), True)
     seen = seen[:, :vocab] | (out_counts > 0)
-
-    rep = torch.tensor([r.params.repetition_penalty for r in reqs])[:, None]
+    rep = _column([r.params.repetition_penalty for r in reqs], dev)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    freq = torch.tensor([r.params.frequency_penalty for r in reqs])[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in reqs])[:, None]
+    freq = _column([r.params.frequency_penalty for r in reqs], dev)
+    pres = _column([r.params.presence_penalty for r in reqs], dev)
     return logits - freq * out_counts - pres * (out_counts > 0).float()
 
 
-def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+def _padded(rows: list[list[int]], pad: int, device: torch.device | str = "cpu") -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device)[:, None]

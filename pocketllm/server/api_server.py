@@ -121,6 +121,10 @@ class _SSEResponse(StreamingResponse):
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests as they come, tagged with the request's position."""
+    if len(streams) == 1:  # the common case: no task per output
+        async for out in streams[0]:
+            yield 0, out
+        return
     pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
         while pending:

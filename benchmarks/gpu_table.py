@@ -1,0 +1,125 @@
+"""The H200 table: reads the h200-*.json files of one `benchmarks/gpu_run.sh` call and writes
+h200.md with each figure, its goal, the peers measured on the same card, and its ratio to the
+hardware ceiling (bandwidth for decode, bf16 matrix rate for prefill).
+
+    python benchmarks/gpu_table.py DIR   (DIR holds the JSON files; h200.md is written there)
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BANDWIDTH = 4.3e12  # bytes/s, device copy measured on the lent H200
+MATMUL = 790e12  # bf16 FLOP/s measured on the lent H200
+# Llama-3.1-8B's shape: parameters, and KV bytes per token (32 layers x 8 heads x 128 x K,V x bf16)
+PARAMS = 8.03e9
+KV_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+# Peers measured on the same card (the issue's anchors, 2026-11-30; 512 prompt / 128 generated).
+LLAMA_CPP = {"bf16_b1": 208.6, "q4km_b1": 274.9, "bf16_64_decode": 5783, "bf16_64_prefill": 25717,
+             "q4km_64_decode": 4101, "bf16_16_decode": 1932}
+GPT_FAST = {"bf16_b1": 205.1, "bf16_16_decode": 2901, "bf16_64_decode": 8963, "bf16_64_prefill": 37567}
+
+
+def load(d: Path, name: str) -> dict | None:
+    p = d / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def row_at(doc: dict | None, concurrency: int) -> dict | None:
+    if doc is None:
+        return None
+    return next((r for r in doc["results"] if r.get("concurrency", r.get("batch")) == concurrency), None)
+
+
+def main() -> None:
+    d = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
+    bf16_lat, bf16_tp = load(d, "h200-bf16-latency.json"), load(d, "h200-bf16-throughput.json")
+    q_lat, q_tp = load(d, "h200-q4km-latency.json"), load(d, "h200-q4km-throughput.json")
+    hf = load(d, "h200-transformers-baseline.json")
+    size_file = d / "h200-q4km-file-size.txt"  # bytes of the GGUF file (written by gpu_run.sh)
+    q_bytes = int(size_file.read_text()) if size_file.exists() else None
+    ctx = 512 + 64  # mean context of a 512/128 decode
+    rows = []
+
+    def add(name, value, goal, peers, ceiling, unit="tok/s"):
+        if value is None:
+            rows.append(f"| {name} | not measured | {goal} | {peers} | | |")
+            return
+        ratio = f"{value / ceiling:.0%}" if ceiling else ""
+        rows.append(f"| {name} | **{value:,.0f}** {unit} | {goal} | {peers} | {ceiling:,.0f} | {ratio} |")
+
+    b1 = row_at(bf16_lat, 1)
+    add("bf16 decode, batch 1", b1 and b1["decode_tok_s"], ">= 240",
+        f"llama.cpp {LLAMA_CPP['bf16_b1']}, gpt-fast-style {GPT_FAST['bf16_b1']}"
+        + (f", transformers {row_at(hf, 1)['output_tok_s']:.1f}" if row_at(hf, 1) else ""),
+        BANDWIDTH / (2 * PARAMS + ctx * KV_PER_TOKEN))
+    r16 = row_at(bf16_tp, 16)
+    add("bf16 decode, 16 sequences", r16 and r16["decode_tok_s"], "",
+        f"llama.cpp {LLAMA_CPP['bf16_16_decode']}, gpt-fast-style {GPT_FAST['bf16_16_decode']}",
+        16 * BANDWIDTH / (2 * PARAMS + 16 * ctx * KV_PER_TOKEN))
+    r64 = row_at(bf16_tp, 64)
+    add("bf16 decode, 64 sequences", r64 and r64["decode_tok_s"], ">= 10,000",
+        f"llama.cpp {LLAMA_CPP['bf16_64_decode']}, gpt-fast-style {GPT_FAST['bf16_64_decode']}"
+        + (f", transformers {row_at(hf, 64)['output_tok_s']:.0f}" if row_at(hf, 64) else ""),
+        64 * BANDWIDTH / (2 * PARAMS + 64 * ctx * KV_PER_TOKEN))
+    add("bf16 prefill, 64 x 512 tokens", r64 and r64["prefill_tok_s"], ">= 40,000",
+        f"llama.cpp {LLAMA_CPP['bf16_64_prefill']}, gpt-fast-style {GPT_FAST['bf16_64_prefill']}",
+        MATMUL / (2 * PARAMS))
+    q1 = row_at(q_lat, 1)
+    add("Q4_K_M decode, batch 1", q1 and q1["decode_tok_s"], ">= 400", f"llama.cpp {LLAMA_CPP['q4km_b1']}",
+        BANDWIDTH / (q_bytes + ctx * KV_PER_TOKEN) if q_bytes else 0)
+    q64 = row_at(q_tp, 64)
+    add("Q4_K_M decode, 64 sequences", q64 and q64["decode_tok_s"], ">= 8,000",
+        f"llama.cpp {LLAMA_CPP['q4km_64_decode']}",
+        64 * BANDWIDTH / (q_bytes + 64 * ctx * KV_PER_TOKEN) if q_bytes else 0)
+
+    serve = load(d, "h200-bf16-serve-64.json")
+    offline = r64
+    lines = []
+    s18, o18 = load(d, "h200-bf16-serve-1-8.json"), load(d, "h200-bf16-offline-for-serve.json")
+    if serve and offline and not any(r.get("errors") for r in serve["results"]):
+        s64 = serve["results"][0]["output_tok_s"]
+        lines.append(f"- HTTP at 64 concurrent clients: {s64:,.0f} output tok/s vs offline {offline['output_tok_s']:,.0f} "
+                     f"({s64 / offline['output_tok_s']:.2f}x; goal >= 0.85x)")
+    failed = [r.get("first_error") for doc in (serve, s18) if doc for r in doc["results"] if r.get("errors")]
+    if failed:
+        lines.append(f"- Through HTTP: not measured (the benchmark's requests failed: {failed[0]!r})")
+    elif s18 and o18:
+        srv = {r["concurrency"]: r for r in s18["results"]}
+        off = {r["concurrency"]: r for r in o18["results"]}
+        base = srv[1]["output_tok_s"]
+        lines.append("- Through the server, output tok/s at 1/2/4/8 streams: "
+                     + " / ".join(f"{srv[c]['output_tok_s']:,.0f}" for c in (1, 2, 4, 8))
+                     + "; scaling vs one stream " + " / ".join(f"{srv[c]['output_tok_s'] / base:.2f}x" for c in (2, 4, 8))
+                     + " (goals 1.7x / 3.0x / 4.5x)")
+        lat = srv[1]["e2e_p50_ms"] / (1e3 * off[1]["e2e_p50_s"]) if srv[1].get("e2e_p50_ms") else None
+        if lat:
+            lines.append(f"- Single-request latency through HTTP / offline: {lat:.3f}x (goal <= 1.05x)")
+        lines.append("- Queue time p99 at 1/2/4/8 streams (ms): "
+                     + " / ".join(f"{srv[c]['queue_p99_ms']:.1f}" if srv[c].get("queue_p99_ms") is not None else "n/a"
+                                  for c in (1, 2, 4, 8)) + " (goal <= 50 ms)")
+    meta = bf16_lat or bf16_tp or {}
+    out = [
+        "# H200 results (Llama-3.1-8B shape, random weights, 512 prompt / 128 generated tokens)",
+        "",
+        f"Commit `{meta.get('commit')}`, {meta.get('date')}, {meta.get('machine', {}).get('gpu')}, "
+        f"torch {meta.get('machine', {}).get('torch')}. Ceilings: {BANDWIDTH / 1e12:.1f} TB/s copy bandwidth "
+        f"(weights + mean KV read per step) for decode, {MATMUL / 1e12:.0f} TFLOP/s bf16 for prefill "
+        "(2 x params FLOP per token, attention not counted). Peers: llama.cpp (CUDA, flash attention) and a "
+        "gpt-fast-style static-cache decoder from the issue's anchors on the same card; transformers measured "
+        "in this run.",
+        "",
+        "| figure | PocketLLM | goal | peers | ceiling | of ceiling |",
+        "| --- | ---: | ---: | --- | ---: | ---: |",
+        *rows,
+        "",
+        *lines,
+        "",
+    ]
+    (d / "h200.md").write_text("\n".join(out))
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

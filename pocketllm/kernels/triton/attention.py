@@ -1,0 +1,226 @@
+"""Paged attention over a block-table KV cache: one kernel for decode rows and prefill chunks.
+
+Layout (as in pocketllm.layers.attention): K/V caches [num_blocks, block_size, Hkv, D]; the
+step's queries are flattened [T, Hq, D] with request r owning rows
+query_start_loc[r]:query_start_loc[r+1]; seq_lens[r] counts its tokens including this step's,
+so the chunk sits at positions seq_lens[r] - q_len .. seq_lens[r] - 1 and attends causally
+to everything before it (cached prefix included).
+
+Each program takes BLOCK_Q query tokens of one request and the GROUP query heads that share
+one KV head (GQA packing: the tile has BLOCK_Q * GROUP rows, so K/V are read once per group).
+Programs find their request by binary search over query_start_loc, so the grid depends only
+on (num_tokens, num_seqs): the decode launch is CUDA-graph capturable.
+
+Decode batches too small to fill the GPU (num_seqs * Hkv programs) split each sequence's keys
+into NUM_SPLITS ranges (flash-decoding): each program writes its unnormalised partial result
+with its running max and sum, and a second kernel merges the splits.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(query_start_loc, qb, num_seqs, BLOCK_Q: tl.constexpr):
+    # Request r's first query block has global index query_start_loc[r] // BLOCK_Q + r.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if first <= qb:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
+        scale, softcap, window, num_seqs, num_q_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr):
+    qb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_loc, qb, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    local_qb = qb - (q_start // BLOCK_Q + seq)
+    if local_qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context = seq_len - q_len  # tokens before this step's chunk
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_tok = local_qb * BLOCK_Q + offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_tok < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + q_tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = context + q_tok
+
+    # Keys this tile can see: up to its last query's position; with a window, from the first
+    # query's position - window + 1.
+    kv_end = tl.minimum(seq_len, context + (local_qb + 1) * BLOCK_Q)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(context + local_qb * BLOCK_Q - window + 1, 0)
+        kv_begin = (kv_begin // TILE_N) * TILE_N
+    if NUM_SPLITS > 1:
+        span = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), TILE_N) * TILE_N
+        kv_begin = kv_begin + split * span
+        kv_end = tl.minimum(kv_end, kv_begin + span)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    for start in range(kv_begin, kv_end, TILE_N):
+        k_pos = start + offs_n
+        n_ok = k_pos < kv_end
+        phys = tl.load(block_tables + seq * stride_bt + k_pos // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        slot_in = k_pos % KV_BLOCK
+        k = tl.load(k_cache + phys[:, None] * stride_kb + slot_in[:, None] * stride_ks + kvh * stride_kh
+                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        if USE_SOFTCAP:
+            # tanh(x) = 2 * sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + phys[:, None] * stride_vb + slot_in[:, None] * stride_vs + kvh * stride_vh
+                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + q_tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:  # partial results [T, Hq, NUM_SPLITS, (D | max, sum)]
+        part = ((q_start + q_tok).to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc, part_ml, out_ptr, stride_ot, stride_oh, num_q_heads,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    part = (t * num_q_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml + part * 2)
+    l_s = tl.load(part_ml + part * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
+    total = tl.sum(l_s * w, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: pretend to be an H100/H200
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Key splits per decode row so that about two programs run per multiprocessor."""
+    want = 2 * _num_sms(device) // max(1, num_seqs * num_kv_heads)
+    return min(16, 1 << (want.bit_length() - 1)) if want >= 2 else 1  # a power of two
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    max_query_len: int, scale: float, window: int | None = None,
+                    softcap: float | None = None, out: torch.Tensor | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D] (any row/head strides, unit last stride) -> out [T, Hq, D].
+
+    block_tables [R, W] int32, seq_lens [R] int32, query_start_loc [R + 1] int32; the step's
+    K/V must already be in the cache. `max_query_len` only picks the tile shape (and, when
+    it is 1, how many key splits run; `num_splits` overrides that).
+    """
+    t, hq, d = q.shape
+    _, kv_block, hkv, _ = k_cache.shape
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and hq % hkv == 0
+    group = hq // hkv
+    num_seqs = block_tables.shape[0]
+    if out is None:
+        out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    # A decode tile holds one token's heads; prefill tiles take 64 rows (several tokens).
+    block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 \
+        else max(64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    tile_n = max(kv_block, 32 if d > 64 else 64)
+    assert tile_n % kv_block == 0
+    if num_splits is None:
+        num_splits = decode_splits(num_seqs, hkv, q.device) if max_query_len == 1 else 1
+    part_acc = part_ml = out  # unused without splits
+    if num_splits > 1:
+        part_acc = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((t, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    grid = (t // block_q + num_seqs, hkv, num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
+        scale, softcap or 0.0, window or 0, num_seqs, hq,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(max(d, 16)),
+        KV_BLOCK=kv_block, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
+        USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no TF32
+        NUM_SPLITS=num_splits)
+    if num_splits > 1:
+        _merge_splits_kernel[(t, hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), hq,
+                                      HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits)
+    return out
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_mapping, stride_kt, stride_vt,
+                     stride_cs, stride_vcs, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    if slot < 0:  # a padding row of a captured batch: it owns no KV
+        return
+    offs = tl.arange(0, BLOCK)
+    ok = offs < ROW
+    tl.store(k_cache + slot * stride_cs + offs, tl.load(k_ptr + t * stride_kt + offs, mask=ok), mask=ok)
+    tl.store(v_cache + slot * stride_vcs + offs, tl.load(v_ptr + t * stride_vt + offs, mask=ok), mask=ok)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] (heads contiguous within a row) -> cache slots; slot -1 is skipped."""
+    t, hkv, d = k.shape
+    assert k.stride(1) == d and v.stride(1) == d and k.stride(2) == 1 and v.stride(2) == 1
+    assert k.dtype == k_cache.dtype
+    row = hkv * d
+    _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                           k_cache.stride(1), v_cache.stride(1), ROW=row, BLOCK=triton.next_power_of_2(row))

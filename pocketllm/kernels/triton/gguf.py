@@ -1,0 +1,673 @@
+"""GGUF matrix products on NVIDIA GPUs: ``y = x @ W.T`` with ``W`` kept in its GGUF blocks.
+
+``W`` is a GGUF weight, ``uint8 [N, row_bytes]`` (row n = output feature n, its K inputs as
+consecutive GGUF blocks).  ``pack_gguf`` re-lays each row once, at load: its blocks' bodies (the
+codes) first, then their headers (the fp16 scales and sub-scales) - the same bytes, the same size.
+Every body is a multiple of 16 bytes, so code loads are 16-byte vectors for every type (in file
+order, Q8_0's 34-byte and Q6_K's 210-byte blocks allow 2-byte loads only).
+``pocketllm/quant/dequant.py`` is the reference for every format; TRITON_GGUF_TYPES lists the
+covered types (all but the IQ1/IQ2/IQ3 lattice types).
+
+One small ``@triton.jit`` helper per type family (``_q4_k``, ``_q6_k``, ``_q8_0``, ...) decodes
+chunks of 16 consecutive weights of a tile of rows, as ``(v, a, c)``: codes as floats ``v``
+[rows, chunks, 4, 4] and the chunk's scale ``a`` and offset ``c``, weights ``v * a + c`` with
+dequant.py's products.  A chunk's codes are four int32 words of the body, split by shifts; codes
+become floats by the exponent trick (``_u2f``: Hopper converts integers at an eighth of its FMA
+rate).  The kernels walk K a step of whole blocks at a time, so which group and bits a lane
+reads is fixed: all shift amounts are hoisted out of the loop.
+
+Three regimes, by the number of activation rows M (``gguf_matmul`` picks them):
+
+* ``"gemv"`` (M <= ``GEMV_MAX_M`` = 1, decode): one program per activation row and tile of
+  ``BLOCK_N`` weight rows; per chunk ``a * sum(v * x) + c * sum(x)``, sums inside a thread, scales
+  out of the inner product, float32.  When there are fewer tiles than SMs (the k/v projections),
+  K is split over programs (``split_k``) and the partial sums added after (deterministic).
+* ``"dot"`` (M <= ``DOT_MAX_M`` = 64: batched decode, short prefill chunks): the decoded tile is
+  rounded to x's dtype and fed to ``tl.dot`` (tensor cores for bf16/fp16; IEEE float32 for
+  float32 x), ``BLOCK_M`` = M rounded up to 16..64, so a tile is decoded once per call up to
+  M = 64.  Split-K as above.
+* ``"dequant"`` (larger M: prefill): the weight is decoded to x's dtype into one reusable scratch
+  buffer (at most ``SCRATCH_ELEMS`` weights, a slice of rows at a time) and multiplied by cuBLAS.
+  Decoding costs a read of the GGUF bytes and a write and read of the dense slice, small next to
+  a GEMM of hundreds of rows, and cuBLAS beats a Triton mixed-input GEMM with far less code.
+
+Tile shapes are module constants (``GEMV_CONFIG``, ``DOT_CONFIG``, ``DEQUANT_CONFIG``), chosen by
+compiling for sm_90 and counting instructions, not by timing: ``benchmarks/bench_triton_gguf.py
+--sweep`` times the alternatives on a GPU, ``--regimes`` the crossovers of the regimes.
+
+Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (how the CPU tests check them);
+the interpreter's ``tl.dot`` mishandles bfloat16, so there the dot kernel widens both operands
+to float32 after rounding the weights to the activation dtype (same values, same products).
+"""
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import gguf.quants as gq
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from pocketllm.quant.gguf_types import block_size, row_nbytes, type_size
+
+T = GGMLQuantizationType
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# type ids as the kernels see them (globals a kernel reads must be constexpr)
+_Q4_0 = tl.constexpr(int(T.Q4_0))
+_Q4_1 = tl.constexpr(int(T.Q4_1))
+_Q5_0 = tl.constexpr(int(T.Q5_0))
+_Q5_1 = tl.constexpr(int(T.Q5_1))
+_Q8_0 = tl.constexpr(int(T.Q8_0))
+_Q2_K = tl.constexpr(int(T.Q2_K))
+_Q3_K = tl.constexpr(int(T.Q3_K))
+_Q4_K = tl.constexpr(int(T.Q4_K))
+_Q5_K = tl.constexpr(int(T.Q5_K))
+_Q6_K = tl.constexpr(int(T.Q6_K))
+_IQ4_NL = tl.constexpr(int(T.IQ4_NL))
+_IQ4_XS = tl.constexpr(int(T.IQ4_XS))
+_MXFP4 = tl.constexpr(int(T.MXFP4))
+
+
+# ---- field loads ------------------------------------------------------------------------------
+# A step's weights are handled in chunks of 16 consecutive weights, shaped [R, H, 4, 4] (row,
+# chunk, word, byte lane): whatever the type, each bit plane of a chunk's codes (8-bit codes,
+# nibbles, 2-bit crumbs or high bits) is one bit field of 16 contiguous bytes of its block's body,
+# loaded as four int32 words and split by shifts: 16-byte loads, a shift and a mask per code.
+
+@triton.jit
+def _u8(p, mask):
+    """The byte at ``p`` as int32 (0 where masked off)."""
+    return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(p, mask):
+    """The little-endian fp16 at byte pointer ``p`` as float32 (headers keep fp16 fields 2-aligned)."""
+    return tl.load(p.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _bits(p, shift, nbits: tl.constexpr, mask):
+    """Bits ``shift .. shift + nbits`` of the 16 bytes at ``p`` [R, H, 1, 1] (4-aligned), byte
+    ``4 * w + lane`` -> element [R, H, w, lane]."""
+    w = tl.arange(0, 4)[None, None, :, None]
+    lane = tl.arange(0, 4)[None, None, None, :]
+    words = tl.load((p + 4 * w).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    return (words >> (8 * lane + shift)) & ((1 << nbits) - 1)
+
+
+@triton.jit
+def _u2f(u, bias: tl.constexpr = 0.0):
+    """int32 ``0 <= u < 2**23`` to float32 ``u - bias``, exactly: ``u`` as the mantissa of 2**23,
+    minus 2**23 + bias (one FADD; Hopper converts integers at 16 per clock per SM, FADDs at 128)."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+
+
+@triton.jit
+def _nibbles(p, j0, mask):
+    """A chunk of a 32-weight group in 16 bytes of nibbles (Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL MXFP4,
+    IQ4_XS sub-blocks): weights 0-15 are the bytes' low nibbles, 16-31 their high nibbles."""
+    return _bits(p, 4 * (j0 // 16), 4, mask)
+
+
+@triton.jit
+def _q5_high(p, j0, mask):
+    """Q5_0 / Q5_1: bit j of the little-endian 32-bit field at ``p`` (2-aligned), for the
+    chunk's weights j = j0 + 4 * w + lane."""
+    w = tl.arange(0, 4)[None, None, :, None]
+    lane = tl.arange(0, 4)[None, None, None, :]
+    qh = tl.load(p.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
+    qh = qh | (tl.load((p + 2).to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32) << 16)
+    return (qh >> (j0 + 4 * w + lane)) & 1
+
+
+@triton.jit
+def _table(lut_ptr, q):
+    """Value table lookup (IQ4_NL / IQ4_XS / MXFP4): a 16-entry float32 table, cached in L1."""
+    return tl.load(lut_ptr + q)
+
+
+# ---- one helper per type family ---------------------------------------------------------------
+# b: the block's body (its codes) [R, H, 1, 1], h: its header (scales), s: the chunk's group in
+# its block [1, H, 1, 1], j0: the chunk's first weight in that group.  Each returns (v [R, H, 4, 4],
+# a [R, H, 1, 1], c [R, H, 1, 1] or 0.0): weights w = v * a + c, the products in the order of
+# dequant.py (a = d * sub-scale, c = -dmin * sub-min).  Offsets are those of ``_LAYOUT``.
+
+@triton.jit
+def _q8_0(b, h, s, j0, mask):
+    # h: fp16 d | b: 32 int8 codes (flipping the sign bit makes them offset-128 bytes)
+    return _u2f(_bits(b + j0, 0, 8, mask) ^ 0x80, 128.0), _f16(h, mask), 0.0
+
+
+@triton.jit
+def _q4_0(b, h, s, j0, mask):
+    # h: fp16 d | b: 16 bytes of nibbles
+    return _u2f(_nibbles(b, j0, mask), 8.0), _f16(h, mask), 0.0
+
+
+@triton.jit
+def _q4_1(b, h, s, j0, mask):
+    # h: fp16 d, fp16 m | b: 16 bytes of nibbles
+    return _u2f(_nibbles(b, j0, mask)), _f16(h, mask), _f16(h + 2, mask)
+
+
+@triton.jit
+def _q5_0(b, h, s, j0, mask):
+    # h: fp16 d, 32 high bits | b: 16 bytes of nibbles
+    q = _nibbles(b, j0, mask) | (_q5_high(h + 2, j0, mask) << 4)
+    return _u2f(q, 16.0), _f16(h, mask), 0.0
+
+
+@triton.jit
+def _q5_1(b, h, s, j0, mask):
+    # h: fp16 d, fp16 m, 32 high bits | b: 16 bytes of nibbles
+    q = _nibbles(b, j0, mask) | (_q5_high(h + 4, j0, mask) << 4)
+    return _u2f(q), _f16(h, mask), _f16(h + 2, mask)
+
+
+@triton.jit
+def _iq4_nl(b, h, s, j0, mask, lut_ptr):
+    # h: fp16 d | b: 16 bytes of nibbles indexing the value table
+    return _table(lut_ptr, _nibbles(b, j0, mask)), _f16(h, mask), 0.0
+
+
+@triton.jit
+def _mxfp4(b, h, s, j0, mask, lut_ptr):
+    # h: e8m0 exponent | b: 16 bytes of nibbles indexing the value table
+    e = _u8(h, mask)
+    d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)  # ggml_e8m0_to_fp32_half
+    return _table(lut_ptr, _nibbles(b, j0, mask)), d, 0.0
+
+
+@triton.jit
+def _scale_min_k4(p, s, mask):
+    """Q4_K / Q5_K: the 6-bit scale and min of sub-block s from the 12 bytes at ``p``."""
+    t = s % 4
+    a, c, e = _u8(p + t, mask), _u8(p + 4 + t, mask), _u8(p + 8 + t, mask)
+    first = s < 4
+    sc = tl.where(first, a & 63, (e & 0xF) | ((a >> 2) & 0x30))
+    mn = tl.where(first, c & 63, (e >> 4) | ((c >> 2) & 0x30))
+    return sc, mn
+
+
+@triton.jit
+def _q4_k(b, h, s, j0, mask):
+    # h: fp16 d, fp16 dmin, 12 bytes of scales/mins | b: 128 bytes, sub-blocks 2i, 2i+1 share 32
+    sc, mn = _scale_min_k4(h + 4, s, mask)
+    q = _bits(b + 32 * (s // 2) + j0, 4 * (s % 2), 4, mask)
+    return _u2f(q), _f16(h, mask) * _u2f(sc), -(_f16(h + 2, mask) * _u2f(mn))
+
+
+@triton.jit
+def _q5_k(b, h, s, j0, mask):
+    # as Q4_K; b: 32 bytes of high bits (bit s of byte j), then the 128 bytes of nibbles
+    sc, mn = _scale_min_k4(h + 4, s, mask)
+    q = _bits(b + 32 + 32 * (s // 2) + j0, 4 * (s % 2), 4, mask) | (_bits(b + j0, s, 1, mask) << 4)
+    return _u2f(q), _f16(h, mask) * _u2f(sc), -(_f16(h + 2, mask) * _u2f(mn))
+
+
+@triton.jit
+def _q6_k(b, h, s, j0, mask):
+    # h: 16 int8 scales, fp16 d | b: 128 bytes of low nibbles, 64 of 2-bit highs; two halves of 128
+    half, t = s // 8, s % 8
+    lo = _bits(b + 64 * half + 16 * (t % 4) + j0, 4 * (t // 4), 4, mask)
+    hi = _bits(b + 128 + 32 * half + 16 * (t % 2) + j0, 2 * (t // 2), 2, mask)
+    sc = _u2f(_u8(h + s, mask) ^ 0x80, 128.0)
+    return _u2f(lo | (hi << 4), 32.0), _f16(h + 16, mask) * sc, 0.0
+
+
+@triton.jit
+def _crumbs(p, s, j0, mask):
+    """2-bit codes of Q2_K / Q3_K (64 bytes at ``p``): two halves of 128 weights, each four 2-bit
+    planes of 32 bytes."""
+    t = s % 8
+    return _bits(p + 32 * (s // 8) + 16 * (t % 2) + j0, 2 * (t // 2), 2, mask)
+
+
+@triton.jit
+def _q2_k(b, h, s, j0, mask):
+    # h: 16 bytes of 4-bit scale | 4-bit min, fp16 d, fp16 dmin | b: 64 bytes of 2-bit codes
+    m = _u8(h + s, mask)
+    a = _f16(h + 16, mask) * _u2f(m & 0xF)
+    return _u2f(_crumbs(b, s, j0, mask)), a, -(_f16(h + 18, mask) * _u2f(m >> 4))
+
+
+@triton.jit
+def _q3_k(b, h, s, j0, mask):
+    # h: 12 bytes of 6-bit scales (8 bytes of low nibbles, 4 of 2-bit highs), fp16 d
+    # b: 32 bytes of high bits (bit s // 2 of byte 16 * (s % 2) + j; clear means -4), 64 of 2-bit codes
+    lo = (_u8(h + s % 8, mask) >> (4 * (s // 8))) & 0xF
+    hi = (_u8(h + 8 + s % 4, mask) >> (2 * (s // 4))) & 3
+    q = _crumbs(b + 32, s, j0, mask) | (_bits(b + 16 * (s % 2) + j0, s // 2, 1, mask) << 2)
+    return _u2f(q, 4.0), _f16(h + 12, mask) * _u2f(lo | (hi << 4), 32.0), 0.0
+
+
+@triton.jit
+def _iq4_xs(b, h, s, j0, mask, lut_ptr):
+    # h: fp16 d, 16-bit word of 2-bit scale highs, 4 bytes of 4-bit scale lows | b: 8 x 16 bytes
+    hi = (_u8(h + 2 + s // 4, mask) >> (2 * (s % 4))) & 3
+    lo = (_u8(h + 4 + s // 2, mask) >> (4 * (s % 2))) & 0xF
+    a = _f16(h, mask) * _u2f(lo | (hi << 4), 32.0)
+    return _table(lut_ptr, _nibbles(b + 16 * s, j0, mask)), a, 0.0
+
+
+@triton.jit
+def _decode(QT: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr, w_ptr, row_off, hdr_start,
+            blk, s, j0, mask, lut_ptr):
+    """(v, a, c), weights ``v * a + c`` [R, H, 4, 4]: the chunks at weight ``j0`` of group ``s``
+    of block ``blk`` (each [1, H, 1, 1]) of the packed rows at byte offsets ``row_off``
+    [R, 1, 1, 1].  A packed row holds its blocks' bodies (BB bytes each) from 0 and their headers
+    (HB bytes each) from ``hdr_start``."""
+    row = w_ptr + row_off
+    b = row + blk * BB
+    h = row + hdr_start + blk * HB
+    if QT == _Q4_K:
+        out = _q4_k(b, h, s, j0, mask)
+    elif QT == _Q6_K:
+        out = _q6_k(b, h, s, j0, mask)
+    elif QT == _Q5_K:
+        out = _q5_k(b, h, s, j0, mask)
+    elif QT == _Q8_0:
+        out = _q8_0(b, h, s, j0, mask)
+    elif QT == _Q4_0:
+        out = _q4_0(b, h, s, j0, mask)
+    elif QT == _Q4_1:
+        out = _q4_1(b, h, s, j0, mask)
+    elif QT == _Q5_0:
+        out = _q5_0(b, h, s, j0, mask)
+    elif QT == _Q5_1:
+        out = _q5_1(b, h, s, j0, mask)
+    elif QT == _Q2_K:
+        out = _q2_k(b, h, s, j0, mask)
+    elif QT == _Q3_K:
+        out = _q3_k(b, h, s, j0, mask)
+    elif QT == _IQ4_XS:
+        out = _iq4_xs(b, h, s, j0, mask, lut_ptr)
+    elif QT == _IQ4_NL:
+        out = _iq4_nl(b, h, s, j0, mask, lut_ptr)
+    else:
+        tl.static_assert(QT == _MXFP4, "type without a Triton decoder")
+        out = _mxfp4(b, h, s, j0, mask, lut_ptr)
+    return out
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+# Programs walk K a step of BPI blocks at a time; a split (a program axis) covers
+# ``blocks_per_split`` blocks.  A chunk's group and lanes depend only on the chunk, not on the
+# step, so the compiler hoists every shift amount out of the loop.
+
+@triton.jit
+def _chunks(S: tl.constexpr, SPB: tl.constexpr, BPI: tl.constexpr):
+    """The H chunks of a step (chunk c: weights 16c .. 16c + 15 of the step): its block's offset
+    in the step, its group s in that block, its first weight j0 in the group ([1, H, 1, 1] each),
+    and the offsets of its weights in the step ([1, H, 4, 4])."""
+    c = tl.arange(0, BPI * SPB * (S // 16))[None, :, None, None]
+    g = c // (S // 16)
+    k = c * 16 + 4 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :]
+    return g // SPB, g % SPB, (c % (S // 16)) * 16, k
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, lut_ptr, y_ptr, N, row_bytes, hdr_start, n_blocks, blocks_per_split,
+                 stride_xm, stride_ys, stride_ym,
+                 QT: tl.constexpr, S: tl.constexpr, SPB: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
+                 HAS_C: tl.constexpr, BLOCK_N: tl.constexpr, BPI: tl.constexpr, STAGES: tl.constexpr):
+    """y[split, m, n] = this split's part of sum_k x[m, k] * W[n, k], float32, one activation row
+    per program (axis 0).  Per chunk a * sum(v * x) + c * sum(x): scales stay out of the inner
+    product, and a chunk's sums stay inside a thread."""
+    m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_off = (n.to(tl.int64) * row_bytes)[:, None, None, None]
+    mask_n = (n < N)[:, None, None, None]
+    blk_off, s, j0, k = _chunks(S, SPB, BPI)
+    b0 = pid_s * blocks_per_split
+    b_end = tl.minimum(b0 + blocks_per_split, n_blocks)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N, BPI * SPB * (S // 16), 1, 1), dtype=tl.float32)
+    for bs in tl.range(b0, b_end, BPI, num_stages=STAGES):
+        blk = bs + blk_off
+        ok = blk < b_end
+        v, a, off = _decode(QT, BB, HB, w_ptr, row_off, hdr_start, blk, s, j0, mask_n & ok, lut_ptr)
+        x = tl.load(x_row + bs * (SPB * S) + k, mask=ok, other=0.0).to(tl.float32)  # [1, H, 4, 4]
+        acc += a * tl.sum(tl.sum(v * x, axis=3, keep_dims=True), axis=2, keep_dims=True)
+        if HAS_C:
+            acc += off * tl.sum(tl.sum(x, axis=3, keep_dims=True), axis=2, keep_dims=True)
+    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    tl.store(y_ptr + pid_s * stride_ys + m * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _dot_kernel(x_ptr, w_ptr, lut_ptr, y_ptr, M, N, row_bytes, hdr_start, n_blocks, blocks_per_split,
+                stride_xm, stride_ys, stride_ym,
+                QT: tl.constexpr, S: tl.constexpr, SPB: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BPI: tl.constexpr, WIDEN: tl.constexpr):
+    """y[split, m, n] as ``_gemv_kernel``, for BLOCK_M rows at once: the decoded tile, rounded to
+    x's dtype, goes through ``tl.dot``."""
+    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_off = (n.to(tl.int64) * row_bytes)[:, None, None, None]
+    mask_n = (n < N)[:, None, None, None]
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    blk_off, s, j0, _ = _chunks(S, SPB, BPI)
+    kk = tl.arange(0, BPI * SPB * S)
+    b0 = pid_s * blocks_per_split
+    b_end = tl.minimum(b0 + blocks_per_split, n_blocks)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for bs in range(b0, b_end, BPI):
+        blk = bs + blk_off
+        v, a, off = _decode(QT, BB, HB, w_ptr, row_off, hdr_start, blk, s, j0, mask_n & (blk < b_end), lut_ptr)
+        w = tl.reshape(v * a + off, (BLOCK_N, BPI * SPB * S)).to(x_ptr.dtype.element_ty)
+        k = bs * (SPB * S) + kk
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                    mask=(m[:, None] < M) & (k[None, :] < b_end * (SPB * S)), other=0.0)
+        if WIDEN:  # the interpreter's tl.dot reads bfloat16 as integers: same values in float32
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        elif x_ptr.dtype.element_ty == tl.float32:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    ptrs = y_ptr + pid_s * stride_ys + m[:, None] * stride_ym + n[None, :]
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, lut_ptr, out_ptr, N, row_bytes, hdr_start, n_blocks, stride_on,
+                    QT: tl.constexpr, S: tl.constexpr, SPB: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BPI: tl.constexpr):
+    """out[n, k] = W[n, k] in out's dtype."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_off = (n.to(tl.int64) * row_bytes)[:, None, None, None]
+    blk_off, s, j0, k = _chunks(S, SPB, BPI)
+    bs = tl.program_id(1) * BPI
+    blk = bs + blk_off
+    mask = (n < N)[:, None, None, None] & (blk < n_blocks)
+    v, a, off = _decode(QT, BB, HB, w_ptr, row_off, hdr_start, blk, s, j0, mask, lut_ptr)
+    ptrs = out_ptr + (n.to(tl.int64) * stride_on)[:, None, None, None] + bs * (SPB * S) + k
+    tl.store(ptrs, (v * a + off).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, splits, numel, BLOCK: tl.constexpr):
+    """y = sum over splits of part[split] (float32, in split order: deterministic), in y's dtype."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in range(0, splits):
+        acc += tl.load(part_ptr + sp * numel + i, mask=mask, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- host side --------------------------------------------------------------------------------
+
+# type -> (S: weights per group sharing a scale, body start, body bytes) in one GGUF block; the
+# body is the codes (a multiple of 16 bytes), the header is every other byte of the block, in order
+_LAYOUT = {
+    T.Q8_0: (32, 2, 32), T.Q4_0: (32, 2, 16), T.Q4_1: (32, 4, 16), T.Q5_0: (32, 6, 16),
+    T.Q5_1: (32, 8, 16), T.IQ4_NL: (32, 2, 16), T.MXFP4: (32, 1, 16),
+    T.Q2_K: (16, 16, 64), T.Q3_K: (16, 0, 96), T.Q4_K: (32, 16, 128), T.Q5_K: (32, 16, 160),
+    T.Q6_K: (16, 0, 192), T.IQ4_XS: (32, 8, 128),
+}
+TRITON_GGUF_TYPES: frozenset[GGMLQuantizationType] = frozenset(_LAYOUT)
+
+GEMV_MAX_M = 1  # up to this many activation rows: the FMA kernel (one program per row and tile)
+DOT_MAX_M = 64  # up to this many: the tl.dot kernel; beyond, dequantize + torch.matmul
+SCRATCH_ELEMS = 1 << 26  # dequant regime: weights decoded at once (128 MiB in bf16)
+_PACK_ROWS = 4096  # rows re-laid out at once by pack_gguf
+ROW_ALIGN = 16  # packed rows are padded to a multiple of this many bytes (16-byte vector loads)
+
+# Tile shapes: BLOCK_N output rows by BLOCK_K weights per step (rounded up to a whole GGUF block).
+# PROGRAMS_PER_SM: how many programs of the kernel an SM holds at once (by registers: 65536 /
+# (32 * num_warps * registers), a little under, as registers vary between Triton versions); K is
+# split over programs (_split_k) until they fill every SM's slots, in whole waves.
+# *_TYPE_CONFIG: per-type overrides (kernel_config merges them).  Shared memory (<= 227 KiB) and
+# spills of every type x kernel x dtype are checked for sm_90 by tests/test_triton_gguf.py.
+# Registers (sm_90, Triton 3.9, bf16): gemv 70-80 (Q4_0 Q4_1 Q8_0 Q2_K Q4_K), 110-117 (Q5_0 Q5_1
+# Q5_K Q6_K), 134-141 (Q3_K IQ4_NL IQ4_XS MXFP4); dot 110-150.
+GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3, PROGRAMS_PER_SM=5)
+DOT_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, num_warps=8, num_stages=2, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
+DEQUANT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
+GEMV_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
+    **{t: dict(PROGRAMS_PER_SM=4) for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)},
+    **{t: dict(PROGRAMS_PER_SM=3) for t in (T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)},
+}
+DOT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
+    **{t: dict(PROGRAMS_PER_SM=1) for t in (T.Q3_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)},
+}
+DEQUANT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {}
+WAVE_EFFICIENCY = 0.9  # _split_k: the fewest splits whose programs fill their waves this well
+SPLIT_MAX = 32  # at most this many K splits
+
+
+def kernel_config(regime: str, qtype: GGMLQuantizationType) -> dict:
+    """The tile config a regime's kernel uses for ``qtype`` (module defaults + per-type overrides)."""
+    base, per_type = {"gemv": (GEMV_CONFIG, GEMV_TYPE_CONFIG), "dot": (DOT_CONFIG, DOT_TYPE_CONFIG),
+                      "dequant": (DEQUANT_CONFIG, DEQUANT_TYPE_CONFIG)}[regime]
+    return {**base, **per_type.get(T(qtype), {})}
+
+
+_TABLES = {T.IQ4_NL: "IQ4_NL", T.IQ4_XS: "IQ4_NL", T.MXFP4: "MXFP4"}
+
+
+@cache
+def _value_table(device: torch.device, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """The type's value table (float32 [16]) on ``device``; a placeholder for types without one."""
+    name = _TABLES.get(qtype)
+    values = getattr(gq, name).kvalues if name else [0.0] * 16
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few programs, so split-K still gets exercised
+
+
+def packed_row_nbytes(qtype: GGMLQuantizationType, k: int) -> int:
+    """Bytes of a packed row of ``k`` weights: the GGUF row, padded to a multiple of ROW_ALIGN."""
+    return triton.cdiv(row_nbytes(qtype, k), ROW_ALIGN) * ROW_ALIGN
+
+
+def _check(qweight: torch.Tensor, qtype, k: int, packed: bool = False) -> GGMLQuantizationType:
+    qtype = T(qtype)
+    if qtype not in TRITON_GGUF_TYPES:
+        names = ", ".join(sorted(t.name for t in TRITON_GGUF_TYPES))
+        raise ValueError(f"no Triton GGUF kernel for {qtype.name}; covered: {names}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or not qweight.is_contiguous():
+        raise ValueError("qweight must be a contiguous uint8 [N, row_bytes] tensor")
+    want = packed_row_nbytes(qtype, k) if packed else row_nbytes(qtype, k)
+    if qweight.shape[1] != want:
+        raise ValueError(f"{qtype.name} {'packed ' if packed else ''}rows of {k} weights take {want} bytes, "
+                         f"got {qweight.shape[1]}")
+    return qtype
+
+
+def pack_gguf(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """Re-lay GGUF rows (uint8 [N, row_bytes]) for the kernels, on ``device`` (default: where
+    ``qweight`` is): each row becomes its blocks' bodies (codes), then their headers (scales), the
+    same bytes, then zeros up to a multiple of ROW_ALIGN = 16 bytes (uint8 [N, packed_row_nbytes];
+    no padding when the GGUF row already is one, as in every real model shape).  Bodies are
+    multiples of 16 bytes and rows start 16-byte aligned, so every body and the header region start
+    16-byte aligned and every code load is a 16-byte load whatever the block size (Q8_0's 34, Q6_K's
+    210), and the row size passed to the kernels is divisible by 16 (as Triton assumes, specialising)."""
+    qtype = _check(qweight, qtype, k)
+    _, b0, nbody = _LAYOUT[qtype]
+    n, rb = qweight.shape
+    nb, ts = k // block_size(qtype), type_size(qtype)
+    prb = packed_row_nbytes(qtype, k)
+    out = torch.empty((n, prb), dtype=torch.uint8, device=qweight.device if device is None else device)
+    out[:, rb:] = 0
+    _value_table(out.device, qtype), _num_sms(out.device)  # now: not first during a CUDA graph capture
+    for r0 in range(0, n, _PACK_ROWS):
+        r1 = min(n, r0 + _PACK_ROWS)
+        blocks = qweight[r0:r1].to(out.device).view(r1 - r0, nb, ts)
+        out[r0:r1, :nb * nbody] = blocks[:, :, b0:b0 + nbody].reshape(r1 - r0, -1)
+        out[r0:r1, nb * nbody:rb] = torch.cat([blocks[:, :, :b0], blocks[:, :, b0 + nbody:]], 2).reshape(r1 - r0, -1)
+    return out
+
+
+def _type_args(qtype: GGMLQuantizationType, k: int) -> tuple[int, int, dict]:
+    """(blocks per row, header start in a packed row, the kernels' type constexprs)."""
+    s, _, nbody = _LAYOUT[qtype]
+    nb = k // block_size(qtype)
+    return nb, nb * nbody, dict(QT=int(qtype), S=s, SPB=block_size(qtype) // s, BB=nbody,
+                                HB=type_size(qtype) - nbody)
+
+
+_OFFSET_TYPES = frozenset({T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K})  # w = v * a + c with c != 0
+
+
+def _blocks_per_step(qtype: GGMLQuantizationType, block_k: int) -> int:
+    return triton.next_power_of_2(max(1, block_k // block_size(qtype)))
+
+
+def _split_k(n_tiles: int, n_blocks: int, bpi: int, device: torch.device, programs_per_sm: int) -> int:
+    """K splits for ``n_tiles`` tiles of ``n_blocks`` blocks (steps of ``bpi``).  A kernel is only
+    as fast as its last wave: with P programs and ``slots = programs_per_sm * SMs`` of them
+    resident at once: with no more tiles than slots, the most splits (at most one per step) that
+    still fit one wave (every program resident from the start, none left for a slow tail); with
+    more, the fewest splits whose waves are at least WAVE_EFFICIENCY full on average
+    (P / (slots * ceil(P / slots))), else the fullest.  Splitting costs a float32 partial sum per split and output element, added in
+    split order by a second kernel (deterministic)."""
+    if n_tiles >= _num_sms(device):
+        # Measured on the H200 (benchmarks/results/h200-triton-gguf-kernels.txt, split sweep): once
+        # every SM has a tile, more splits only cost (Q4_K 4096x4096: 1 split 32.1 us, 2: 34.7 us).
+        return 1
+    slots = max(1, programs_per_sm * _num_sms(device))
+    n_steps = triton.cdiv(n_blocks, bpi)
+    best, best_eff = 1, 0.0
+    for s in range(1, min(n_steps, SPLIT_MAX) + 1):
+        p = n_tiles * triton.cdiv(n_blocks, _blocks_per_split(n_blocks, bpi, s))
+        if n_tiles <= slots:  # one wave: as many programs as fit
+            if p <= slots:
+                best = s
+            continue
+        eff = p / (slots * triton.cdiv(p, slots))
+        if eff >= WAVE_EFFICIENCY:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+def _blocks_per_split(n_blocks: int, bpi: int, splits: int) -> int:
+    """Blocks of K per split: whole steps of ``bpi`` blocks where a split has at least one step,
+    else whole blocks (the one step of a split is then partly masked off)."""
+    per = triton.cdiv(n_blocks, max(1, min(splits, n_blocks)))
+    return triton.cdiv(per, bpi) * bpi if per >= bpi else per
+
+
+def _sum_splits(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """part float32 [splits, m, n] summed over splits, in order, into [m, n] of ``dtype`` (one kernel)."""
+    splits, m, n = part.shape
+    y = torch.empty((m, n), dtype=dtype, device=part.device)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, y, splits, m * n, BLOCK=block, num_warps=4)
+    return y
+
+
+def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int, *,
+                packed: bool = False, regime: str = "auto", split_k: int | None = None) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` [M, k] (bf16 / fp16 / fp32) and ``W`` the GGUF weight ``qweight``
+    (uint8 [N, row_bytes] of type ``qtype``, rows of ``k`` weights); [M, N] in x's dtype.
+
+    ``packed``: ``qweight`` came from ``pack_gguf`` (do that once at load: without it, every
+    call re-lays the weight out).  ``regime``: ``"auto"`` (by M, see the module docs),
+    ``"gemv"``, ``"dot"`` or ``"dequant"``.  ``split_k``: K splits of the gemv/dot kernels
+    (None: enough programs to fill the GPU, see ``_split_k``)."""
+    qtype = _check(qweight, qtype, k, packed)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        x = x.float()
+    x = x.contiguous()
+    if not packed:
+        qweight = pack_gguf(qweight, qtype, k)
+    m, n = x.shape[0], qweight.shape[0]
+    if regime == "auto":
+        regime = "gemv" if m <= GEMV_MAX_M else "dot" if m <= DOT_MAX_M else "dequant"
+    if regime not in ("gemv", "dot", "dequant"):
+        raise ValueError(f"regime must be auto, gemv, dot or dequant; got {regime!r}")
+    if m == 0 or n == 0:
+        return x.new_zeros(m, n)
+    if regime == "dequant":
+        return _dequant_matmul(x, qweight, qtype, k)
+
+    n_blocks, hdr_start, targs = _type_args(qtype, k)
+    cfg = kernel_config(regime, qtype)
+    block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
+    block_m = 1 if regime == "gemv" else min(max(triton.next_power_of_2(m), 16), 64)
+    n_tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    if split_k is None:
+        split_k = _split_k(n_tiles, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
+    per_split = _blocks_per_split(n_blocks, bpi, split_k)
+    splits = triton.cdiv(n_blocks, per_split)
+    out = torch.empty((splits, m, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    args = (x, qweight, _value_table(x.device, qtype), out)
+    if regime == "gemv":
+        _gemv_kernel[(m, triton.cdiv(n, block_n), splits)](
+            *args, n, qweight.shape[1], hdr_start, n_blocks, per_split, x.stride(0), out.stride(0), out.stride(1),
+            **targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n, BPI=bpi, STAGES=cfg["num_stages"],
+            num_warps=cfg["num_warps"])
+    else:
+        _dot_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
+            *args, m, n, qweight.shape[1], hdr_start, n_blocks, per_split, x.stride(0), out.stride(0), out.stride(1),
+            **targs, BLOCK_M=block_m, BLOCK_N=block_n, BPI=bpi, WIDEN=_INTERPRET,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out[0] if splits == 1 else _sum_splits(out, x.dtype)
+
+
+def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,
+                    dtype: torch.dtype = torch.float32, *, packed: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GGUF weight ``qweight`` (uint8 [N, row_bytes]; ``packed`` as for ``gguf_matmul``)
+    decoded to ``dtype`` [N, k], into ``out`` if given (a row-contiguous [N, k] tensor)."""
+    qtype = _check(qweight, qtype, k, packed)
+    if not packed:
+        qweight = pack_gguf(qweight, qtype, k)
+    n = qweight.shape[0]
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    if out.shape != (n, k) or out.stride(1) != 1:
+        raise ValueError(f"out must be a row-contiguous [{n}, {k}] tensor")
+    n_blocks, hdr_start, targs = _type_args(qtype, k)
+    cfg = kernel_config("dequant", qtype)
+    bpi = _blocks_per_step(qtype, cfg["BLOCK_K"])
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(n_blocks, bpi))
+    if n:
+        _dequant_kernel[grid](qweight, _value_table(qweight.device, qtype), out, n, qweight.shape[1], hdr_start,
+                              n_blocks, out.stride(0), **targs, BLOCK_N=cfg["BLOCK_N"], BPI=bpi,
+                              num_warps=cfg["num_warps"])
+    return out
+
+
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """One dense buffer per device and dtype, grown on demand and reused by every layer."""
+    buf = _scratch.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        _scratch.pop((device, dtype), None)  # free the old one before allocating the larger
+        buf = _scratch[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _dequant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> torch.Tensor:
+    """x @ W.T, W decoded into the scratch buffer a slice of rows at a time."""
+    n = packed.shape[0]
+    step = max(1, min(n, SCRATCH_ELEMS // k))
+    buf = _scratch_buffer(x.device, x.dtype, step * k)
+    if step >= n:
+        return x @ gguf_dequantize(packed, qtype, k, packed=True, out=buf.view(n, k)).T
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        w = gguf_dequantize(packed[r0:r1], qtype, k, packed=True, out=buf[:(r1 - r0) * k].view(r1 - r0, k))
+        y[:, r0:r1] = x @ w.T
+    return y

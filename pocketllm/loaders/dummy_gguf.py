@@ -1,0 +1,198 @@
+"""A GGUF file of a model's shape with random weights, in a quantized mix, without a checkpoint
+(``pocketllm dummy-gguf OUT --shape llama3-8b --type Q4_K_M``): for benchmarks on machines that
+have no weights and no network.
+
+The file is what ``pocketllm quantize`` would write for a model of that shape (same metadata,
+tensor names, per-tensor types of the file type's llama.cpp mix, a byte-level stand-in
+vocabulary), but every quantized block is random bytes, only its fp16 scale fields set: to
+values that give weights of standard deviation ``std`` and mean about 0 (calibrated per type on
+a sample through the exact dequantizer).  Norm weights are 1, biases 0.  Nothing is quantized,
+so the 4.9 GB of Llama-3.1-8B in Q4_K_M take seconds: random bytes, tensor by tensor, streamed.
+"""
+from __future__ import annotations
+
+import os
+import time
+from functools import cache
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.loaders.gguf_writer import (
+    WriteResult,
+    _add_arch_metadata,
+    _arch_of,
+    _minimal_vocab,
+    _rope_parameters,
+    _size_label,
+    llama3_rope_factors,
+)
+from pocketllm.quant import mixes
+from pocketllm.quant.dequant import dequantize
+
+T = GGMLQuantizationType
+
+# type -> byte offsets of its fp16 scale fields in a block: (multipliers d, the offset field or
+# None); the offset (dmin of the k-quants, m of Q4_1/Q5_1) is set so that weights average ~0
+_SCALE_FIELDS = {
+    T.Q8_0: ((0,), None), T.Q4_0: ((0,), None), T.Q4_1: ((0,), 2), T.Q5_0: ((0,), None),
+    T.Q5_1: ((0,), 2), T.Q2_K: ((80,), 82), T.Q3_K: ((108,), None), T.Q4_K: ((0,), 2),
+    T.Q5_K: ((0,), 2), T.Q6_K: ((208,), None),
+}
+_FLOATS = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}  # BF16: its bits
+_SAMPLE_BLOCKS = 4096
+_CHUNK_BYTES = 1 << 28  # random bytes drawn at once
+
+
+def _fp16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+@cache
+def _scales(qtype: GGMLQuantizationType, std: float) -> tuple[float, float]:
+    """(d, offset) for weights of mean ~0 and standard deviation ~``std`` from random code bytes."""
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    d_fields, off_field = _SCALE_FIELDS[qtype]
+    blocks = np.random.default_rng(0).integers(0, 256, (_SAMPLE_BLOCKS, ts), dtype=np.uint8)
+
+    def weights(d: float, off: float) -> np.ndarray:
+        b = blocks.copy()
+        for f in d_fields:
+            b[:, f:f + 2] = _fp16_bytes(np.full(len(b), d))
+        if off_field is not None:
+            b[:, off_field:off_field + 2] = _fp16_bytes(np.full(len(b), off))
+        return dequantize(torch.from_numpy(b), qtype, (_SAMPLE_BLOCKS, bs)).numpy().astype(np.float64)
+
+    off = 0.0
+    if off_field is not None:  # w = d * f(codes) +/- off * g(codes): cancel the mean
+        off = -weights(1.0, 0.0).mean() / weights(0.0, 1.0).mean()
+    unit = weights(1.0, off).std()
+    return std / unit, off * std / unit
+
+
+def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+                   std: float) -> np.ndarray:
+    """Random ``qtype`` blocks for a tensor of ``shape`` (rows first), as uint8 [rows, row_bytes]."""
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    nb = rows * cols // bs
+    out = np.empty(nb * ts, dtype=np.uint8)
+    for i in range(0, out.size, _CHUNK_BYTES):
+        n = min(_CHUNK_BYTES, out.size - i)
+        out[i:i + n] = rng.integers(0, 256, n, dtype=np.uint8)
+    blocks = out.reshape(nb, ts)
+    d, off = _scales(qtype, std)
+    d_fields, off_field = _SCALE_FIELDS[qtype]
+    jitter = rng.uniform(0.5, 1.5, nb)  # every block its own scale, so a kernel reading the wrong one shows
+    for f in d_fields:
+        blocks[:, f:f + 2] = _fp16_bytes(d * jitter)
+    if off_field is not None:
+        blocks[:, off_field:off_field + 2] = _fp16_bytes(off * jitter)
+    return blocks.reshape(rows, -1)
+
+
+def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """GGUF name -> shape (rows first) of every tensor of a llama / qwen2 / qwen3 model."""
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise UnsupportedFeatureError(f"dummy GGUF files are written for llama, qwen2 and qwen3, not {arch}")
+    h, inter, v = hp["hidden_size"], hp["intermediate_size"], hp["vocab_size"]
+    nh = hp["num_attention_heads"]
+    nkv = hp.get("num_key_value_heads") or nh
+    hd = hp.get("head_dim") or h // nh
+    out = [("token_embd.weight", (v, h)), ("output_norm.weight", (h,))]
+    if not hp.get("tie_word_embeddings", False):
+        out.append(("output.weight", (v, h)))
+    rope = _rope_parameters(hp)
+    if arch == "llama" and (rope.get("rope_type") or "").lower() == "llama3":
+        out.append(("rope_freqs.weight", (hd // 2,)))
+    for i in range(hp["num_hidden_layers"]):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (nh * hd, h)),
+                (b + "attn_k.weight", (nkv * hd, h)), (b + "attn_v.weight", (nkv * hd, h)),
+                (b + "attn_output.weight", (h, nh * hd)), (b + "ffn_norm.weight", (h,)),
+                (b + "ffn_gate.weight", (inter, h)), (b + "ffn_up.weight", (inter, h)),
+                (b + "ffn_down.weight", (h, inter))]
+        if arch == "qwen2":
+            out += [(b + f"attn_{p}.bias", (n,)) for p, n in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd))]
+        if arch == "qwen3":
+            out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+    return out
+
+
+def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", file_type: str = "Q4_K_M", *,
+                     seed: int = 0, std: float = 0.02, progress=None) -> WriteResult:
+    """Write a random-weight GGUF of ``shape`` (a name of ``pocketllm.models.shapes.SHAPES`` or a
+    Hugging Face config dict) in ``file_type`` (as ``pocketllm quantize`` names them) to ``out``."""
+    from pocketllm.models.shapes import SHAPES
+
+    t0 = time.perf_counter()
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; known: {', '.join(sorted(SHAPES))}")
+        name, hp = shape, dict(SHAPES[shape])
+    else:
+        name, hp = "dummy", dict(shape)
+    ft_name, ftype, _ = mixes.parse_file_type(file_type)
+    arch = _arch_of(hp)
+    rope = _rope_parameters(hp)
+    tensors = sorted(_tensor_shapes(arch, hp), key=lambda t: mixes.layer_order(t[0]))
+    n_head = hp["num_attention_heads"]
+    types = mixes.tensor_types(tensors, ftype, n_layer=hp["num_hidden_layers"], n_head=n_head,
+                               n_head_kv=hp.get("num_key_value_heads") or n_head)
+    for t in set(types.values()) - _FLOATS.keys() - set(_SCALE_FIELDS):
+        raise UnsupportedFeatureError(f"dummy GGUF files cannot hold {t.name} tensors")
+    n_params = sum(int(np.prod(s)) for _, s in tensors)
+    rng = np.random.default_rng(seed)
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    w = gguf.GGUFWriter(tmp, arch)
+    try:
+        w.add_type(gguf.GGUFType.MODEL)
+        w.add_name(f"{name} (random weights)")
+        w.add_size_label(_size_label(n_params))
+        _add_arch_metadata(w, arch, hp, rope, hp["vocab_size"])
+        w.add_file_type(ftype)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        tokenizer = _minimal_vocab(hp["vocab_size"], w)
+        for tname, s in tensors:
+            qt = types[tname]
+            if qt in _FLOATS:
+                dt = _FLOATS[qt]
+                w.add_tensor_info(tname, s, dt, int(np.prod(s)) * np.dtype(dt).itemsize,
+                                  raw_dtype=T.BF16 if qt == T.BF16 else None)
+            else:
+                bs, ts = gguf.GGML_QUANT_SIZES[qt]
+                byte_shape = (*s[:-1], s[-1] // bs * ts)
+                w.add_tensor_info(tname, byte_shape, np.uint8, int(np.prod(byte_shape)), raw_dtype=qt)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, (tname, s) in enumerate(tensors):
+            qt = types[tname]
+            if progress:
+                progress(f"[{i + 1}/{len(tensors)}] {tname:32s} {list(s)!s:16s} {qt.name}")
+            if tname == "rope_freqs.weight":
+                data = llama3_rope_factors(hp, rope)
+            elif qt in _FLOATS:  # norms (1) and biases (0); matrices of the float file types: gaussian
+                if len(s) == 1:
+                    data = np.full(s, 0.0 if tname.endswith(".bias") else 1.0, np.float32)
+                else:
+                    data = rng.standard_normal(s, dtype=np.float32) * std
+                if qt == T.BF16:  # bfloat16 bits, rounded to nearest by torch
+                    data = torch.from_numpy(data).bfloat16().view(torch.int16).numpy().view(np.uint16)
+                else:
+                    data = data.astype(_FLOATS[qt])
+            else:
+                data = _random_blocks(rng, qt, s, std)
+            w.write_tensor_data(data)
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return WriteResult(out, ft_name, types, n_params, out.stat().st_size, time.perf_counter() - t0, tokenizer)

@@ -1,0 +1,99 @@
+"""CUDA graphs of the decode forward, one per batch-size bucket.
+
+A pure-decode step is padded to the smallest bucket that holds it and replays that bucket's
+graph. Inputs live in persistent device buffers that each step overwrites (through pinned
+staging buffers, without a host sync); padding rows write no KV (slot -1) and attend to one
+stale slot, so their outputs are finite and ignored. All graphs share one memory pool; the
+hidden states a replay returns stay valid until the next replay.
+"""
+from __future__ import annotations
+
+import torch
+
+from pocketllm.layers.attention import AttentionMetadata
+from pocketllm.models.base import CausalLM
+
+
+def buckets(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16 if max_batch <= 256 else 32))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, device: torch.device, max_batch: int, max_blocks: int):
+        self.model = model
+        self.sizes = buckets(max_batch)
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        n = max_batch
+
+        def buffers(dtype, *shape):
+            return (torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, pin_memory=True))
+
+        self.ids, self.ids_h = buffers(torch.long, n)
+        self.pos, self.pos_h = buffers(torch.long, n)
+        self.slots, self.slots_h = buffers(torch.long, n)
+        self.seq_lens, self.seq_lens_h = buffers(torch.int32, n)
+        self.tables, self.tables_h = buffers(torch.int32, n, max_blocks)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.slots.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copied: torch.cuda.Event | None = None  # the staging buffers are free once it fires
+        self._capture_all(device)
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.max_batch
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slots[:b], num_decodes=b, block_tables=self.tables[:b],
+                                 seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
+                                 max_query_len=1)
+
+    @torch.inference_mode()
+    def _capture_all(self, device: torch.device) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
+                meta = self._meta(b)
+                self.model(self.ids[:b], self.pos[:b], meta)  # compiles the kernels, warms cuBLAS
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    hidden = self.model(self.ids[:b], self.pos[:b], meta)
+                self.graphs[b] = (graph, hidden)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+
+    def run(self, step, pending=None) -> torch.Tensor:
+        """Replays the bucket for `step` (a runner StepInputs of decode rows) -> hidden [n, H].
+        `pending` = (rows, tokens, index): input ids to take from the device (ids[rows] = tokens[index])."""
+        n = len(step.rows)
+        b = next(s for s in self.sizes if s >= n)
+        if self._copied is not None:
+            self._copied.synchronize()  # normally long done: the last step read its tokens back
+        self.ids_h[:n] = torch.as_tensor(step.input_ids)
+        self.pos_h[:n] = torch.as_tensor(step.positions)
+        self.slots_h[:n] = torch.as_tensor(step.slots)
+        self.slots_h[n:b] = -1
+        tables = self.tables_h.numpy()
+        lens = self.seq_lens_h.numpy()
+        for i, (_, ctx, blocks) in enumerate(step.rows):
+            tables[i, :len(blocks)] = blocks
+            lens[i] = ctx
+        lens[n:b] = 1
+        width = max(len(blocks) for _, _, blocks in step.rows)
+        for dst, src in ((self.ids, self.ids_h), (self.pos, self.pos_h), (self.slots, self.slots_h),
+                         (self.seq_lens, self.seq_lens_h)):
+            dst[:b].copy_(src[:b], non_blocking=True)
+        self.tables[:n, :width].copy_(self.tables_h[:n, :width], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        if pending is not None:
+            dst, tokens, src = pending
+            self.ids[dst] = tokens[src]
+        graph, hidden = self.graphs[b]
+        graph.replay()
+        return hidden[:n]

@@ -1,0 +1,431 @@
+"""The Triton GGUF kernels (pocketllm/kernels/triton/gguf.py) against dequant.py's exact weights.
+
+On a GPU they run for real; on the CPU they run under Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), on small shapes.  Tolerances (u = 2**-24):
+
+* float32 activations: |dy| <= 2*K*u * (|x| @ |W|.T) + 2*u*|x| @ |W|.T, two differently ordered
+  float32 dot products of length K, plus one rounding of each weight (the GPU fuses the scale
+  and the offset into one FMA: the weight may differ from dequant.py's by an ulp).
+* bfloat16 activations: the dot and dequant regimes round each weight to bfloat16, every regime
+  rounds the output (the interpreter truncates instead of rounding): |dy| <= 2**-7 * (|x| @ |W|.T).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import triton
+from test_quant_linear import realistic_blocks
+
+from pocketllm.kernels.triton import gguf as kg
+from pocketllm.quant.dequant import dequantize
+
+T = gguf.GGMLQuantizationType
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+COVERED = sorted(kg.TRITON_GGUF_TYPES, key=lambda t: t.value)
+U = 2.0 ** -24
+N, K = 40, 512  # N: not a multiple of any tile; K: 2 super-blocks, 16 blocks of 32
+
+
+def make(qtype, n=N, k=K, seed=0):
+    raw = torch.from_numpy(realistic_blocks(np.random.default_rng(seed), qtype, n, k))
+    return raw.to(DEV), dequantize(raw, qtype, (n, k)).to(DEV)
+
+
+def check(y, x, w):
+    x, ref = x.float(), x.float() @ w.T
+    mag = x.abs() @ w.abs().T
+    if y.dtype == torch.float32:
+        tol = (2 * x.shape[1] + 2) * U * mag + 1e-30
+    else:
+        tol = 2.0 ** -7 * mag + 1e-30
+    err = (y.float() - ref).abs()
+    assert y.shape == ref.shape
+    assert bool((err <= tol).all()), f"max err {err.max():.3g}, err/tol {(err / tol).max():.3g}"
+
+
+@pytest.mark.parametrize("qtype", COVERED, ids=lambda t: t.name)
+def test_matmul_matches_dequantized_weights(qtype):
+    raw, w = make(qtype, seed=qtype.value)
+    packed = kg.pack_gguf(raw, qtype, K)
+    g = torch.Generator().manual_seed(qtype.value)
+    for m in (1, 3, 16, 40):  # gemv, then the dot regime (one, then several row tiles of 16)
+        x = torch.randn(m, K, generator=g).to(DEV)
+        check(kg.gguf_matmul(x, packed, qtype, K, packed=True), x, w)
+    for m in (1, 16):
+        x = torch.randn(m, K, generator=g).to(DEV, torch.bfloat16)
+        y = kg.gguf_matmul(x, raw, qtype, K)  # raw bytes: packed on the fly
+        assert y.dtype == torch.bfloat16
+        check(y, x, w)
+
+
+@pytest.mark.parametrize("qtype", COVERED, ids=lambda t: t.name)
+def test_dequantize_matches_dequant_py(qtype):
+    raw, w = make(qtype, n=24, seed=50 + qtype.value)
+    out = kg.gguf_dequantize(raw, qtype, K)
+    if DEV == "cpu":  # the interpreter rounds as torch does: the same bits
+        assert torch.equal(out, w)
+    else:  # the GPU may fuse v * a + c into one FMA
+        assert bool(((out - w).abs() <= 2 * U * w.abs().max()).all())
+    half = kg.gguf_dequantize(raw, qtype, K, torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, out.half())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q5_0], ids=lambda t: t.name)
+def test_every_regime_and_split(qtype, monkeypatch):
+    # K = 3 super-blocks / 24 blocks: splits of unequal length; N = 24: a partial row tile
+    n, k = 24, 768
+    raw, w = make(qtype, n=n, k=k, seed=7)
+    packed = kg.pack_gguf(raw, qtype, k)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, k, generator=g).to(DEV)
+    for regime, split in (("gemv", 1), ("gemv", 2), ("gemv", 3), ("dot", 1), ("dot", 2)):
+        check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime=regime, split_k=split), x, w)
+    check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dequant"), x, w)
+    monkeypatch.setattr(kg, "SCRATCH_ELEMS", 7 * k)  # decode 7 rows at a time: 4 slices
+    check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dequant"), x, w)
+    xb = x.to(torch.bfloat16)
+    check(kg.gguf_matmul(xb, packed, qtype, k, packed=True, regime="dequant"), xb, w)
+
+
+def test_auto_regime_thresholds(monkeypatch):
+    raw, w = make(T.Q4_K)
+    packed = kg.pack_gguf(raw, T.Q4_K, K)
+    seen = []
+    real = kg._dequant_matmul
+    monkeypatch.setattr(kg, "_dequant_matmul", lambda *a: seen.append("dequant") or real(*a))
+    x = torch.randn(kg.DOT_MAX_M + 1, K).to(DEV)
+    check(kg.gguf_matmul(x, packed, T.Q4_K, K, packed=True), x, w)
+    assert seen == ["dequant"]
+    assert kg.gguf_matmul(x[:0], packed, T.Q4_K, K, packed=True).shape == (0, N)
+
+
+def test_pack_keeps_the_bytes_and_the_size():
+    raw, _ = make(T.Q6_K, n=8)
+    packed = kg.pack_gguf(raw, T.Q6_K, K)  # 420-byte rows, padded to 432
+    assert packed.shape == (8, 432) and packed.dtype == torch.uint8
+    assert torch.equal(packed[:, :420].flatten().sort().values, raw.flatten().sort().values)
+    assert not packed[:, 420:].any()
+    blocks = raw.view(8, 2, 210)
+    assert torch.equal(packed[:, :192], blocks[:, 0, :192])  # first block's codes first
+    assert torch.equal(packed[:, 384:402], blocks[:, 0, 192:])  # its scales and d after the codes
+
+
+_ALIGN_KS = {32: (32, 96, 160, 256, 768, 4096), 256: (256, 768, 1280, 4096, 14336)}
+
+
+@pytest.mark.parametrize("qtype", COVERED, ids=lambda t: t.name)
+def test_packed_layout_is_16_byte_aligned(qtype):
+    """Every packed row, body region and header region starts 16-byte aligned (the kernels load
+    bodies as 16-byte vectors, and Triton assumes 16-divisible row sizes aligned), for any K."""
+    for k in _ALIGN_KS[kg.block_size(qtype)]:
+        n_blocks, hdr_start, targs = kg._type_args(qtype, k)
+        prb = kg.packed_row_nbytes(qtype, k)
+        assert prb % 16 == 0 and 0 <= prb - gguf.quants.GGML_QUANT_SIZES[qtype][1] * n_blocks < 16
+        assert targs["BB"] % 16 == 0 and hdr_start % 16 == 0  # every block's body, the headers
+        raw, w = make(qtype, n=3, k=k, seed=k)
+        packed = kg.pack_gguf(raw, qtype, k)
+        assert packed.shape == (3, prb) and packed.data_ptr() % 16 == 0
+        assert packed.stride(0) % 16 == 0
+        if k <= 768:
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(DEV)
+            check(kg.gguf_matmul(x, packed, qtype, k, packed=True), x, w)
+    with pytest.raises(ValueError, match="packed rows"):
+        kg.gguf_matmul(torch.zeros(1, k).to(DEV), packed[:, :-16].contiguous(), qtype, k, packed=True)
+
+
+def test_refuses_what_it_does_not_cover():
+    raw, _ = make(T.Q4_K)
+    with pytest.raises(ValueError, match="no Triton GGUF kernel for IQ2_XS"):
+        kg.gguf_matmul(torch.zeros(1, K), raw, T.IQ2_XS, K)
+    with pytest.raises(ValueError, match="take 288 bytes"):
+        kg.gguf_matmul(torch.zeros(1, K), raw[:, :100].contiguous(), T.Q4_K, K)
+    with pytest.raises(ValueError, match="x must be"):
+        kg.gguf_matmul(torch.zeros(1, K + 1), raw, T.Q4_K, K)
+
+
+# ---- the layers: GGUFLinear's "triton" path, fused shards, the engine ---------------------------
+
+def test_capabilities_declare_the_kernel_types():
+    from pocketllm.models.capabilities import CUDA_KERNEL_TYPES, GGUF_TYPES, PLATFORMS
+
+    assert {t.name for t in kg.TRITON_GGUF_TYPES} == CUDA_KERNEL_TYPES == PLATFORMS["cuda"].kept_quantized
+    assert PLATFORMS["cuda"].quantizations == GGUF_TYPES  # the rest load dequantized
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.IQ4_NL], ids=lambda t: t.name)
+def test_gguf_linear_triton_path(qtype):
+    from pocketllm.quant.linear import GGUFLinear
+
+    raw, w = make(qtype, seed=3)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(0)).to(DEV)
+    layer = GGUFLinear.from_gguf(raw.cpu(), qtype, N, K, bias=bias, path="triton", device=DEV)
+    assert layer.path == "triton" and layer.nbytes() == raw.numel() + 4 * N  # the GGUF size
+    x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(1)).to(DEV)
+    y = layer(x)
+    assert y.shape == (2, 3, N) and y.dtype == torch.float32
+    check(y.reshape(6, N) - bias, x.reshape(6, K), w)
+
+
+def test_fused_shards_of_mixed_types(monkeypatch):
+    """Q4_K_M's qkv: Q4_K q and k with a Q6_K v become one layer per type; same-type shards fuse."""
+    from pocketllm.layers.linear import ConcatLinear, Linear, QuantizedTensor
+    from pocketllm.quant import linear as qlinear
+
+    monkeypatch.setattr(qlinear, "TRITON_DEVICES", {"cuda", "cpu"})  # the interpreter on the CPU
+    sizes, qtypes = [32, 16, 16], [T.Q4_K, T.Q4_K, T.Q6_K]
+    parts = [make(qt, n=sz, seed=i) for i, (sz, qt) in enumerate(zip(sizes, qtypes))]
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(2)).to(DEV)
+    for types in (qtypes, [T.Q4_K] * 3):
+        lin = Linear(K, sizes, device=DEV)
+        for i, ((raw, _), qt) in enumerate(zip(parts, types)):
+            raw = raw if qt == qtypes[i] else make(qt, n=sizes[i], seed=i)[0]
+            lin.load(QuantizedTensor(raw.cpu(), qt, (sizes[i], K)), shard=i)
+        q = lin.quantized
+        if types == qtypes:
+            assert isinstance(q, ConcatLinear) and [p.path for p in q.parts] == ["triton"] * 3
+            w = torch.cat([p[1] for p in parts])
+        else:
+            assert q.path == "triton"
+            w = torch.cat([make(T.Q4_K, n=sz, seed=i)[1] for i, sz in enumerate(sizes)])
+        check(lin(x), x, w)
+
+
+def test_engine_runs_the_triton_path_under_the_interpreter(tmp_path, monkeypatch):
+    """A one-layer Q4_K_M model (random blocks) through the whole engine, every projection on the
+    Triton kernels (interpreted): the same greedy tokens as the C kernels, logits within float32
+    rounding."""
+    from conftest import prompts_of
+    from reference import captured_logits
+
+    from pocketllm import LLM, SamplingParams
+    from pocketllm.loaders.dummy_gguf import write_dummy_gguf
+    from pocketllm.quant import linear as qlinear
+
+    if DEV != "cpu":
+        pytest.skip("the GPU tests below run the real thing")
+    shape = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=256,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    path = write_dummy_gguf(tmp_path / "tiny.gguf", shape, "Q4_K_M", std=0.05).path
+    prompts = prompts_of([6, 2], seed=3, vocab=320)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    runs = {}
+    for devices in ({"cuda"}, {"cuda", "cpu"}):
+        monkeypatch.setattr(qlinear, "TRITON_DEVICES", devices)
+        llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+        paths = {m.path for m in llm.engine.runner.model.modules() if isinstance(m, qlinear.GGUFLinear)}
+        assert paths == ({"triton"} if "cpu" in devices else {"c"})
+        with captured_logits(llm) as logits:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[len(devices)] = ([o.outputs[0].token_ids for o in outs], torch.cat(logits))
+    (tokens_c, logits_c), (tokens_t, logits_t) = runs[1], runs[2]
+    assert tokens_t == tokens_c
+    assert torch.isfinite(logits_t).all()
+    assert float((logits_t - logits_c).abs().max()) < 1e-4 * float(logits_c.abs().max())
+
+
+# ---- on the GPU ---------------------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda_only
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_model_sized_shapes_on_the_gpu(qtype):
+    """Real tile counts: split-K for a 1024-row matrix, every regime, bf16 and fp16."""
+    n, k = 1024, 4096
+    raw, w = make(qtype, n=n, k=k, seed=11)
+    packed = kg.pack_gguf(raw, qtype, k)
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 2, 8, 64, 200):
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(m, k, generator=g).to(DEV, dt)
+            check(kg.gguf_matmul(x, packed, qtype, k, packed=True), x, w)
+
+
+@cuda_only
+def test_types_without_kernel_load_dense_on_the_gpu():
+    from pocketllm.quant.linear import GGUFLinear
+
+    for qtype, kw in ((T.IQ2_XS, {}), (T.Q4_K, {"dequantize_at_load": True})):
+        raw, w = make(qtype, seed=5)
+        layer = GGUFLinear.from_gguf(raw.cpu(), qtype, N, K, device="cuda", dtype=torch.bfloat16, **kw)
+        assert layer.path == "dense" and layer._store.dtype == torch.bfloat16
+        assert bool(((layer._store.float() - w).abs() <= 2.0 ** -8 * w.abs()).all())  # one bf16 rounding
+        x = torch.randn(3, K, device="cuda", dtype=torch.bfloat16)
+        check(layer(x), x, w)
+
+
+def _q4_k_m_llama(root):
+    """A 2-layer llama with rows of 256 (so the mix really is Q4_K / Q6_K), quantized to Q4_K_M."""
+    import transformers
+
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(root / "llama256", safe_serialization=True)
+    return write_gguf(root / "llama256", root / "llama256.Q4_K_M.gguf", "Q4_K_M").path
+
+
+@cuda_only
+@pytest.mark.parametrize("kind", ["llama256", "qwen2"])
+def test_gguf_greedy_tokens_on_cuda_equal_the_cpu(kind, tiny_models, tmp_path):
+    """float32 on the GPU (Triton kernels, IEEE dots) against the CPU's C kernels: the same greedy
+    tokens.  qwen2: rows of 96, so the mix falls back to Q5_0 / Q8_0, and tied embeddings (the
+    table dequantized on the GPU, the output projection on the kernels)."""
+    from conftest import prompts_of
+
+    from pocketllm import LLM, SamplingParams
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    if kind == "llama256":
+        path = _q4_k_m_llama(tmp_path)
+    else:
+        path = write_gguf(tiny_models["qwen2"][1], tmp_path / "qwen2.Q4_K_M.gguf", "Q4_K_M").path
+    prompts = prompts_of([1, 7, 30, 65])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(path), device=device, dtype="float32", max_model_len=128, num_kv_blocks=64)
+        if device == "cuda":
+            paths = {m.path for m in llm.engine.runner.model.modules() if hasattr(m, "qtype")}
+            assert paths == {"triton"}
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        tokens[device] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["cuda"] == tokens["cpu"]
+
+
+@cuda_only
+def test_dummy_q4_k_m_in_bf16_on_cuda_stays_close(tmp_path):
+    from conftest import prompts_of
+    from reference import captured_logits
+
+    from pocketllm import LLM, SamplingParams
+    from pocketllm.loaders.dummy_gguf import write_dummy_gguf
+
+    shape = dict(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+    path = write_dummy_gguf(tmp_path / "d.gguf", shape, "Q4_K_M").path
+    prompt = prompts_of([40], vocab=1000)[0]
+    logits = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        llm = LLM(str(path), device=device, dtype=dtype, max_model_len=128, num_kv_blocks=32)
+        with captured_logits(llm) as captured:
+            llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
+        logits[device] = captured[0][0]
+    ref = logits["cpu"]
+    assert torch.isfinite(logits["cuda"]).all()
+    assert float((logits["cuda"] - ref).abs().max()) < 0.05 * float(ref.abs().max())
+
+
+# ---- sm_90 resources: compiled here, without a GPU ----------------------------------------------
+
+SM90_SHARED_LIMIT = 232448  # bytes of shared memory a block may use on H100 / H200 (227 KiB)
+
+
+def sm90_resources(qtype, regime, dtype="bf16", block_m=16, cfg=None, k=4096):
+    """(shared bytes, registers, spill bytes) of one kernel variant compiled for sm_90, with the
+    specialisations a real launch gets (16-divisible pointers, row sizes, strides).  Needs a
+    Triton that compiles (not the interpreter: see _sm90_table)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _, _, targs = kg._type_args(qtype, k)
+    c = dict(kg.kernel_config(regime, qtype), **(cfg or {}))
+    if regime == "gemv":
+        fn = kg._gemv_kernel
+        extra, opts = {"STAGES": c["num_stages"], "HAS_C": qtype in kg._OFFSET_TYPES}, {"num_warps": c["num_warps"]}
+    elif regime == "dot":
+        fn = kg._dot_kernel
+        extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
+    else:
+        fn, extra, opts = kg._dequant_kernel, {}, {"num_warps": c["num_warps"]}
+    consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=kg._blocks_per_step(qtype, c["BLOCK_K"]), **extra)
+    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
+    divisible = ["x_ptr", "w_ptr", "lut_ptr", "y_ptr", "out_ptr", "row_bytes", "hdr_start", "stride_xm",
+                 "stride_ys", "stride_ym", "stride_on"]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible if a in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    spill = int(re.search(r"STACK:(\d+)", res).group(1)) + int(re.search(r"LOCAL:(\d+)", res).group(1))
+    return int(compiled.metadata.shared), regs, spill
+
+
+def _sm90_variants():
+    for qtype in COVERED:
+        for dtype in ("bf16", "fp32"):
+            yield qtype, "gemv", dtype, 1
+            yield qtype, "dequant", dtype, 1
+        for dtype, block_m in (("bf16", 16), ("bf16", 64), ("fp16", 64), ("fp32", 64)):
+            yield qtype, "dot", dtype, block_m
+
+
+def _sm90_table():
+    """Every variant's resources, compiled in a subprocess without TRITON_INTERPRET (under the
+    interpreter, kernels cannot be compiled); None when this machine cannot compile for sm_90."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--sm90"], capture_output=True, text=True,
+                          env=env, cwd=os.path.dirname(here))
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines or "error" in lines[0]:
+        return None, (proc.stdout + proc.stderr)[-3000:]
+    return lines, ""
+
+
+def test_every_kernel_fits_sm90_shared_memory_and_registers():
+    table, why = _sm90_table()
+    if table is None:
+        pytest.skip(f"cannot compile for sm_90 here: {why}")
+    assert len(table) == len(list(_sm90_variants()))
+    for r in table:
+        name = f"{r['type']} {r['regime']} {r['dtype']} BLOCK_M={r['block_m']}"
+        assert r["shared"] <= SM90_SHARED_LIMIT, f"{name}: {r['shared']} bytes of shared memory"
+        if not (r["regime"] == "dot" and r["dtype"] == "fp32"):  # IEEE fp32 tl.dot: correctness path, spills
+            assert r["spill"] == 0, f"{name}: spills {r['spill']} bytes"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--sm90"]:
+    import json
+
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        print(json.dumps({"error": repr(e)}))
+        raise SystemExit(0) from None
+    def _one(v):
+        qtype, regime, dtype, block_m = v
+        shared, regs, spill = sm90_resources(qtype, regime, dtype, block_m)
+        return dict(type=qtype.name, regime=regime, dtype=dtype, block_m=block_m, shared=shared, regs=regs,
+                    spill=spill)
+
+    for v in _sm90_variants():
+        print(json.dumps(_one(v)), flush=True)

@@ -1,0 +1,202 @@
+"""The Triton kernels of the CUDA path against the torch implementations they replace.
+
+On a GPU they run for real; on the CPU (CI) they run under Triton's interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1), which checks the same kernel code on small shapes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pocketllm.kernels.triton import attention as kattn
+from pocketllm.kernels.triton import fused
+from pocketllm.layers.rotary import _rotate, inv_frequencies
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference_attention(q, k_cache, v_cache, rows, scale, window=None, softcap=None):
+    """Dense per-request attention over the cache, from first principles."""
+    out = torch.empty_like(q, dtype=torch.float32)
+    bs = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    q0 = 0
+    for qlen, ctx, blocks in rows:
+        kk = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:ctx].float().repeat_interleave(group, 1)
+        vv = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:ctx].float().repeat_interleave(group, 1)
+        qq = q[q0:q0 + qlen].float()
+        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        qpos = torch.arange(ctx - qlen, ctx)[:, None]
+        kpos = torch.arange(ctx)[None, :]
+        visible = kpos <= qpos
+        if window:
+            visible &= kpos > qpos - window
+        s = s.masked_fill(~visible.to(s.device), float("-inf"))
+        out[q0:q0 + qlen] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
+        q0 += qlen
+    assert bs > 0
+    return out
+
+
+def make_step(rows_spec, hq, hkv, d, bs=16, num_blocks=64, dtype=torch.float32, seed=0):
+    """rows_spec: [(query_len, context_len)] -> caches with random content, shuffled block tables."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    rows = []
+    for qlen, ctx in rows_spec:
+        n = -(-ctx // bs)
+        rows.append((qlen, ctx, [free.pop() for _ in range(n)]))
+    t = sum(r[0] for r in rows)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    width = max(len(r[2]) for r in rows)
+    tables = torch.tensor([r[2] + [0] * (width - len(r[2])) for r in rows], dtype=torch.int32)
+    seq_lens = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    qsl = torch.tensor([0] + list(torch.tensor([r[0] for r in rows]).cumsum(0)), dtype=torch.int32)
+    return q, k_cache, v_cache, rows, tables, seq_lens, qsl
+
+
+CASES = [
+    # (rows (query_len, context_len), Hq, Hkv, head_dim): decodes, prefills, chunks over a prefix
+    ([(1, 1), (1, 17), (1, 40)], 4, 2, 32),
+    ([(1, 33), (5, 5), (20, 52)], 8, 2, 64),
+    ([(1, 9), (1, 70), (37, 37)], 6, 1, 32),  # group of 6: not a power of two
+    ([(3, 19), (1, 64), (17, 80)], 8, 8, 128),  # MHA, head_dim 128
+]
+
+
+@pytest.mark.parametrize("rows_spec,hq,hkv,d", CASES)
+def test_paged_attention_matches_reference(rows_spec, hq, hkv, d):
+    q, kc, vc, rows, tables, lens, qsl = make_step(rows_spec, hq, hkv, d)
+    scale = d ** -0.5
+    ref = reference_attention(q, kc, vc, rows, scale)
+    out = kattn.paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV),
+                                max(r[0] for r in rows), scale)
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [2, 8])
+def test_split_key_decode_matches_reference(splits):
+    """Flash-decoding: decode rows split over their keys and merged; a split may be empty."""
+    q, kc, vc, rows, tables, lens, qsl = make_step([(1, 1), (1, 17), (1, 70), (1, 33)], 8, 2, 64, seed=3)
+    ref = reference_attention(q, kc, vc, rows, 0.125)
+    out = kattn.paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV),
+                                1, 0.125, num_splits=splits)
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
+    assert kattn.decode_splits(1, 8, torch.device("cpu")) == 16 and kattn.decode_splits(64, 8, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("window,softcap", [(8, None), (None, 20.0), (5, 30.0)])
+def test_paged_attention_window_and_softcap(window, softcap):
+    q, kc, vc, rows, tables, lens, qsl = make_step([(1, 30), (12, 41), (1, 3)], 4, 2, 32, seed=1)
+    ref = reference_attention(q, kc, vc, rows, 0.1, window, softcap)
+    out = kattn.paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV),
+                                12, 0.1, window, softcap)
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="bfloat16 dot products need a GPU (the interpreter runs fp32)")
+def test_paged_attention_bf16_close():
+    q, kc, vc, rows, tables, lens, qsl = make_step([(1, 300), (64, 200), (1, 17)] * 3, 32, 8, 128,
+                                                   num_blocks=256, dtype=torch.bfloat16)
+    ref = reference_attention(q, kc, vc, rows, 128 ** -0.5)
+    out = kattn.paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV),
+                                64, 128 ** -0.5)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_attention_on_strided_views():
+    """The model passes q and k as views into the fused QKV output."""
+    q, kc, vc, rows, tables, lens, qsl = make_step([(1, 10), (6, 6)], 4, 2, 32, seed=2)
+    t = q.shape[0]
+    qkv = torch.randn(t, 4 + 2 * 2, 32)
+    qkv[:, :4] = q
+    ref = reference_attention(q, kc, vc, rows, 0.2)
+    out = kattn.paged_attention(qkv.to(DEV)[:, :4], kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV),
+                                qsl.to(DEV), 6, 0.2)
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_write_kv_skips_padding_slots():
+    kc = torch.zeros(4, 4, 2, 8, device=DEV)
+    vc = torch.zeros_like(kc)
+    qkv = torch.randn(3, 6, 8, device=DEV)
+    k, v = qkv[:, 2:4], qkv[:, 4:6]
+    slots = torch.tensor([5, -1, 14], device=DEV)
+    kattn.write_kv(kc, vc, k, v, slots)
+    flat_k, flat_v = kc.view(16, 2, 8), vc.view(16, 2, 8)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[14], k[2])
+    assert torch.equal(flat_v[5], v[0]) and torch.equal(flat_v[14], v[2])
+    assert int((flat_k != 0).any(-1).any(-1).sum()) == 2  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_with_residual(dtype, offset):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    res = torch.randn(5, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    s = x + res
+    ref = F.rms_norm(s.float(), (96,), w.float() + offset, 1e-6).to(dtype)
+    out, new_res = fused.rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset, res.to(DEV))
+    if dtype == torch.float32 or DEV == "cuda":
+        assert torch.equal(new_res.cpu(), s)
+    else:  # the interpreter truncates float32 -> bfloat16 where the GPU rounds to nearest
+        torch.testing.assert_close(new_res, s, atol=0, rtol=2 ** -7)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.cpu(), ref, atol=tol, rtol=tol)
+    alone = fused.rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset)
+    torch.testing.assert_close(alone.cpu(), F.rms_norm(x.float(), (96,), w.float() + offset, 1e-6).to(dtype),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rotary_in_place(scaling):
+    d, max_len = 64, 512
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_frequencies(d, 10000.0, scaling))
+    cos, sin = freqs.cos(), freqs.sin()
+    x = torch.randn(7, 10, d)
+    pos = torch.tensor([0, 3, 4, 100, 200, 511, 7])
+    ref = _rotate(x, cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+    xd = x.to(DEV)
+    out = fused.rotary_(xd[:, :6], pos.to(DEV), cos.to(DEV), sin.to(DEV))  # a strided view, like q|k of qkv
+    torch.testing.assert_close(out.cpu(), ref[:, :6], atol=1e-5, rtol=1e-5)
+    assert torch.equal(xd[:, 6:].cpu(), x[:, 6:])  # the rest (v) untouched
+
+
+@pytest.mark.parametrize("act,ref", [
+    (fused.SILU, F.silu),
+    (fused.GELU_TANH, lambda g: F.gelu(g, approximate="tanh")),
+    (fused.GELU, F.gelu),
+])
+def test_gated_activation(act, ref):
+    x = torch.randn(4, 2 * 1500)
+    out = fused.gated_act(x.to(DEV), act)
+    gate, up = x.chunk(2, -1)
+    torch.testing.assert_close(out.cpu(), ref(gate) * up, atol=1e-5, rtol=1e-5)
+    assert math.isfinite(float(out.abs().max()))
+
+
+def test_engine_on_kernel_attention_matches_transformers(tiny):
+    """The runner's kernel metadata (flat block tables, query_start_loc, seq_lens) through the
+    attention kernel, with chunked prefill over cached prefixes: greedy tokens equal transformers'."""
+    from conftest import prompts_of
+    from reference import hf_greedy
+
+    from pocketllm import LLM, SamplingParams
+
+    model, path = tiny
+    prompts = prompts_of([1, 5, 17, 33])
+    llm = LLM(str(path), device=DEV, dtype="float32", max_num_batched_tokens=24)
+    llm.engine.runner.use_kernels = True  # what CUDA uses; on the CPU the kernel runs interpreted
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
+    llm.engine.check_no_leaks()
