@@ -3,7 +3,7 @@ same shape, on a CUDA GPU.
 
     python benchmarks/bench_triton_gguf.py                       # Q4_K Q6_K Q8_0, M = 1 and 512
     python benchmarks/bench_triton_gguf.py --ms 1,2,4,8,16,32,64,128,256,512 --regimes   # crossovers
-    python benchmarks/bench_triton_gguf.py --sweep               # tile configs of the gemv / dot kernels
+    python benchmarks/bench_triton_gguf.py --sweep               # tile configs of each regime's kernel
 
 Weights are random GGUF blocks with small fp16 scales (the dummy-GGUF generator), shapes (N, K) of
 Llama-3.1-8B: 4096x4096 (q/o), 14336x4096 (gate, up), 4096x14336 (down), 1024x4096 (k/v).  Times
@@ -30,8 +30,8 @@ from pocketllm.quant.gguf_types import row_nbytes
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
 
 
-def bench_us(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+def bench_us(fn, rep: int = 50) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
 
 
 def host_us(fn, reps=20) -> float:
@@ -66,7 +66,8 @@ def main():
     ap.add_argument("--ms", default="1,512")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,...")
     ap.add_argument("--regimes", action="store_true", help="time every regime (gemv, dot, dequant) at each M")
-    ap.add_argument("--sweep", action="store_true", help="tile configs of the gemv (M=1) and dot (M=16) kernels")
+    ap.add_argument("--sweep", action="store_true", help="tile configs of each regime's kernel (SWEEP_GRIDS)")
+    ap.add_argument("--warm", default=None, help="I/N: with --sweep, only compile the I-th of N shares of the configs")
     ap.add_argument("--no-splits", action="store_true", help="skip the split-K sweep (Q4_K, Q6_K at M=1)")
     ap.add_argument("--peak", type=float, default=4800.0, help="the GPU's memory bandwidth, GB/s (H200: 4800)")
     args = ap.parse_args()
@@ -78,7 +79,7 @@ def main():
           f"# DOT_CONFIG={kg.DOT_CONFIG}")
 
     if args.sweep:
-        sweep(types, shapes, args.peak)
+        sweep(types, shapes, args.peak, tuple(int(v) for v in args.warm.split("/")) if args.warm else None)
         return
     regimes = ["gemv", "dot", "dequant"] if args.regimes else ["auto"]
     print(f"{'type':6s} {'N x K':>11s} {'M':>4s} {'regime':>7s} {'gguf us':>8s} {'bf16 us':>8s} {'speedup':>7s} "
@@ -116,14 +117,21 @@ def split_sweep(peak):
             print(f"{qtype.name:6s} {n:>5d}x{k:<5d} " + "  ".join(cells), flush=True)
 
 
-def sweep(types, shapes, peak):
-    grids = {
-        "gemv": (1, kg.GEMV_CONFIG, dict(BLOCK_N=[8, 16, 32], BLOCK_K=[256, 512], num_warps=[2, 4, 8],
-                                         num_stages=[1, 2, 3, 4])),
-        "dot": (16, kg.DOT_CONFIG, dict(BLOCK_N=[32, 64, 128], BLOCK_K=[256], num_warps=[4, 8],
-                                        num_stages=[2, 3, 4])),
-    }
-    for regime, (m, cfg, grid) in grids.items():
+SWEEP_GRIDS = {  # regime: (M, the config it edits, the grid)
+    "gemv": (1, kg.GEMV_CONFIG, dict(BLOCK_N=[1, 2, 4, 8], BLOCK_K=[512, 1024, 2048, 4096], num_warps=[1, 2, 4],
+                                     num_stages=[1])),
+    "dot": (64, kg.DOT_CONFIG, dict(BLOCK_N=[16, 32, 64, 128], BLOCK_K=[256, 512, 1024], num_warps=[4, 8],
+                                    num_stages=[1, 2])),
+    "dequant": (64, kg.DEQUANT_CONFIG, dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[256, 1024, 2048], num_warps=[1, 2, 4])),
+}
+
+
+def sweep(types, shapes, peak, warm: tuple[int, int] | None = None):
+    """Time every tile config of each regime's grid.  ``warm=(i, n)``: only compile (run once) the
+    i-th of n shares of the configs, no timing: several processes fill Triton's cache at once, and
+    the timing run then compiles nothing."""
+    index = 0
+    for regime, (m, cfg, grid) in SWEEP_GRIDS.items():
         default = dict(cfg)
         for qtype in types:
             for n, k in shapes:
@@ -132,24 +140,32 @@ def sweep(types, shapes, peak):
                 nbytes = n * row_nbytes(qtype, k)
                 results = []
                 for values in itertools.product(*grid.values()):
+                    index += 1
+                    if warm and index % warm[1] != warm[0]:
+                        continue
                     cfg.update(zip(grid, values))
+
                     def call(x=x, w=packed, qt=qtype, k=k, r=regime):
                         return kg.gguf_matmul(x, w, qt, k, packed=True, regime=r)
 
                     try:
-                        t = bench_us(call)
+                        t = call() if warm else bench_us(call, rep=20)
                     except Exception as e:  # noqa: BLE001 - out of resources etc.: skip the config
-                        print(f"  {regime} {dict(zip(grid, values))}: {type(e).__name__}")
+                        if not warm:
+                            print(f"  {regime} {dict(zip(grid, values))}: {type(e).__name__}")
                         continue
+                    finally:
+                        cfg.clear()
+                        cfg.update(default)
                     results.append((t, dict(zip(grid, values))))
-                cfg.clear()
-                cfg.update(default)
+                if warm:
+                    continue
                 results.sort(key=lambda r: r[0])
                 t_def = bench_us(call)
                 print(f"{regime} M={m} {qtype.name} {n}x{k}: default {t_def:.1f} us "
-                      f"({nbytes / t_def / 1e3 / peak * 100:.0f}% peak); best:")
-                for t, c in results[:3]:
-                    print(f"    {t:7.1f} us {nbytes / t / 1e3:6.0f} GB/s  {c}")
+                      f"({nbytes / t_def / 1e3 / peak * 100:.0f}% peak); best:", flush=True)
+                for t, c in results[:4]:
+                    print(f"    {t:7.1f} us {nbytes / t / 1e3:6.0f} GB/s  {c}", flush=True)
 
 
 if __name__ == "__main__":

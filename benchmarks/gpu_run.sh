@@ -7,6 +7,9 @@
 #   STAGES="tests bf16 serve gguf profile hf" (default: all)
 #   DEADLINE=seconds: skip the stages that would start after it (a device call has a time limit)
 #   PACK=1: leave one tarball (the device tool returns at most 8 files) plus h200.md in $OUT
+#   SYNC=1: the bf16 stage also runs with --no-async-scheduling (h200-bf16-sync-*.json)
+#   ENGINE_FLAGS: extra engine flags for the serve stage (its offline side and the server alike)
+#   GGUF_KERNELS=0: the gguf stage skips the kernel table (GGUF_BENCH_ARGS: its arguments)
 set -uo pipefail
 DEST=${OUT:-benchmarks/results}
 OUT=$DEST
@@ -34,12 +37,19 @@ if has bf16; then
         --output-json "$OUT/h200-bf16-latency.json"
     bench throughput "${shape[@]}" "${batch[@]}" --num-prompts 64 --max-concurrency 16,64 --warmup 1 \
         --output-json "$OUT/h200-bf16-throughput.json"
+    if [ "${SYNC:-0}" = 1 ]; then
+        bench latency "${shape[@]}" --no-async-scheduling --input-len 512 --output-len 128 --batch-size 1 \
+            --num-iters 2 --output-json "$OUT/h200-bf16-sync-latency.json"
+        bench throughput "${shape[@]}" "${batch[@]}" --no-async-scheduling --num-prompts 64 --max-concurrency 16,64 \
+            --warmup 1 --output-json "$OUT/h200-bf16-sync-throughput.json"
+    fi
 fi
 if has serve 120; then
     # The same engine behind HTTP, and offline at the same concurrencies (1-8 on 16 prompts each).
-    bench throughput "${shape[@]}" "${batch[@]}" --num-prompts 16 --max-concurrency 1,2,4,8 --warmup 1 \
+    engine=(${ENGINE_FLAGS:-})
+    bench throughput "${shape[@]}" "${batch[@]}" "${engine[@]}" --num-prompts 16 --max-concurrency 1,2,4,8 --warmup 1 \
         --output-json "$OUT/h200-bf16-offline-for-serve.json"
-    $PY -m pocketllm.cli.main serve "${shape[@]}" --max-num-seqs 64 --max-num-batched-tokens 8192 \
+    $PY -m pocketllm.cli.main serve "${shape[@]}" "${engine[@]}" --max-num-seqs 64 --max-num-batched-tokens 8192 \
         --port 8011 > /tmp/serve.log 2>&1 &
     server=$!
     for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
@@ -52,8 +62,10 @@ if has serve 120; then
 fi
 if has gguf 120; then
     gguf=/tmp/llama3-8b-q4_k_m.gguf
-    timeout 120 $PY benchmarks/bench_triton_gguf.py ${GGUF_BENCH_ARGS:-} 2>&1 \
-        | tee "$OUT/h200-triton-gguf-kernels.txt" | tail -n 40
+    if [ "${GGUF_KERNELS:-1}" = 1 ]; then
+        timeout 120 $PY benchmarks/bench_triton_gguf.py ${GGUF_BENCH_ARGS:-} 2>&1 \
+            | tee "$OUT/h200-triton-gguf-kernels.txt" | tail -n 40
+    fi
     if timeout 120 $PY -m pocketllm.cli.main dummy-gguf "$gguf" --shape llama3-8b --type Q4_K_M -q 2>&1 | tail -n 2; then
         stat -c %s "$gguf" > "$OUT/h200-q4km-file-size.txt"
         qshape=("$gguf" --dtype bfloat16 --max-model-len 1024)

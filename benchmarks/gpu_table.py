@@ -99,6 +99,12 @@ def main() -> None:
         lines.append("- Queue time p99 at 1/2/4/8 streams (ms): "
                      + " / ".join(f"{srv[c]['queue_p99_ms']:.1f}" if srv[c].get("queue_p99_ms") is not None else "n/a"
                                   for c in (1, 2, 4, 8)) + " (goal <= 50 ms)")
+    sync_lat, sync_tp = load(d, "h200-bf16-sync-latency.json"), load(d, "h200-bf16-sync-throughput.json")
+    if sync_lat and sync_tp and row_at(bf16_lat, 1) and row_at(bf16_tp, 64):
+        s1, s64 = row_at(sync_lat, 1)["decode_tok_s"], row_at(sync_tp, 64)["decode_tok_s"]
+        lines.append(f"- bf16 decode with synchronous scheduling (`--no-async-scheduling`), same run: batch 1 "
+                     f"{s1:,.0f} tok/s, 64 sequences {s64:,.0f} tok/s (asynchronous, the default on CUDA: "
+                     f"{row_at(bf16_lat, 1)['decode_tok_s']:,.0f} and {row_at(bf16_tp, 64)['decode_tok_s']:,.0f})")
     meta = bf16_lat or bf16_tp or {}
     out = [
         "# H200 results (Llama-3.1-8B shape, random weights, 512 prompt / 128 generated tokens)",

@@ -31,8 +31,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     seed: int = 0
     enforce_eager: bool = False
-    # Schedule and launch the next step while the last one runs (opt-in: see benchmarks/NOTES.md)
-    async_scheduling: bool = False
+    # Schedule and launch the next step while the GPU runs the last one; None: on for CUDA, off on
+    # CPU (where the host is the device, so nothing overlaps). See benchmarks/NOTES.md.
+    async_scheduling: bool | None = None
     dequantize_at_load: bool = False  # GGUF: trade memory for speed
     load_format: str = "auto"  # auto | dummy (random weights; `model` may name a shape, e.g. llama3-8b)
     tokenizer: str | None = None  # defaults to the model's own

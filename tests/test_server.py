@@ -203,6 +203,19 @@ def test_served_ids_equal_pinned_and_offline(server, model, offline_llm):
     assert chat_choice["message"]["content"] == offline_chat.outputs[0].text
     assert chat_choice["finish_reason"] == "stop"
 
+    # Streamed, each chunk carries its new ids (how clients time tokens of a model without a tokenizer).
+    for path, extra, prompt_ids, ids in (("completions", {"prompt": GOLDEN_PROMPT}, GOLDEN_PROMPT_IDS,
+                                          GOLDEN_COMPLETION_IDS),
+                                         ("chat/completions", {"messages": GOLDEN_MESSAGES}, chat_ids, GOLDEN_CHAT_IDS)):
+        with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, **extra, "stream": True},
+                          timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        assert [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c] == [prompt_ids]
+        assert [t for c in choices for t in c.get("token_ids", [])] == ids
+        assert sum(bool(c.get("token_ids")) for c in choices) >= 2  # one chunk per step, not one at the end
+
 
 def test_chat_completion(client, model):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],

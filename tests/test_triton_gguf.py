@@ -53,7 +53,7 @@ def test_matmul_matches_dequantized_weights(qtype):
     raw, w = make(qtype, seed=qtype.value)
     packed = kg.pack_gguf(raw, qtype, K)
     g = torch.Generator().manual_seed(qtype.value)
-    for m in (1, 3, 16, 40):  # gemv, then the dot regime (one, then several row tiles of 16)
+    for m in (1, 2, 3, 40):  # gemv (one and two rows), then dequantize + matmul
         x = torch.randn(m, K, generator=g).to(DEV)
         check(kg.gguf_matmul(x, packed, qtype, K, packed=True), x, w)
     for m in (1, 16):
@@ -246,6 +246,21 @@ def test_model_sized_shapes_on_the_gpu(qtype):
         for dt in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.randn(m, k, generator=g).to(DEV, dt)
             check(kg.gguf_matmul(x, packed, qtype, k, packed=True), x, w)
+
+
+@cuda_only
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q4_K], ids=lambda t: t.name)
+def test_more_row_tiles_than_a_grid_axis_holds(qtype):
+    """An output projection over a 128k vocabulary: more row tiles than a grid's y axis takes
+    (65535), in every regime."""
+    n, k = 70000, 256
+    raw, w = make(qtype, n=n, k=k, seed=3)
+    packed = kg.pack_gguf(raw, qtype, k)
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 2, 3):
+        x = torch.randn(m, k, generator=g).to(DEV)
+        check(kg.gguf_matmul(x, packed, qtype, k, packed=True), x, w)
+    check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dot"), x, w)
 
 
 @cuda_only

@@ -77,7 +77,7 @@ def histogram_quantile(q: float, before: dict[float, float], after: dict[float, 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = time.perf_counter()
     chunk_times, tokens = [], 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -90,7 +90,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
             event = json.loads(line[6:])
             if "error" in event:
                 return {"error": event["error"].get("message")}
-            if event.get("choices") and event["choices"][0].get("text"):
+            # Token ids, not text, mark a token's arrival: a model served without a tokenizer sends no text.
+            if event.get("choices") and event["choices"][0].get("token_ids"):
                 chunk_times.append(time.perf_counter())
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
@@ -135,8 +136,10 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list[list[in
 
 async def bench(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else sweep(args.max_concurrency)
+    # A connection per concurrent stream: a smaller pool would queue requests in the client.
     async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers, timeout=None,
-                                 limits=httpx.Limits(max_connections=args.max_concurrency + 2)) as client:
+                                 limits=httpx.Limits(max_connections=max(levels) + 2)) as client:
         models = (await client.get("/v1/models")).raise_for_status().json()["data"]
         model = args.model or models[0]["id"]
         tokenized = await client.post("/tokenize", json={"prompt": _SEED_TEXT, "add_special_tokens": False})
@@ -144,7 +147,6 @@ async def bench(args: argparse.Namespace) -> dict:
         pool = tokenized.json()["tokens"] if tokenized.status_code == 200 else list(range(1000, 10000))
         rng = random.Random(args.seed)
         rows = []
-        levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else sweep(args.max_concurrency)
         for concurrency in levels:
             prompts = [[rng.choice(pool) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
             rows.append(await run_level(client, model, prompts, args.output_len, concurrency))

@@ -13,6 +13,7 @@ _HELP = {
     "device": "auto | cpu | cuda",
     "num_kv_blocks": "number of KV blocks (overrides memory-based sizing)",
     "kv_cache_memory": "bytes of KV cache on CPU",
+    "async_scheduling": "launch each step while the GPU runs the one before (default: on for CUDA, off on CPU)",
 }
 
 
@@ -40,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
         if base[0] is bool:
             group.add_argument(flag, type=_bool, nargs="?", const=True, default=f.default,
                                metavar="BOOL", help=_HELP.get(f.name, f"(default: {f.default})"))
-            if f.default is True:
+            if f.default is not False:
                 group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false")
         else:
             group.add_argument(flag, type=base[0], default=f.default,

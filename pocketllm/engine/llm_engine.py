@@ -147,7 +147,8 @@ class LLMEngine:
         # Launched and not yet read back (asynchronous scheduling): (its schedule, its launch).
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._wait_time = 0.0
-        self.async_scheduling = args.async_scheduling
+        self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
+                                 else args.async_scheduling)
 
     # -- set-up helpers --------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:

@@ -125,7 +125,7 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    return_token_ids: bool = False  # non-streaming responses: token ids of each choice and its prompt
+    return_token_ids: bool = False  # vLLM's extension: token ids of each choice and its prompt (streamed too)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | ...
 

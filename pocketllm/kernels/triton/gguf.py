@@ -18,22 +18,23 @@ reads is fixed: all shift amounts are hoisted out of the loop.
 
 Three regimes, by the number of activation rows M (``gguf_matmul`` picks them):
 
-* ``"gemv"`` (M <= ``GEMV_MAX_M`` = 1, decode): one program per activation row and tile of
+* ``"gemv"`` (M <= ``GEMV_MAX_M`` = 2, decode): one program per activation row and tile of
   ``BLOCK_N`` weight rows; per chunk ``a * sum(v * x) + c * sum(x)``, sums inside a thread, scales
-  out of the inner product, float32.  When there are fewer tiles than SMs (the k/v projections),
-  K is split over programs (``split_k``) and the partial sums added after (deterministic).
-* ``"dot"`` (M <= ``DOT_MAX_M`` = 64: batched decode, short prefill chunks): the decoded tile is
-  rounded to x's dtype and fed to ``tl.dot`` (tensor cores for bf16/fp16; IEEE float32 for
-  float32 x), ``BLOCK_M`` = M rounded up to 16..64, so a tile is decoded once per call up to
-  M = 64.  Split-K as above.
-* ``"dequant"`` (larger M: prefill): the weight is decoded to x's dtype into one reusable scratch
-  buffer (at most ``SCRATCH_ELEMS`` weights, a slice of rows at a time) and multiplied by cuBLAS.
-  Decoding costs a read of the GGUF bytes and a write and read of the dense slice, small next to
-  a GEMM of hundreds of rows, and cuBLAS beats a Triton mixed-input GEMM with far less code.
+  out of the inner product, float32.  When there are fewer tiles than SMs, K is split over
+  programs (``split_k``) and the partial sums added after (deterministic).
+* ``"dot"`` (only when asked for): the decoded tile is rounded to x's dtype and fed to ``tl.dot``
+  (tensor cores for bf16/fp16; IEEE float32 for float32 x), ``BLOCK_M`` = M rounded up to 16..64.
+  Split-K as above.  Measured on the H200 it loses to the dequant regime at every M > 2 (it
+  decodes the tile once per 64 rows but at ~200-400 GB/s), so ``"auto"`` does not pick it.
+* ``"dequant"`` (M > 2: batched decode and prefill): the weight is decoded to x's dtype into one
+  reusable scratch buffer (at most ``SCRATCH_ELEMS`` weights, a slice of rows at a time) and
+  multiplied by cuBLAS.  Decoding costs a read of the GGUF bytes and a write and read of the dense
+  slice; the scratch buffer's size does not depend on M, so the CUDA-graph warm-up (largest batch
+  first, eager) allocates it before any capture.
 
-Tile shapes are module constants (``GEMV_CONFIG``, ``DOT_CONFIG``, ``DEQUANT_CONFIG``), chosen by
-compiling for sm_90 and counting instructions, not by timing: ``benchmarks/bench_triton_gguf.py
---sweep`` times the alternatives on a GPU, ``--regimes`` the crossovers of the regimes.
+Tile shapes are module constants (``GEMV_CONFIG``, ``DOT_CONFIG``, ``DEQUANT_CONFIG``), the fastest
+of ``benchmarks/bench_triton_gguf.py --sweep`` on the H200; ``--regimes`` times the regimes' crossovers.
+``benchmarks/triton_gguf_sass.py`` counts what a kernel's inner loop executes (sm_90, without a GPU).
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (how the CPU tests check them);
 the interpreter's ``tl.dot`` mishandles bfloat16, so there the dot kernel widens both operands
@@ -317,9 +318,9 @@ def _gemv_kernel(x_ptr, w_ptr, lut_ptr, y_ptr, N, row_bytes, hdr_start, n_blocks
                  QT: tl.constexpr, S: tl.constexpr, SPB: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
                  HAS_C: tl.constexpr, BLOCK_N: tl.constexpr, BPI: tl.constexpr, STAGES: tl.constexpr):
     """y[split, m, n] = this split's part of sum_k x[m, k] * W[n, k], float32, one activation row
-    per program (axis 0).  Per chunk a * sum(v * x) + c * sum(x): scales stay out of the inner
+    per program (axis 1).  Per chunk a * sum(v * x) + c * sum(x): scales stay out of the inner
     product, and a chunk's sums stay inside a thread."""
-    m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_n, m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # tiles on axis 0: up to 2**31
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = (n.to(tl.int64) * row_bytes)[:, None, None, None]
     mask_n = (n < N)[:, None, None, None]
@@ -413,29 +414,27 @@ _LAYOUT = {
 }
 TRITON_GGUF_TYPES: frozenset[GGMLQuantizationType] = frozenset(_LAYOUT)
 
-GEMV_MAX_M = 1  # up to this many activation rows: the FMA kernel (one program per row and tile)
-DOT_MAX_M = 64  # up to this many: the tl.dot kernel; beyond, dequantize + torch.matmul
+GEMV_MAX_M = 2  # up to this many activation rows: the FMA kernel (one program per row and tile)
+DOT_MAX_M = GEMV_MAX_M  # auto never picks the tl.dot kernel: dequantize + cuBLAS measured faster
 SCRATCH_ELEMS = 1 << 26  # dequant regime: weights decoded at once (128 MiB in bf16)
 _PACK_ROWS = 4096  # rows re-laid out at once by pack_gguf
 ROW_ALIGN = 16  # packed rows are padded to a multiple of this many bytes (16-byte vector loads)
 
-# Tile shapes: BLOCK_N output rows by BLOCK_K weights per step (rounded up to a whole GGUF block).
-# PROGRAMS_PER_SM: how many programs of the kernel an SM holds at once (by registers: 65536 /
-# (32 * num_warps * registers), a little under, as registers vary between Triton versions); K is
-# split over programs (_split_k) until they fill every SM's slots, in whole waves.
+# Tile shapes: BLOCK_N output rows by BLOCK_K weights per step (rounded up to a whole GGUF block),
+# the fastest of `benchmarks/bench_triton_gguf.py --sweep` on the H200 (results/h200-triton-gguf-sweep.txt:
+# Q4_K and Q6_K at 4096x4096 and 14336x4096): few rows and long steps, no software pipelining (each
+# thread keeps several 16-byte loads in flight itself). PROGRAMS_PER_SM: how many programs of the
+# kernel an SM holds at once (by registers: 65536 / (32 * num_warps * registers), a little under);
+# K is split over programs (_split_k) when there are too few row tiles to fill every SM.
 # *_TYPE_CONFIG: per-type overrides (kernel_config merges them).  Shared memory (<= 227 KiB) and
 # spills of every type x kernel x dtype are checked for sm_90 by tests/test_triton_gguf.py.
-# Registers (sm_90, Triton 3.9, bf16): gemv 70-80 (Q4_0 Q4_1 Q8_0 Q2_K Q4_K), 110-117 (Q5_0 Q5_1
-# Q5_K Q6_K), 134-141 (Q3_K IQ4_NL IQ4_XS MXFP4); dot 110-150.
-GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3, PROGRAMS_PER_SM=5)
-DOT_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, num_warps=8, num_stages=2, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
-DEQUANT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
-GEMV_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
-    **{t: dict(PROGRAMS_PER_SM=4) for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)},
-    **{t: dict(PROGRAMS_PER_SM=3) for t in (T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)},
-}
+GEMV_CONFIG = dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=1, PROGRAMS_PER_SM=8)
+DOT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
+DEQUANT_CONFIG = dict(BLOCK_N=1, BLOCK_K=1024, num_warps=4)
+GEMV_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {  # the wider codes: one row (Q6_K measured)
+    t: dict(BLOCK_N=1) for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)}
 DOT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
-    **{t: dict(PROGRAMS_PER_SM=1) for t in (T.Q3_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)},
+    **{t: dict(PROGRAMS_PER_SM=1) for t in (T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)},
 }
 DEQUANT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {}
 WAVE_EFFICIENCY = 0.9  # _split_k: the fewest splits whose programs fill their waves this well
@@ -610,7 +609,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     out = torch.empty((splits, m, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     args = (x, qweight, _value_table(x.device, qtype), out)
     if regime == "gemv":
-        _gemv_kernel[(m, triton.cdiv(n, block_n), splits)](
+        _gemv_kernel[(triton.cdiv(n, block_n), m, splits)](
             *args, n, qweight.shape[1], hdr_start, n_blocks, per_split, x.stride(0), out.stride(0), out.stride(1),
             **targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n, BPI=bpi, STAGES=cfg["num_stages"],
             num_warps=cfg["num_warps"])
