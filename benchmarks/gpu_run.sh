@@ -73,6 +73,10 @@ if has gguf 120; then
             --output-json "$OUT/h200-q4km-latency.json"
         bench throughput "${qshape[@]}" "${batch[@]}" --num-prompts 64 --max-concurrency 64 --warmup 1 \
             --output-json "$OUT/h200-q4km-throughput.json"
+        if has profile; then
+            timeout 120 $PY benchmarks/profile_gpu_step.py "$gguf" --batch 1,64 --steps 16 \
+                --output-json "$OUT/h200-q4km-profile.json" 2>&1 | tail -n 30
+        fi
     fi
 fi
 if has profile; then

@@ -1,7 +1,8 @@
 """Where a GPU decode step's time goes: host phases from the engine's step stats, and the
 kernels by total GPU time from torch.profiler, at the given batch sizes.
 
-    python benchmarks/profile_gpu_step.py llama3-8b --batch 1,64 --output-json OUT.json
+    python benchmarks/profile_gpu_step.py llama3-8b --batch 1,64 --output-json OUT.json   # random bf16 weights
+    python benchmarks/profile_gpu_step.py model.gguf --batch 1 --output-json OUT.json
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def main() -> None:
     ap.add_argument("--output-json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    engine = LLMEngine(EngineArgs(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=1024,
+    engine = LLMEngine(EngineArgs(model=args.model, load_format="auto" if args.model.endswith(".gguf") else "dummy",
+                                  dtype="bfloat16", max_model_len=1024,
                                   max_num_seqs=max(batches), enforce_eager=args.enforce_eager))
     report = {**environment(), "model": args.model, "enforce_eager": args.enforce_eager, "batches": {}}
     for b in batches:

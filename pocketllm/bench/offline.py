@@ -41,6 +41,9 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, conc
     overhead_at: dict[int, list[float]] = {}
     decode_steps = []
     prefill_steps = []  # (prompt tokens, step time) of every step that prefills
+    # With asynchronous scheduling a step() call launches one step and waits for the one launched
+    # by the call before: its time is that earlier step's.
+    launched_before = None
     t0 = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and len(engine.outputs.parents) < concurrency:
@@ -49,12 +52,16 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, conc
             starts[f"b{i}"] = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
-        st = engine.last_step
-        if st.num_seqs and st.num_decodes == st.num_seqs:  # a pure decode step
-            overhead_at.setdefault(st.num_seqs, []).append(st.overhead_time)
-            decode_steps.append((st.num_seqs, st.total_time, st.forward_time))
-        elif st.num_tokens > st.num_decodes:
-            prefill_steps.append((st.num_tokens - st.num_decodes, st.total_time))
+        st = timed = engine.last_step
+        if engine.async_scheduling:
+            timed, launched_before = launched_before, st
+        if timed is None:
+            pass
+        elif timed.num_seqs and timed.num_decodes == timed.num_seqs:  # a pure decode step
+            overhead_at.setdefault(timed.num_seqs, []).append(st.overhead_time)
+            decode_steps.append((timed.num_seqs, st.total_time, st.forward_time))
+        elif timed.num_tokens > timed.num_decodes:
+            prefill_steps.append((timed.num_tokens - timed.num_decodes, st.total_time))
         for o in outs:
             ttft.setdefault(o.request_id, now - starts[o.request_id])
             if o.finished:
