@@ -45,9 +45,9 @@ if has bf16; then
     fi
 fi
 if has serve 120; then
-    # The same engine behind HTTP, and offline at the same concurrencies (1-8 on 16 prompts each).
+    # The same engine behind HTTP, and offline at the same concurrencies (1-8 on 16 prompts each, 64 on 64).
     engine=(${ENGINE_FLAGS:-})
-    bench throughput "${shape[@]}" "${batch[@]}" "${engine[@]}" --num-prompts 16 --max-concurrency 1,2,4,8 --warmup 1 \
+    bench throughput "${shape[@]}" "${batch[@]}" "${engine[@]}" --num-prompts 16 --max-concurrency 1,2,4,8,64 --warmup 1 \
         --output-json "$OUT/h200-bf16-offline-for-serve.json"
     $PY -m pocketllm.cli.main serve "${shape[@]}" "${engine[@]}" --max-num-seqs 64 --max-num-batched-tokens 8192 \
         --port 8011 > /tmp/serve.log 2>&1 &

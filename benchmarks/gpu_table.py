@@ -75,9 +75,9 @@ def main() -> None:
         64 * BANDWIDTH / (q_bytes + 64 * ctx * KV_PER_TOKEN) if q_bytes else 0)
 
     serve = load(d, "h200-bf16-serve-64.json")
-    offline = r64
     lines = []
     s18, o18 = load(d, "h200-bf16-serve-1-8.json"), load(d, "h200-bf16-offline-for-serve.json")
+    offline = row_at(o18, 64) or r64  # offline at 64 in the serve stage's run, when it has one
     if serve and offline and not any(r.get("errors") for r in serve["results"]):
         s64 = serve["results"][0]["output_tok_s"]
         lines.append(f"- HTTP at 64 concurrent clients: {s64:,.0f} output tok/s vs offline {offline['output_tok_s']:,.0f} "

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="prompt seed (default: a fresh one; a repeated prompt would hit the prefix cache)")
     parser.add_argument("--output-json", default=None)
 
 
@@ -145,6 +146,8 @@ async def bench(args: argparse.Namespace) -> dict:
         tokenized = await client.post("/tokenize", json={"prompt": _SEED_TEXT, "add_special_tokens": False})
         # A model served without a tokenizer (random weights of a named shape) takes plain ids.
         pool = tokenized.json()["tokens"] if tokenized.status_code == 200 else list(range(1000, 10000))
+        if args.seed is None:
+            args.seed = random.SystemRandom().randrange(2 ** 32)
         rng = random.Random(args.seed)
         rows = []
         for concurrency in levels:
@@ -163,6 +166,6 @@ def run(args: argparse.Namespace) -> int:
                                  "itl_p50_ms", "itl_p99_ms", "queue_p99_ms"])
     write_json(args.output_json, {
         **environment(), "benchmark": "serve", "base_url": args.base_url, "model": result["model"],
-        "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts, "seed": args.seed,
         "results": result["rows"]})
     return 1 if any(r["errors"] for r in result["rows"]) else 0
