@@ -78,6 +78,10 @@ def main() -> None:
     lines = []
     s18, o18 = load(d, "h200-bf16-serve-1-8.json"), load(d, "h200-bf16-offline-for-serve.json")
     offline = row_at(o18, 64) or r64  # offline at 64 in the serve stage's run, when it has one
+    if serve:
+        lines.append(f"Serving (commit `{serve.get('commit')}`, {serve.get('date')}; the server and the offline "
+                     "engine in one run):")
+        lines.append("")
     if serve and offline and not any(r.get("errors") for r in serve["results"]):
         s64 = serve["results"][0]["output_tok_s"]
         lines.append(f"- HTTP at 64 concurrent clients: {s64:,.0f} output tok/s vs offline {offline['output_tok_s']:,.0f} "
@@ -99,12 +103,18 @@ def main() -> None:
         lines.append("- Queue time p99 at 1/2/4/8 streams (ms): "
                      + " / ".join(f"{srv[c]['queue_p99_ms']:.1f}" if srv[c].get("queue_p99_ms") is not None else "n/a"
                                   for c in (1, 2, 4, 8)) + " (goal <= 50 ms)")
+    # Synchronous vs asynchronous scheduling, measured together: the h200-bf16-sync-*.json files
+    # of one run, with that run's asynchronous figures (h200-bf16-async-*.json, else the main ones).
+    sched = []
     sync_lat, sync_tp = load(d, "h200-bf16-sync-latency.json"), load(d, "h200-bf16-sync-throughput.json")
-    if sync_lat and sync_tp and row_at(bf16_lat, 1) and row_at(bf16_tp, 64):
+    async_lat = load(d, "h200-bf16-async-latency.json") or bf16_lat
+    async_tp = load(d, "h200-bf16-async-throughput.json") or bf16_tp
+    if sync_lat and sync_tp and row_at(async_lat, 1) and row_at(async_tp, 64):
         s1, s64 = row_at(sync_lat, 1)["decode_tok_s"], row_at(sync_tp, 64)["decode_tok_s"]
-        lines.append(f"- bf16 decode with synchronous scheduling (`--no-async-scheduling`), same run: batch 1 "
-                     f"{s1:,.0f} tok/s, 64 sequences {s64:,.0f} tok/s (asynchronous, the default on CUDA: "
-                     f"{row_at(bf16_lat, 1)['decode_tok_s']:,.0f} and {row_at(bf16_tp, 64)['decode_tok_s']:,.0f})")
+        sched.append(f"- Scheduling, bf16 decode (commit `{sync_lat.get('commit')}`, one run): synchronous "
+                     f"(`--no-async-scheduling`) batch 1 {s1:,.0f} tok/s, 64 sequences {s64:,.0f} tok/s; "
+                     f"asynchronous (the default on CUDA) {row_at(async_lat, 1)['decode_tok_s']:,.0f} and "
+                     f"{row_at(async_tp, 64)['decode_tok_s']:,.0f}")
     meta = bf16_lat or bf16_tp or {}
     out = [
         "# H200 results (Llama-3.1-8B shape, random weights, 512 prompt / 128 generated tokens)",
@@ -113,12 +123,14 @@ def main() -> None:
         f"torch {meta.get('machine', {}).get('torch')}. Ceilings: {BANDWIDTH / 1e12:.1f} TB/s copy bandwidth "
         f"(weights + mean KV read per step) for decode, {MATMUL / 1e12:.0f} TFLOP/s bf16 for prefill "
         "(2 x params FLOP per token, attention not counted). Peers: llama.cpp (CUDA, flash attention) and a "
-        "gpt-fast-style static-cache decoder from the issue's anchors on the same card; transformers measured "
-        "in this run.",
+        "gpt-fast-style static-cache decoder from the issue's anchors on the same card; transformers "
+        f"(eager `generate`) from h200-transformers-baseline.json (commit `{(hf or {}).get('commit')}`).",
         "",
         "| figure | PocketLLM | goal | peers | ceiling | of ceiling |",
         "| --- | ---: | ---: | --- | ---: | ---: |",
         *rows,
+        "",
+        *sched,
         "",
         *lines,
         "",

@@ -497,9 +497,12 @@ def test_full_queue_gets_503(small_server):
 
 
 # -- AsyncLLM on a tiny model ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_models):
-    return LLMEngine(EngineArgs(model=str(tiny_models["qwen3"][1]), dtype="float32", max_num_seqs=1))
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def tiny_engine(tiny_models, request):
+    """Both schedulings: asynchronous is the default on CUDA, where the server aborts requests whose
+    step may still be in flight."""
+    return LLMEngine(EngineArgs(model=str(tiny_models["qwen3"][1]), dtype="float32", max_num_seqs=1,
+                                async_scheduling=request.param))
 
 
 def test_async_llm_aborts_and_shuts_down(tiny_engine):

@@ -405,7 +405,8 @@ class OpenAIServing:
                     start, text = sent_text[k], c.text[sent_text[k]:]
                     entries = (c.logprobs or [])[sent_tokens[k]:len(c.token_ids)]
                     # vLLM's extension: each chunk carries its new token ids (the first also the prompt's).
-                    ids = {"token_ids": c.token_ids[sent_tokens[k]:]} if req.return_token_ids else {}
+                    new_ids = c.token_ids[sent_tokens[k]:] if req.return_token_ids else []
+                    ids = {"token_ids": new_ids} if req.return_token_ids else {}
                     if ids and sent_tokens[k] == 0:
                         ids["prompt_token_ids"] = job.prompts[i][1]
                     new_tokens = max(new_tokens, len(c.token_ids) - sent_tokens[k])
@@ -413,10 +414,10 @@ class OpenAIServing:
                     if chat:
                         reply = job.replies[k] if job.replies is not None else None
                         if reply is None:
-                            deltas = [{"content": text}] if text or entries or ids.get("token_ids") else []
+                            deltas = [{"content": text}] if text or entries or new_ids else []
                         else:
                             deltas = reply.deltas(c.text, c.finish_reason is not None) or (
-                                [{}] if entries or ids.get("token_ids") else [])
+                                [{}] if entries or new_ids else [])
                         lp = P.chat_logprobs(entries, req.num_logprobs) if c.logprobs is not None else None
                         for j, delta in enumerate(deltas):
                             events.append(chunk({"index": k, "delta": delta, "logprobs": None if j else lp,
@@ -427,7 +428,7 @@ class OpenAIServing:
                                 finish = "tool_calls"
                             events.append(chunk({"index": k, "delta": {}, "logprobs": None,
                                                  "finish_reason": finish}))
-                    elif text or entries or ids.get("token_ids") or c.finish_reason is not None:
+                    elif text or entries or new_ids or c.finish_reason is not None:
                         lp = P.completion_logprobs(entries, start) if c.logprobs is not None else None
                         events.append(chunk({"text": echo[k] + text, "index": k, "logprobs": lp,
                                              "finish_reason": c.finish_reason, **ids}))
