@@ -214,6 +214,10 @@ def test_engine_runs_the_triton_path_under_the_interpreter(tmp_path, monkeypatch
     path = write_dummy_gguf(tmp_path / "tiny.gguf", shape, "Q4_K_M", std=0.05).path
     prompts = prompts_of([6, 2], seed=3, vocab=320)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    # The interpreter runs programs one by one: tiles of 16 rows keep the engine run short (the
+    # tuned tiles, 1-2 rows, are checked by the kernel tests above).
+    tuned = kg.kernel_config
+    monkeypatch.setattr(kg, "kernel_config", lambda regime, qtype: {**tuned(regime, qtype), "BLOCK_N": 16})
     runs = {}
     for devices in ({"cuda"}, {"cuda", "cpu"}):
         monkeypatch.setattr(qlinear, "TRITON_DEVICES", devices)
