@@ -37,3 +37,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then one entry each
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

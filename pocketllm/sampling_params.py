@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled token
+    # Logprobs of the prompt's tokens (each given the ones before it), with this many top entries
+    # besides the prompt's token. Such a prompt is computed in full: prefix-cache hits carry no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # One constraint on the output: {"json": schema} | {"regex": ...} | {"choice": [...]} |
     # {"grammar": ebnf} | {"json_object": True} | {"structural_tag": ...} (see pocketllm.structured.spec)
@@ -69,6 +72,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:

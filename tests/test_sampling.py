@@ -120,3 +120,36 @@ def test_n_siblings_share_the_prompt_blocks(llama_llm):
     # Siblings 1 and 2 adopted the leader's two full prompt blocks instead of recomputing them.
     assert llama_llm.engine.kv.num_hit_tokens - hits_before == 2 * 32
     llama_llm.engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompt_logprobs_equal_transformers(tiny_models, async_scheduling):
+    """Each prompt token's logprob given the ones before it: transformers' log-softmax at every
+    position, whether the prompt comes in one step or in chunks, a second time (no prefix-cache hit
+    without logits), next to other requests, and for n = 2 (one copy)."""
+    model, path = tiny_models["llama"]
+    prompts = prompts_of([40, 1, 23], seed=9)
+    with torch.no_grad():
+        refs = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
+    for chunk, blocks in ((2048, None), (16, None), (16, 5)):  # 5 blocks: requests get preempted and recomputed
+        llm = LLM(str(path), dtype="float32", max_num_batched_tokens=chunk, num_kv_blocks=blocks,
+                  max_model_len=64, async_scheduling=async_scheduling)
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2)
+        plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        for _ in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": prompts[0]}],
+                                [params, params, SamplingParams(**{**params.__dict__, "n": 2}), plain])
+            for out, p, ref in zip(outs, prompts, refs):
+                lps = out.prompt_logprobs
+                assert len(lps) == len(p) and lps[0] is None
+                for k, entry in enumerate(lps[1:]):
+                    (tok, got), *top = entry.items()
+                    assert tok == p[k + 1]
+                    assert abs(got.logprob - float(ref[k, tok])) < 1e-4
+                    assert got.rank == int((ref[k] > ref[k, tok]).sum()) + 1
+                    best = ref[k].topk(2).indices.tolist()
+                    assert [t for t, _ in top] == [t for t in best if t != tok][:len(top)]
+            assert outs[3].prompt_logprobs is None
+            if blocks:
+                assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+        llm.engine.check_no_leaks()

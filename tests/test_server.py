@@ -312,6 +312,31 @@ def test_logprobs(client, model):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, model, offline_llm):
+    """Legacy completions with echo and logprobs (how evaluation harnesses score text): the
+    prompt's tokens come first, the first without a logprob, then the completion's; the values are
+    the offline engine's prompt logprobs, streamed or not."""
+    prompt = "The capital of France is"
+    ref = offline_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    ids, want = ref.prompt_token_ids, ref.prompt_logprobs
+    c = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp = c.choices[0].logprobs
+    assert c.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + c.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    for k in range(1, len(ids)):
+        assert abs(lp.token_logprobs[k] - want[k][ids[k]].logprob) < 1e-4
+        assert len(lp.top_logprobs[k]) >= 2
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:k])) for k in range(len(lp.tokens))]
+    streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                              echo=True, stream=True))
+    chunks = [ch.choices[0].logprobs for ch in streamed if ch.choices and ch.choices[0].logprobs]
+    assert [t for x in chunks for t in x.tokens] == lp.tokens
+    assert [t for x in chunks for t in x.token_logprobs] == lp.token_logprobs
+    assert [t for x in chunks for t in x.text_offset] == lp.text_offset
+
+
 def test_seed_reproducible(client, model):
     def sample(seed):
         return client.completions.create(model=model, prompt="My favourite animal is", max_tokens=12,

@@ -217,7 +217,7 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         self.validate_prompt(ids, params)
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
-        parent = ParentState(request_id, text, ids)
+        parent = ParentState(request_id, text, ids, prompt_logprobs=None if params.prompt_logprobs is None else [])
         leader = None
         for i in range(params.n):
             child_params = params
@@ -282,6 +282,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.runner.collect(launched)
         self._wait_time += time.perf_counter() - t0
+        for rid, (first, scored) in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and first <= len(req.prompt_logprobs):  # a recomputation scores some again
+                new = scored[len(req.prompt_logprobs) - first:]
+                req.prompt_logprobs.extend(new)
+                self.outputs.add_prompt_logprobs(req, new)
         sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
         touched = self.scheduler.update_from_output(sched, sampled)
         now = time.monotonic()

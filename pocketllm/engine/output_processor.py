@@ -25,6 +25,7 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[ChildState] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob]] | None = None  # the first child's, when asked for
 
     @property
     def finished(self) -> bool:
@@ -47,9 +48,10 @@ class ParentState:
         metrics = {"arrival_time": first.arrival_time, "first_scheduled_time": first.first_scheduled_time,
                    "first_token_time": first.first_token_time, "finished_time": first.finished_time,
                    "num_preemptions": sum(c.request.num_preemptions for c in self.children)}
+        prompt_lps = None if self.prompt_logprobs is None else [None, *self.prompt_logprobs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              finished=self.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=metrics)
+                             metrics=metrics, prompt_logprobs=prompt_lps)
 
 
 class OutputProcessor:
@@ -77,10 +79,7 @@ class OutputProcessor:
         """Record a sampled token; returns a stop string if the text now contains one."""
         child = self.child_of[req.request_id]
         if child.logprobs is not None:
-            entry = {tok.token_id: Logprob(tok.logprob, tok.rank, self._piece(tok.token_id))}
-            for rank, (tid, lp) in enumerate(tok.top or [], start=1):
-                entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
-            child.logprobs.append(entry)
+            child.logprobs.append(self._entry(tok))
         if child.detok is None or self._ended_by_stop_token(req):
             return None
         hit = child.detok.add(tok.token_id)
@@ -93,6 +92,18 @@ class OutputProcessor:
         """EOS and stop_token_ids end the text without appearing in it (unless asked to)."""
         return (req.status.finish_reason == "stop" and not req.params.include_stop_str_in_output
                 and not isinstance(req.stop_reason, str))
+
+    def add_prompt_logprobs(self, req: Request, scored: list[SampledToken]) -> None:
+        parent = self.parent_of[req.request_id]
+        if parent.children[0].request is req:  # siblings score the same prompt: one copy
+            parent.prompt_logprobs.extend(self._entry(t) for t in scored)
+
+    def _entry(self, tok: SampledToken) -> dict[int, Logprob]:
+        """A token's logprob entry: the token first, then the top ones (rank order)."""
+        entry = {tok.token_id: Logprob(tok.logprob, tok.rank, self._piece(tok.token_id))}
+        for rank, (tid, lp) in enumerate(tok.top or [], start=1):
+            entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
+        return entry
 
     def _piece(self, token_id: int) -> str | None:
         if self.tokenizer is None:

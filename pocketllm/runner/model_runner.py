@@ -21,6 +21,8 @@ from pocketllm.runner.sampler import DeviceSample, SampledToken, Sampler
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # request id -> (its first scored prompt position, one SampledToken per position from there)
+    prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     forward_time: float = 0.0  # seconds spent in the model and sampler (launch and wait)
     prepare_time: float = 0.0  # seconds spent building inputs
 
@@ -38,6 +40,8 @@ class StepInputs:
     sampling: list  # their requests
     # decode rows whose input token is still in flight: (token row, row in the previous step's sample)
     pending: list[tuple[int, int]] = field(default_factory=list)
+    # prompt logprobs to score: (request, first position, its token rows, the next prompt tokens)
+    prompt_scores: list[tuple] = field(default_factory=list)
 
 
 @dataclass
@@ -49,6 +53,8 @@ class LaunchedStep:
     sampling: list  # requests, in sample row order
     prepare_time: float
     launch_time: float
+    prompt_scores: list[tuple] = field(default_factory=list)  # StepInputs.prompt_scores
+    prompt_logprobs: tuple[torch.Tensor, ...] = ()  # their chosen logprob, rank, top values, top ids
 
     def sample_row(self) -> dict[str, int]:
         return {req.request_id: i for i, req in enumerate(self.sampling)}
@@ -100,6 +106,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampling = []
         pending: list[tuple[int, int]] = []
+        prompt_scores: list[tuple] = []
         prev_rows = None
         # Query-length-1 rows come first; they are most of a busy step, so they get a lean loop.
         for sr in out.scheduled[:out.num_decodes]:
@@ -130,7 +137,15 @@ class ModelRunner:
             if sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
-        return StepInputs(input_ids, positions, slots, rows, out.num_decodes, logits_rows, sampling, pending)
+            if req.prompt_logprobs is not None:
+                # position p scores prompt token p + 1; positions scored before (a recomputation) are not again
+                first, last = max(start, len(req.prompt_logprobs)), min(ctx, req.num_prompt_tokens - 1)
+                if first < last:
+                    row0 = len(input_ids) - ctx
+                    prompt_scores.append((req, first, list(range(row0 + first, row0 + last)),
+                                          req.prompt_token_ids[first + 1:last + 1]))
+        return StepInputs(input_ids, positions, slots, rows, out.num_decodes, logits_rows, sampling, pending,
+                          prompt_scores)
 
     def _torch_metadata(self, step: StepInputs) -> AttentionMetadata:
         dev, bs, n = self.device, self.block_size, step.num_decodes
@@ -195,6 +210,7 @@ class ModelRunner:
             pos = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
+        prompt_lp = self._score_prompts(hidden, step.prompt_scores) if step.prompt_scores else ()
         sample = None
         if step.sampling:
             if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:
@@ -204,7 +220,25 @@ class ModelRunner:
             sample.start_copy()
         else:
             tokens = None
-        return LaunchedStep(sample, tokens, step.sampling, t1 - t0, time.perf_counter() - t1)
+        return LaunchedStep(sample, tokens, step.sampling, t1 - t0, time.perf_counter() - t1,
+                            step.prompt_scores, prompt_lp)
+
+    _SCORE_ROWS = 512  # prompt positions whose logits exist at once (512 x vocab float32)
+
+    def _score_prompts(self, hidden: torch.Tensor, scores: list[tuple]) -> tuple[torch.Tensor, ...]:
+        """The log-softmax of the logits at the scored positions: the next prompt token's logprob
+        and rank, and the top entries (as many as the most any request asked for)."""
+        dev = hidden.device
+        rows = torch.tensor([r for _, _, rs, _ in scores for r in rs], dtype=torch.long).to(dev, non_blocking=True)
+        targets = torch.tensor([t for _, _, _, ts in scores for t in ts], dtype=torch.long).to(dev, non_blocking=True)
+        k = max(1, max(req.params.prompt_logprobs for req, _, _, _ in scores))
+        parts = []
+        for i in range(0, len(rows), self._SCORE_ROWS):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows[i:i + self._SCORE_ROWS]]).float(), dim=-1)
+            chosen = lp.gather(1, targets[i:i + self._SCORE_ROWS, None])
+            top_vals, top_ids = lp.topk(k, dim=-1)
+            parts.append((chosen[:, 0], (lp > chosen).sum(dim=-1) + 1, top_vals, top_ids))
+        return tuple(torch.cat(p) for p in zip(*parts))
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Waits for a launched step and returns its sampled tokens."""
@@ -213,6 +247,15 @@ class ModelRunner:
         if launched.sample is not None:
             for req, tok in zip(launched.sampling, launched.sample.to_host()):
                 result.sampled[req.request_id] = tok
+        if launched.prompt_scores:
+            chosen, ranks, top_vals, top_ids = (t.tolist() for t in launched.prompt_logprobs)
+            i = 0
+            for req, first, rows, targets in launched.prompt_scores:
+                n = req.params.prompt_logprobs
+                result.prompt_logprobs[req.request_id] = (first, [
+                    SampledToken(t, chosen[j], ranks[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
+                    for j, t in zip(range(i, i + len(rows)), targets)])
+                i += len(rows)
         result.forward_time = launched.launch_time + time.perf_counter() - t0
         return result
 

@@ -283,8 +283,10 @@ class OpenAIServing:
                                   f"requested {longest + max_tokens} tokens ({longest} in the {where}, "
                                   f"{max_tokens} in the completion). Please reduce the length of the {where} "
                                   "or completion.", param=where, code="context_length_exceeded")
+        # echo with logprobs: the prompt's tokens get logprobs too (legacy completions, as OpenAI's)
+        echo_lps = req.logprobs if not chat and req.echo else None
         params = req.sampling_params(max_tokens, req.num_logprobs if chat else req.logprobs, constraint,
-                                     constraint_param, skip_special_tokens)
+                                     constraint_param, skip_special_tokens, prompt_logprobs=echo_lps)
         for _, ids in prompts:
             try:
                 self.engine.validate_prompt(ids, params)
@@ -330,6 +332,12 @@ class OpenAIServing:
             job.close()
 
     # -- responses -------------------------------------------------------------------------------
+    def _first_token(self, job: _Job, i: int) -> str:
+        """The text of prompt i's first token (an echoed prompt's first logprob entry)."""
+        ids = job.prompts[i][1]
+        tok = self.engine.tokenizer
+        return tok.decode(ids[:1]) if ids and tok is not None else ""
+
     @staticmethod
     def _choices(job: _Job):
         """(index, prompt position, CompletionOutput) of every choice, in index order."""
@@ -364,7 +372,11 @@ class OpenAIServing:
                 choice = {"index": idx, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
                 prefix = (job.prompts[i][0] or "") if job.req.echo else ""
-                logprobs = P.completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None
+                entries = c.logprobs
+                if entries is not None and job.req.echo:
+                    entries = job.last[i].prompt_logprobs + entries
+                logprobs = (P.completion_logprobs(entries, 0, self._first_token(job, i))
+                            if entries is not None else None)
                 choice = {"text": prefix + c.text, "index": idx, "logprobs": logprobs,
                           "finish_reason": c.finish_reason}
             if job.req.return_token_ids:
@@ -390,6 +402,7 @@ class OpenAIServing:
         sent_tokens = [0] * len(sent_text)
         ended = [False] * len(sent_text)  # a finished choice stays in its request's later outputs
         echo = [(job.prompts[k // n][0] or "") if not chat and req.echo else "" for k in range(n * len(job.prompts))]
+        echo_text = list(echo)  # what precedes the completion's text (its offsets start after it)
         try:
             if chat:
                 for k in range(len(sent_text)):
@@ -429,7 +442,11 @@ class OpenAIServing:
                             events.append(chunk({"index": k, "delta": {}, "logprobs": None,
                                                  "finish_reason": finish}))
                     elif text or entries or new_ids or c.finish_reason is not None:
-                        lp = P.completion_logprobs(entries, start) if c.logprobs is not None else None
+                        lp = None
+                        if c.logprobs is not None and echo[k]:  # the first chunk: the echoed prompt's too
+                            lp = P.completion_logprobs(out.prompt_logprobs + entries, 0, self._first_token(job, i))
+                        elif c.logprobs is not None:
+                            lp = P.completion_logprobs(entries, len(echo_text[k]) + start)
                         events.append(chunk({"text": echo[k] + text, "index": k, "logprobs": lp,
                                              "finish_reason": c.finish_reason, **ids}))
                         echo[k] = ""

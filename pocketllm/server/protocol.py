@@ -158,7 +158,8 @@ class _SamplingRequest(_Strict):
         return {"json": rf.json_schema.schema_}, "response_format"
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, structured_outputs: dict | None = None,
-                        constraint_param: str | None = None, skip_special_tokens: bool = True) -> SamplingParams:
+                        constraint_param: str | None = None, skip_special_tokens: bool = True,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
@@ -173,7 +174,7 @@ class _SamplingRequest(_Strict):
                 n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, logit_bias=bias,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-                structured_outputs=structured_outputs, skip_special_tokens=skip_special_tokens, **given)
+                prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs, skip_special_tokens=skip_special_tokens, **given)
         except RequestError as e:
             param = getattr(e, "param", None)
             raise APIError(400, str(e), param=constraint_param if param == "structured_outputs" else param,
@@ -233,9 +234,6 @@ class CompletionRequest(_SamplingRequest):
         if not prompts or not all(prompts):
             raise APIError(400, "Invalid 'prompt': the prompt must not be empty.", param="prompt",
                            code="invalid_value")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "'echo' together with 'logprobs' is not supported: prompt logprobs are "
-                                "not computed.", param="echo", code="invalid_value")
 
     def prompt_list(self) -> list[str | list[int]]:
         p = self.prompt
@@ -351,9 +349,19 @@ def chat_logprobs(entries: list[dict[int, Logprob]], top: int) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> dict:
+def completion_logprobs(entries: list[dict[int, Logprob] | None], text_offset: int,
+                        first_token: str = "") -> dict:
+    """The legacy completions `logprobs` object. A None entry is the first prompt token of an
+    echoed prompt, which has no logprob (`first_token` is its text), as OpenAI sends it."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for entry in entries:
+        if entry is None:
+            tokens.append(first_token)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(text_offset)
+            text_offset += len(first_token)
+            continue
         sampled = next(iter(entry.values()))
         token = sampled.decoded_token or ""
         tokens.append(token)
