@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import prompts_of
-from reference import captured_logits, hf_greedy
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from reference import captured_logits, hf_greedy
+from tiny_models import make_llama256
 
 from pocketllm import LLM, SamplingParams
 from pocketllm.loaders.gguf_loader import GGUFModelFile
@@ -420,21 +421,7 @@ def test_sentencepiece_vocabulary(tmp_path):
 @pytest.fixture(scope="module")
 def k_model(tmp_path_factory):
     """A llama-arch model with 256-multiple rows and 8 layers (so the mixes' layer rules show), no tokenizer."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                                   pad_token_id=None)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.05)
-    path = tmp_path_factory.mktemp("kq") / "llama256"
-    model.save_pretrained(path, safe_serialization=True)
-    return model, path
+    return make_llama256(tmp_path_factory.mktemp("kq"), num_layers=8)
 
 
 def test_q4_k_m_file_has_the_mix_types(k_model, tmp_path):

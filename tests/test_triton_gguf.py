@@ -282,21 +282,11 @@ def test_types_without_kernel_load_dense_on_the_gpu():
 
 def _q4_k_m_llama(root):
     """A 2-layer llama with rows of 256 (so the mix really is Q4_K / Q6_K), quantized to Q4_K_M."""
-    import transformers
+    from tiny_models import make_llama256
 
     from pocketllm.loaders.gguf_writer import write_gguf
 
-    cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(root / "llama256", safe_serialization=True)
-    return write_gguf(root / "llama256", root / "llama256.Q4_K_M.gguf", "Q4_K_M").path
+    return write_gguf(make_llama256(root)[1], root / "llama256.Q4_K_M.gguf", "Q4_K_M").path
 
 
 @cuda_only

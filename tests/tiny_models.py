@@ -51,3 +51,23 @@ def make_model(kind: str, root: Path):
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.eos_token_id = None
     return model, path
+
+
+def make_llama256(root: Path, num_layers: int = 2):
+    """A llama whose rows are 256 wide, so that the K-quant mixes really use Q4_K / Q6_K (blocks of
+    256), with `num_layers` layers and no tokenizer: (transformers model, safetensors directory)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=None,
+                                   eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.05)
+    path = root / "llama256"
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path

@@ -28,10 +28,6 @@ def run(args: argparse.Namespace) -> int:
     except (PocketLLMError, ValueError) as e:
         print(f"pocketllm dummy-gguf: error: {e}", file=sys.stderr)
         return 1
-    counts: dict[str, int] = {}
-    for t in result.tensor_types.values():
-        counts[t.name] = counts.get(t.name, 0) + 1
-    mix = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
     print(f"wrote {result.path} ({args.shape}, {result.file_type}, random weights, {result.n_bytes / 2**20:.1f} MiB, "
-          f"{result.n_params / 1e6:.1f}M parameters, {result.seconds:.1f} s)\n  tensor types: {mix}")
+          f"{result.n_params / 1e6:.1f}M parameters, {result.seconds:.1f} s)\n  tensor types: {result.type_mix()}")
     return 0

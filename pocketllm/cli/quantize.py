@@ -35,11 +35,7 @@ def run(args: argparse.Namespace) -> int:
     except (PocketLLMError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"pocketllm quantize: error: {e}", file=sys.stderr)
         return 1
-    counts: dict[str, int] = {}
-    for t in result.tensor_types.values():
-        counts[t.name] = counts.get(t.name, 0) + 1
-    mix = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
     print(f"wrote {result.path} ({result.file_type}, {result.n_bytes / 2**20:.1f} MiB, "
           f"{result.n_params / 1e6:.1f}M parameters, {result.seconds:.1f} s)\n"
-          f"  tensor types: {mix}\n  tokenizer: {result.tokenizer}")
+          f"  tensor types: {result.type_mix()}\n  tokenizer: {result.tokenizer}")
     return 0

@@ -284,9 +284,9 @@ class LLMEngine:
         self._wait_time += time.perf_counter() - t0
         for rid, (first, scored) in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
-            if req is not None and first <= len(req.prompt_logprobs):  # a recomputation scores some again
-                new = scored[len(req.prompt_logprobs) - first:]
-                req.prompt_logprobs.extend(new)
+            if req is not None and first <= req.num_prompt_scored:  # a recomputation scores some again
+                new = scored[req.num_prompt_scored - first:]
+                req.num_prompt_scored += len(new)
                 self.outputs.add_prompt_logprobs(req, new)
         sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
         touched = self.scheduler.update_from_output(sched, sampled)

@@ -46,8 +46,7 @@ class Request:
 
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        # SampledToken of prompt token k + 1 given tokens 0..k, for k = 0, 1, ... (when asked for)
-        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
+        self.num_prompt_scored = 0  # prompt positions whose logprobs are recorded (params.prompt_logprobs)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0  # tokens whose KV is computed or being computed by a launched step

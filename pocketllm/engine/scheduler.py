@@ -132,7 +132,7 @@ class Scheduler:
                     and not leader.prefill_done):
                 skipped.append(self.waiting.popleft())  # wait for the sibling's prompt KV
                 continue
-            cached = self.kv.find_cached_blocks(req) if req.prompt_logprobs is None else []
+            cached = self.kv.find_cached_blocks(req) if req.params.prompt_logprobs is None else []
             num_cached = len(cached) * self.kv.block_size
             num_new = req.num_tokens - num_cached
             if num_new > budget:

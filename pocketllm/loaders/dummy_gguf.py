@@ -24,12 +24,11 @@ from gguf import GGMLQuantizationType
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.loaders.gguf_writer import (
     WriteResult,
-    _add_arch_metadata,
     _arch_of,
     _minimal_vocab,
     _rope_parameters,
-    _size_label,
     llama3_rope_factors,
+    write_file,
 )
 from pocketllm.quant import mixes
 from pocketllm.quant.dequant import dequantize
@@ -43,7 +42,7 @@ _SCALE_FIELDS = {
     T.Q5_1: ((0,), 2), T.Q2_K: ((80,), 82), T.Q3_K: ((108,), None), T.Q4_K: ((0,), 2),
     T.Q5_K: ((0,), 2), T.Q6_K: ((208,), None),
 }
-_FLOATS = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}  # BF16: its bits
+_FLOATS = frozenset({T.F32, T.F16, T.BF16})
 _SAMPLE_BLOCKS = 4096
 _CHUNK_BYTES = 1 << 28  # random bytes drawn at once
 
@@ -143,56 +142,28 @@ def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", fi
     n_head = hp["num_attention_heads"]
     types = mixes.tensor_types(tensors, ftype, n_layer=hp["num_hidden_layers"], n_head=n_head,
                                n_head_kv=hp.get("num_key_value_heads") or n_head)
-    for t in set(types.values()) - _FLOATS.keys() - set(_SCALE_FIELDS):
+    for t in set(types.values()) - _FLOATS - set(_SCALE_FIELDS):
         raise UnsupportedFeatureError(f"dummy GGUF files cannot hold {t.name} tensors")
     n_params = sum(int(np.prod(s)) for _, s in tensors)
     rng = np.random.default_rng(seed)
     out = Path(out)
-    tmp = out.with_name(out.name + ".partial")
-    w = gguf.GGUFWriter(tmp, arch)
-    try:
-        w.add_type(gguf.GGUFType.MODEL)
-        w.add_name(f"{name} (random weights)")
-        w.add_size_label(_size_label(n_params))
-        _add_arch_metadata(w, arch, hp, rope, hp["vocab_size"])
-        w.add_file_type(ftype)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        tokenizer = _minimal_vocab(hp["vocab_size"], w)
-        for tname, s in tensors:
-            qt = types[tname]
-            if qt in _FLOATS:
-                dt = _FLOATS[qt]
-                w.add_tensor_info(tname, s, dt, int(np.prod(s)) * np.dtype(dt).itemsize,
-                                  raw_dtype=T.BF16 if qt == T.BF16 else None)
-            else:
-                bs, ts = gguf.GGML_QUANT_SIZES[qt]
-                byte_shape = (*s[:-1], s[-1] // bs * ts)
-                w.add_tensor_info(tname, byte_shape, np.uint8, int(np.prod(byte_shape)), raw_dtype=qt)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for i, (tname, s) in enumerate(tensors):
-            qt = types[tname]
-            if progress:
-                progress(f"[{i + 1}/{len(tensors)}] {tname:32s} {list(s)!s:16s} {qt.name}")
-            if tname == "rope_freqs.weight":
-                data = llama3_rope_factors(hp, rope)
-            elif qt in _FLOATS:  # norms (1) and biases (0); matrices of the float file types: gaussian
-                if len(s) == 1:
-                    data = np.full(s, 0.0 if tname.endswith(".bias") else 1.0, np.float32)
-                else:
-                    data = rng.standard_normal(s, dtype=np.float32) * std
-                if qt == T.BF16:  # bfloat16 bits, rounded to nearest by torch
-                    data = torch.from_numpy(data).bfloat16().view(torch.int16).numpy().view(np.uint16)
-                else:
-                    data = data.astype(_FLOATS[qt])
-            else:
-                data = _random_blocks(rng, qt, s, std)
-            w.write_tensor_data(data)
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    shapes = dict(tensors)
+
+    def tensor_data(tname: str, qt: GGMLQuantizationType) -> np.ndarray:
+        s = shapes[tname]
+        if tname == "rope_freqs.weight":
+            return llama3_rope_factors(hp, rope)
+        if qt not in _FLOATS:
+            return _random_blocks(rng, qt, s, std)
+        # norms (1) and biases (0); matrices of the float file types: gaussian
+        if len(s) == 1:
+            data = np.full(s, 0.0 if tname.endswith(".bias") else 1.0, np.float32)
+        else:
+            data = rng.standard_normal(s, dtype=np.float32) * std
+        if qt == T.BF16:  # bfloat16 bits, rounded to nearest by torch, as raw bytes
+            return torch.from_numpy(data).bfloat16().view(torch.int16).numpy().view(np.uint8)
+        return data.astype(np.float32 if qt == T.F32 else np.float16)
+
+    tokenizer = write_file(out, arch, f"{name} (random weights)", hp, rope, hp["vocab_size"], ftype, n_params,
+                           lambda w: _minimal_vocab(hp["vocab_size"], w), tensors, types, tensor_data, progress)
     return WriteResult(out, ft_name, types, n_params, out.stat().st_size, time.perf_counter() - t0, tokenizer)

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from hashlib import sha256
@@ -52,6 +53,11 @@ class WriteResult:
     n_bytes: int
     seconds: float
     tokenizer: str  # what the vocabulary came from
+
+    def type_mix(self) -> str:
+        """How many tensors of each type, e.g. "F32 x66, Q4_K x193, Q6_K x33"."""
+        counts = Counter(t.name for t in self.tensor_types.values())
+        return ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
 
 
 # ---- config ------------------------------------------------------------------------------------------------
@@ -570,40 +576,56 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, file_type: str = 
     tensors.sort(key=lambda t: mixes.layer_order(t.name))
     n_params = sum(int(np.prod(t.shape)) for t in tensors)
 
+    by_name = {t.name: t for t in tensors}
+    tokenizer = write_file(
+        out, arch, name or Path(hp.get("_name_or_path") or model_dir.name).name or model_dir.name, hp, rope,
+        vocab_size, ftype, n_params, lambda w: add_tokenizer(w, model_dir, vocab_size, arch),
+        [(t.name, t.shape) for t in tensors], types, lambda tname, qt: _encode(by_name[tname].load(), qt), progress)
+    return WriteResult(out, ft_name, types, n_params, out.stat().st_size, time.perf_counter() - t0, tokenizer)
+
+
+def write_file(out: Path, arch: str, name: str, hp: dict, rope: dict | None, vocab_size: int, ftype: int,
+               n_params: int, add_vocab: Callable[[gguf.GGUFWriter], str], tensors: list[tuple[str, tuple]],
+               types: dict[str, GGMLQuantizationType],
+               tensor_data: Callable[[str, GGMLQuantizationType], np.ndarray],
+               progress: Callable[[str], None] | None) -> str:
+    """Write a GGUF file: the model's metadata, the vocabulary (``add_vocab`` returns what it came
+    from, returned here), the tensors' infos, then each tensor's data, in order, as ``tensor_data``
+    makes it (F32 / F16 as floats, every other type as raw bytes of whole blocks per row). The file
+    is written as ``out.partial`` and renamed when complete; on any error it is removed."""
     tmp = out.with_name(out.name + ".partial")
     w = gguf.GGUFWriter(tmp, arch)
     try:
         w.add_type(gguf.GGUFType.MODEL)
-        w.add_name(name or Path(hp.get("_name_or_path") or model_dir.name).name or model_dir.name)
+        w.add_name(name)
         w.add_size_label(_size_label(n_params))
         _add_arch_metadata(w, arch, hp, rope, vocab_size)
         w.add_file_type(ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        tokenizer = add_tokenizer(w, model_dir, vocab_size, arch)
-        for t in tensors:
-            qt = types[t.name]
+        tokenizer = add_vocab(w)
+        for tname, shape in tensors:
+            qt = types[tname]
             if qt in (T.F32, T.F16):
                 dtype = np.float32 if qt == T.F32 else np.float16
-                w.add_tensor_info(t.name, t.shape, dtype, int(np.prod(t.shape)) * np.dtype(dtype).itemsize)
+                w.add_tensor_info(tname, shape, dtype, int(np.prod(shape)) * np.dtype(dtype).itemsize)
             else:  # byte shape: whole blocks per row
-                shape = (*t.shape[:-1], _row_bytes(qt, t.shape[-1]))
-                w.add_tensor_info(t.name, shape, np.uint8, int(np.prod(shape)), raw_dtype=qt)
+                byte_shape = (*shape[:-1], _row_bytes(qt, shape[-1]))
+                w.add_tensor_info(tname, byte_shape, np.uint8, int(np.prod(byte_shape)), raw_dtype=qt)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for i, t in enumerate(tensors):
-            qt = types[t.name]
-            data = t.load()
+        for i, (tname, shape) in enumerate(tensors):
+            qt = types[tname]
             if progress:
-                progress(f"[{i + 1}/{len(tensors)}] {t.name:32s} {list(t.shape)!s:16s} -> {qt.name}")
-            w.write_tensor_data(_encode(data, qt))
+                progress(f"[{i + 1}/{len(tensors)}] {tname:32s} {list(shape)!s:16s} -> {qt.name}")
+            w.write_tensor_data(tensor_data(tname, qt))
         w.close()
         os.replace(tmp, out)
     except BaseException:
         w.close()
         tmp.unlink(missing_ok=True)
         raise
-    return WriteResult(out, ft_name, types, n_params, out.stat().st_size, time.perf_counter() - t0, tokenizer)
+    return tokenizer
 
 
 def _ggml_type(t: str | GGMLQuantizationType | None) -> GGMLQuantizationType | None:

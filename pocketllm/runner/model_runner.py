@@ -15,7 +15,7 @@ import torch
 from pocketllm.engine.scheduler import SchedulerOutput
 from pocketllm.layers.attention import AttentionMetadata, PrefillSpan
 from pocketllm.models.base import CausalLM
-from pocketllm.runner.sampler import DeviceSample, SampledToken, Sampler
+from pocketllm.runner.sampler import DeviceSample, SampledToken, Sampler, token_logprobs
 
 
 @dataclass
@@ -40,7 +40,8 @@ class StepInputs:
     sampling: list  # their requests
     # decode rows whose input token is still in flight: (token row, row in the previous step's sample)
     pending: list[tuple[int, int]] = field(default_factory=list)
-    # prompt logprobs to score: (request, first position, its token rows, the next prompt tokens)
+    # prompt logprobs to score: (request, its first scored position, that position's token row,
+    # the next prompt token of each scored position)
     prompt_scores: list[tuple] = field(default_factory=list)
 
 
@@ -54,7 +55,7 @@ class LaunchedStep:
     prepare_time: float
     launch_time: float
     prompt_scores: list[tuple] = field(default_factory=list)  # StepInputs.prompt_scores
-    prompt_logprobs: tuple[torch.Tensor, ...] = ()  # their chosen logprob, rank, top values, top ids
+    prompt_sample: DeviceSample | None = None  # their logprobs, a row per scored position
 
     def sample_row(self) -> dict[str, int]:
         return {req.request_id: i for i, req in enumerate(self.sampling)}
@@ -137,12 +138,11 @@ class ModelRunner:
             if sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
-            if req.prompt_logprobs is not None:
+            if req.params.prompt_logprobs is not None:
                 # position p scores prompt token p + 1; positions scored before (a recomputation) are not again
-                first, last = max(start, len(req.prompt_logprobs)), min(ctx, req.num_prompt_tokens - 1)
+                first, last = max(start, req.num_prompt_scored), min(ctx, req.num_prompt_tokens - 1)
                 if first < last:
-                    row0 = len(input_ids) - ctx
-                    prompt_scores.append((req, first, list(range(row0 + first, row0 + last)),
+                    prompt_scores.append((req, first, len(input_ids) - ctx + first,
                                           req.prompt_token_ids[first + 1:last + 1]))
         return StepInputs(input_ids, positions, slots, rows, out.num_decodes, logits_rows, sampling, pending,
                           prompt_scores)
@@ -210,7 +210,7 @@ class ModelRunner:
             pos = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
-        prompt_lp = self._score_prompts(hidden, step.prompt_scores) if step.prompt_scores else ()
+        prompt_sample = self._score_prompts(hidden, step.prompt_scores) if step.prompt_scores else None
         sample = None
         if step.sampling:
             if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:
@@ -221,24 +221,23 @@ class ModelRunner:
         else:
             tokens = None
         return LaunchedStep(sample, tokens, step.sampling, t1 - t0, time.perf_counter() - t1,
-                            step.prompt_scores, prompt_lp)
+                            step.prompt_scores, prompt_sample)
 
     _SCORE_ROWS = 512  # prompt positions whose logits exist at once (512 x vocab float32)
 
-    def _score_prompts(self, hidden: torch.Tensor, scores: list[tuple]) -> tuple[torch.Tensor, ...]:
-        """The log-softmax of the logits at the scored positions: the next prompt token's logprob
-        and rank, and the top entries (as many as the most any request asked for)."""
+    def _score_prompts(self, hidden: torch.Tensor, scores: list[tuple]) -> DeviceSample:
+        """The logprobs of the next prompt token at each scored position (raw logits, as vLLM's
+        prompt logprobs), read back like sampled tokens'."""
         dev = hidden.device
-        rows = torch.tensor([r for _, _, rs, _ in scores for r in rs], dtype=torch.long).to(dev, non_blocking=True)
-        targets = torch.tensor([t for _, _, _, ts in scores for t in ts], dtype=torch.long).to(dev, non_blocking=True)
-        k = max(1, max(req.params.prompt_logprobs for req, _, _, _ in scores))
-        parts = []
-        for i in range(0, len(rows), self._SCORE_ROWS):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[rows[i:i + self._SCORE_ROWS]]).float(), dim=-1)
-            chosen = lp.gather(1, targets[i:i + self._SCORE_ROWS, None])
-            top_vals, top_ids = lp.topk(k, dim=-1)
-            parts.append((chosen[:, 0], (lp > chosen).sum(dim=-1) + 1, top_vals, top_ids))
-        return tuple(torch.cat(p) for p in zip(*parts))
+        rows = torch.tensor([r0 + j for _, _, r0, ts in scores for j in range(len(ts))], dtype=torch.long)
+        targets = torch.tensor([t for _, _, _, ts in scores for t in ts], dtype=torch.long)
+        rows, targets = rows.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
+        counts = [req.params.prompt_logprobs for req, _, _, ts in scores for _ in ts]
+        n = self._SCORE_ROWS
+        parts = [token_logprobs(self.model.compute_logits(hidden[rows[i:i + n]]).float(), targets[i:i + n], max(counts))
+                 for i in range(0, len(rows), n)]
+        return DeviceSample(targets, list(range(len(counts))), counts,
+                            tuple(torch.cat(p) for p in zip(*parts))).start_copy()
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Waits for a launched step and returns its sampled tokens."""
@@ -247,15 +246,11 @@ class ModelRunner:
         if launched.sample is not None:
             for req, tok in zip(launched.sampling, launched.sample.to_host()):
                 result.sampled[req.request_id] = tok
-        if launched.prompt_scores:
-            chosen, ranks, top_vals, top_ids = (t.tolist() for t in launched.prompt_logprobs)
-            i = 0
-            for req, first, rows, targets in launched.prompt_scores:
-                n = req.params.prompt_logprobs
-                result.prompt_logprobs[req.request_id] = (first, [
-                    SampledToken(t, chosen[j], ranks[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
-                    for j, t in zip(range(i, i + len(rows)), targets)])
-                i += len(rows)
+        if launched.prompt_sample is not None:
+            scored, i = launched.prompt_sample.to_host(), 0
+            for req, first, _, targets in launched.prompt_scores:
+                result.prompt_logprobs[req.request_id] = (first, scored[i:i + len(targets)])
+                i += len(targets)
         result.forward_time = launched.launch_time + time.perf_counter() - t0
         return result
 

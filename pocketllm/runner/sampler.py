@@ -45,14 +45,12 @@ class DeviceSample:
     def to_host(self) -> list[SampledToken]:
         if self._copied is not None:
             self._copied.synchronize()
-        if not self.logprob_rows:
-            return [SampledToken(t) for t in self.tokens.tolist()]
-        tokens, chosen_lp, ranks, top_vals, top_ids = (t.cpu() for t in (self.tokens, *self.logprobs))
-        out = [SampledToken(t) for t in tokens.tolist()]
-        for j, (i, n) in enumerate(zip(self.logprob_rows, self.logprob_counts)):
-            out[i].logprob = float(chosen_lp[j])
-            out[i].rank = int(ranks[j])
-            out[i].top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
+        out = [SampledToken(t) for t in self.tokens.tolist()]
+        if self.logprob_rows:
+            chosen, ranks, top_vals, top_ids = (t.tolist() for t in self.logprobs)
+            for j, (i, n) in enumerate(zip(self.logprob_rows, self.logprob_counts)):
+                out[i].logprob, out[i].rank = chosen[j], ranks[j]
+                out[i].top = list(zip(top_ids[j][:n], top_vals[j][:n]))
         return out
 
 
@@ -89,11 +87,7 @@ class Sampler:
         if not lp_rows:
             return DeviceSample(tokens, [], [])
         counts = [reqs[i].params.logprobs for i in lp_rows]
-        logprobs = torch.log_softmax(raw[lp_rows], dim=-1)
-        top_vals, top_ids = logprobs.topk(max(max(counts), 1), dim=-1)
-        chosen_lp = logprobs.gather(1, tokens[lp_rows][:, None])[:, 0]
-        ranks = (logprobs > chosen_lp[:, None]).sum(dim=-1) + 1
-        return DeviceSample(tokens, lp_rows, counts, (chosen_lp, ranks, top_vals, top_ids))
+        return DeviceSample(tokens, lp_rows, counts, token_logprobs(raw[lp_rows], tokens[lp_rows], max(counts)))
 
     @staticmethod
     def _apply_bias_and_bans(logits: torch.Tensor, reqs: list[Request], vocab: int) -> None:
@@ -139,6 +133,15 @@ class Sampler:
             if r.generator is not None:
                 noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(dev, non_blocking=True)
         return (probs / noise).argmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """From float logits [rows, vocab]: each row's token's logprob and rank, and the row's top
+    max(k, 1) logprobs (values, ids): DeviceSample.logprobs."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top_vals, top_ids = logprobs.topk(max(k, 1), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    return chosen, (logprobs > chosen[:, None]).sum(dim=-1) + 1, top_vals, top_ids
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request], vocab: int) -> torch.Tensor:

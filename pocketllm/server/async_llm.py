@@ -222,7 +222,7 @@ class AsyncLLM:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    if self._adds and self.admission_gap and not engine.has_unfinished_requests():
+                    if self._adds and not engine.has_unfinished_requests():
                         self._wait_for_burst()
                         if self._stopping:
                             break

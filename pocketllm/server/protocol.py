@@ -174,7 +174,8 @@ class _SamplingRequest(_Strict):
                 n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, logit_bias=bias,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs, skip_special_tokens=skip_special_tokens, **given)
+                prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
+                skip_special_tokens=skip_special_tokens, **given)
         except RequestError as e:
             param = getattr(e, "param", None)
             raise APIError(400, str(e), param=constraint_param if param == "structured_outputs" else param,
