@@ -2,10 +2,13 @@
 from pocketllm.config import EngineArgs
 from pocketllm.errors import ConfigurationError, RequestError, UnsupportedFeatureError
 from pocketllm.llm import LLM
+from pocketllm.logging_config import configure_logging
 from pocketllm.outputs import CompletionOutput, RequestOutput
 from pocketllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+
+configure_logging()
 
 
 def get_tokenizer(path, chat_template: str | None = None):

@@ -15,3 +15,11 @@ class UnsupportedFeatureError(PocketLLMError, NotImplementedError):
 
 class RequestError(PocketLLMError, ValueError):
     """A single request is invalid (too long, bad sampling parameters, ...)."""
+
+
+class RequestFailedError(PocketLLMError):
+    """The engine failed while serving this request (a bug, isolated to the requests it touched)."""
+
+
+class EngineDeadError(PocketLLMError):
+    """The engine hit an error it cannot recover from; the process should be restarted."""

@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
+from pocketllm.errors import RequestFailedError
 from pocketllm.outputs import RequestOutput
 from pocketllm.sampling_params import SamplingParams
 
@@ -42,6 +43,8 @@ class LLM:
             try:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
+                        if out.error is not None:
+                            raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
                         if out.finished:
                             done[out.request_id] = out
                             bar.update(1)

@@ -39,3 +39,5 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then one entry each
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set when the engine failed this request (a bug it isolated); the request is finished, aborted.
+    error: str | None = None

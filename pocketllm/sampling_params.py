@@ -1,6 +1,7 @@
 """Per-request sampling settings, named as vLLM and the OpenAI API name them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pocketllm.errors import RequestError
@@ -39,9 +40,14 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or self.top_k == -1:
             self.top_k = 0
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        try:
+            self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        except (TypeError, ValueError):
+            err = RequestError("logit_bias must map token ids to numbers")
+            err.param = "logit_bias"
+            raise err from None
         if self.structured_outputs is not None:
             self.structured_outputs = normalize(self.structured_outputs)
         self._validate()
@@ -52,10 +58,28 @@ class SamplingParams:
             err.param = param
             return err
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise bad(name, f"must be an integer, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and not _is_int(self.max_tokens):
+            raise bad("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -2**63 <= self.seed < 2**63):
+            raise bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {self.stop_token_ids[:5]}")
+        if not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise bad("logit_bias", "values must be finite numbers")
         if self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be -1 or 0 (off) or at least 1, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
@@ -83,3 +107,7 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1.0)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,15 +18,13 @@ import uvicorn
 
 from conftest import prompts_of
 from fixtures import default_model_gguf
+from live_server import ENGINE_FLAGS, ROOT, Server, free_port
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.server.api_server import ServerConfig, create_app
 from pocketllm.server.async_llm import AsyncLLM, EngineClosedError, QueueFullError
 
-ROOT = Path(__file__).resolve().parents[1]
-# A small context and KV cache keep memory low.
-ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory", str(160 << 20)]
 ENGINE_KWARGS = dict(max_model_len=2048, kv_cache_memory=160 << 20)
 MAX_REQUEST_BYTES = 256 << 10
 API_KEY = "sk-test-key"
@@ -43,50 +39,6 @@ GOLDEN_PROMPT_IDS = [504, 3575, 282, 4649, 314]
 GOLDEN_COMPLETION_IDS = [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 32, 33]
 GOLDEN_MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 GOLDEN_CHAT_IDS = [504, 2988, 288, 451, 8170, 4119, 1732, 314, 216, 36, 30, 2]  # ends with EOS
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`pocketllm serve` in a subprocess."""
-
-    def __init__(self, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-        self.ready = False
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pocketllm.cli.main", "serve", str(default_model_gguf()), "--port",
-             str(self.port), *ENGINE_FLAGS, *flags], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 180) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    self.ready = True
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"the server did not become ready in {timeout}s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-5000:]
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            self.log.close()
 
 
 def start(*args: str, stdin: str = "") -> subprocess.Popen:
@@ -483,7 +435,8 @@ def test_api_key(small_server):
     url = small_server
     assert httpx.get(f"{url}/health").status_code == 200
     for path in ("/v1/models", "/metrics", "/version"):
-        assert error_of(httpx.get(f"{url}{path}"), 401)["code"] == "invalid_api_key"
+        r = httpx.get(f"{url}{path}")
+        assert error_of(r, 401)["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
     error_of(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
     ok = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0).models.list()
     assert [m.id for m in ok.data] == ["tiny-smol"]

@@ -11,7 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from test_server import Server, error_of
+from live_server import Server
+from test_server import error_of
 from test_structured import SCHEMAS
 
 # ChatML that shows the reasoning of earlier turns and opens a <think> block for the reply, unless

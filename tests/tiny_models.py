@@ -71,3 +71,28 @@ def make_llama256(root: Path, num_layers: int = 2):
     path = root / "llama256"
     model.save_pretrained(path, safe_serialization=True)
     return model, path
+
+
+def make_tiny_chat_model(root: Path) -> Path:
+    """A one-layer llama, 32 wide, with the default model's tokenizer and chat template: a real
+    tokenizer and template at a few milliseconds a step (random weights: it talks nonsense, and
+    rarely ends on its own). For server tests that need text but not a good model."""
+    import json
+
+    import transformers
+
+    from fixtures import default_model_gguf
+    from pocketllm.tokenizer.gguf_vocab import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(default_model_gguf())
+    path = root / "tiny-chat"
+    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                   max_position_embeddings=4096, tie_word_embeddings=True,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    tok._backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {**tok.special_tokens, "chat_template": tok.chat_template}))
+    return path

@@ -14,17 +14,20 @@ from pocketllm.sampling_params import SamplingParams
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_engine_args(parser)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="generated tokens per request, EOS ignored (default: 128)")
     if command == "throughput":
-        parser.add_argument("--num-prompts", type=int, default=64)
+        parser.add_argument("--num-prompts", type=int, default=64,
+                            help="requests per concurrency level, at least the concurrency (default: 64)")
         parser.add_argument("--max-concurrency", type=str, default="8",
                             help="in-flight requests; a comma list runs a sweep, e.g. 1,8")
     else:
-        parser.add_argument("--batch-size", type=int, default=1)
-        parser.add_argument("--num-iters", type=int, default=3)
+        parser.add_argument("--batch-size", type=int, default=1, help="requests run together (default: 1)")
+        parser.add_argument("--num-iters", type=int, default=3, help="timed runs; the fastest is kept (default: 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, metavar="FILE",
+                        help="also write the results, machine and commit to FILE")
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

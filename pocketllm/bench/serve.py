@@ -28,15 +28,17 @@ _SEED_TEXT = ("The quick brown fox jumps over the lazy dog while a curious cat w
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None, help="the server's API key, if it needs one")
     parser.add_argument("--max-concurrency", type=int, default=8, help="the sweep doubles up to this")
     parser.add_argument("--concurrency", default=None, help="comma list of levels instead of the doubling sweep")
     parser.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="generated tokens per request, EOS ignored (default: 128)")
     parser.add_argument("--seed", type=int, default=None,
                         help="prompt seed (default: a fresh one; a repeated prompt would hit the prefix cache)")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, metavar="FILE",
+                        help="also write the results, machine and commit to FILE")
 
 
 def sweep(max_concurrency: int) -> list[int]:

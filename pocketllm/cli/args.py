@@ -9,12 +9,33 @@ from pocketllm.config import EngineArgs
 
 _HELP = {
     "model": "Hugging Face model directory or .gguf file (default: the built-in default model)",
-    "dtype": "auto | float32 | bfloat16 | float16",
-    "device": "auto | cpu | cuda",
-    "num_kv_blocks": "number of KV blocks (overrides memory-based sizing)",
-    "kv_cache_memory": "bytes of KV cache on CPU",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU; on CUDA the model's float16, "
+             "else bfloat16)",
+    "device": "auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible)",
+    "max_model_len": "longest request, prompt and output, in tokens (default: the model's context, "
+                     "lowered to what the KV cache holds)",
+    "block_size": "tokens per KV cache block, a multiple of 8 (default: 16)",
+    "num_kv_blocks": "number of KV blocks (overrides --kv-cache-memory and --gpu-memory-utilization)",
+    "kv_cache_memory": "bytes of KV cache on CPU (default: 1073741824, 1 GiB)",
+    "gpu_memory_utilization": "CUDA: fraction of the GPU's memory for weights and KV cache together "
+                              "(default: 0.9)",
+    "max_num_seqs": "most sequences in one step (default: 64)",
+    "max_num_batched_tokens": "most tokens in one step (default: 2048)",
+    "enable_prefix_caching": "reuse the KV cache of a prompt prefix seen before (default: on)",
+    "enable_chunked_prefill": "split a long prompt over several steps (default: on; off: a prompt must fit "
+                              "in --max-num-batched-tokens)",
+    "seed": "random seed of sampling and of dummy weights (default: 0)",
+    "enforce_eager": "CUDA: run every step eagerly, without CUDA graphs (default: off)",
     "async_scheduling": "launch each step while the GPU runs the one before (default: on for CUDA, off on CPU)",
+    "dequantize_at_load": "GGUF: dequantize the weights when loading, trading memory for speed (default: off)",
+    "load_format": "auto | dummy (random weights; MODEL may then name a shape such as llama3-8b)",
+    "tokenizer": "a model directory with tokenizer.json, or a GGUF file (default: the model's own)",
+    "num_threads": "CPU threads for torch (default: torch's choice)",
 }
+
+
+def _help(f: dataclasses.Field) -> str:
+    return _HELP.get(f.name, f"(default: {f.default})")
 
 
 def _bool(text: str) -> bool:
@@ -40,12 +61,12 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
         base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
         if base[0] is bool:
             group.add_argument(flag, type=_bool, nargs="?", const=True, default=f.default,
-                               metavar="BOOL", help=_HELP.get(f.name, f"(default: {f.default})"))
+                               metavar="BOOL", help=_help(f))
             if f.default is not False:
-                group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false")
+                group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                   help=f"same as {flag} false")
         else:
-            group.add_argument(flag, type=base[0], default=f.default,
-                               help=_HELP.get(f.name, f"(default: {f.default})"))
+            group.add_argument(flag, type=base[0], default=f.default, help=_help(f))
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -3,13 +3,14 @@ The conversation is kept; the oldest turns are dropped when it outgrows the cont
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
-from pocketllm.cli.args import add_engine_args
-from pocketllm.cli.serve import load_engine
+from pocketllm.cli.args import add_engine_args, engine_args_from
+from pocketllm.cli.serve import load_engine, read_chat_template
 from pocketllm.engine.llm_engine import LLMEngine
+from pocketllm.errors import ConfigurationError
 from pocketllm.sampling_params import SamplingParams
 
 
@@ -22,9 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens (default: 512)")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="sampling temperature; 0 is greedy (default: 0.7)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the smallest set of tokens this likely (default: 1.0, all)")
+
+
+def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
 
 
 def stream_text(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
@@ -48,11 +55,12 @@ def render(engine: LLMEngine, messages: list[dict], chat_template: str | None) -
 
 
 def run(args: argparse.Namespace) -> int:
-    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
-    engine = load_engine(args)
+    # Checked before the model loads.
+    chat_template = read_chat_template(args.chat_template)
+    base_params = sampling_params_from(args)
+    engine = load_engine(engine_args_from(args))
     if engine.tokenizer is None:
-        print("error: this model has no tokenizer, so it cannot chat", file=sys.stderr)
-        return 2
+        raise ConfigurationError("this model has no tokenizer, so it cannot chat")
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     print("Type a message; /exit or Ctrl+D quits.", file=sys.stderr)
@@ -80,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
             print("error: the message is too long for the model's context", file=sys.stderr)
             history.pop()
             continue
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                max_tokens=min(args.max_tokens, room))
+        params = dataclasses.replace(base_params, max_tokens=min(base_params.max_tokens, room))
         reply = ""
         try:
             for delta in stream_text(engine, ids, params):

@@ -13,21 +13,16 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="model shape (default llama3-8b)")
     parser.add_argument("--type", "-t", dest="qtype", default="Q4_K_M", metavar="TYPE",
                         help="file type, as `pocketllm quantize` takes it (default Q4_K_M)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     parser.add_argument("--std", type=float, default=0.02, help="standard deviation of the weights (default 0.02)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no per-tensor progress")
 
 
 def run(args: argparse.Namespace) -> int:
-    from pocketllm.errors import PocketLLMError
     from pocketllm.loaders.dummy_gguf import write_dummy_gguf
 
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    try:
-        result = write_dummy_gguf(args.out, args.shape, args.qtype, seed=args.seed, std=args.std, progress=progress)
-    except (PocketLLMError, ValueError) as e:
-        print(f"pocketllm dummy-gguf: error: {e}", file=sys.stderr)
-        return 1
+    result = write_dummy_gguf(args.out, args.shape, args.qtype, seed=args.seed, std=args.std, progress=progress)
     print(f"wrote {result.path} ({args.shape}, {result.file_type}, random weights, {result.n_bytes / 2**20:.1f} MiB, "
           f"{result.n_params / 1e6:.1f}M parameters, {result.seconds:.1f} s)\n  tensor types: {result.type_mix()}")
     return 0

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+import dataclasses
 
-from pocketllm.cli.args import add_engine_args
-from pocketllm.cli.chat import add_sampling_arguments, render, stream_text
-from pocketllm.cli.serve import load_engine
-from pocketllm.sampling_params import SamplingParams
+from pocketllm.cli.args import add_engine_args, engine_args_from
+from pocketllm.cli.chat import add_sampling_arguments, render, sampling_params_from, stream_text
+from pocketllm.cli.serve import load_engine, read_chat_template
+from pocketllm.errors import ConfigurationError, RequestError
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -21,21 +20,20 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
-    engine = load_engine(args)
+    # Checked before the model loads.
+    chat_template = read_chat_template(args.chat_template)
+    params = sampling_params_from(args)
+    engine = load_engine(engine_args_from(args))
     if engine.tokenizer is None:
-        print("error: this model has no tokenizer; it cannot take a text prompt", file=sys.stderr)
-        return 2
+        raise ConfigurationError("this model has no tokenizer; it cannot take a text prompt")
     if args.chat:
         ids = render(engine, [{"role": "user", "content": args.prompt}], chat_template)
     else:
         ids = engine.tokenizer.encode(args.prompt)
     room = engine.max_model_len - len(ids)
     if room < 1:
-        print(f"error: the prompt has {len(ids)} tokens; the model's context holds {engine.max_model_len}",
-              file=sys.stderr)
-        return 2
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=min(args.max_tokens, room))
+        raise RequestError(f"the prompt has {len(ids)} tokens; the model's context holds {engine.max_model_len}")
+    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
     for delta in stream_text(engine, ids, params):
         print(delta, end="", flush=True)
     print()

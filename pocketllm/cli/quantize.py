@@ -25,16 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pocketllm.errors import PocketLLMError
     from pocketllm.loaders.gguf_writer import write_gguf
 
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    try:
-        result = write_gguf(args.src, args.out, args.qtype, pure=args.pure, output_type=args.output_tensor_type,
-                            token_embedding_type=args.token_embedding_type, name=args.name, progress=progress)
-    except (PocketLLMError, ValueError, KeyError, FileNotFoundError) as e:
-        print(f"pocketllm quantize: error: {e}", file=sys.stderr)
-        return 1
+    result = write_gguf(args.src, args.out, args.qtype, pure=args.pure, output_type=args.output_tensor_type,
+                        token_embedding_type=args.token_embedding_type, name=args.name, progress=progress)
     print(f"wrote {result.path} ({result.file_type}, {result.n_bytes / 2**20:.1f} MiB, "
           f"{result.n_params / 1e6:.1f}M parameters, {result.seconds:.1f} s)\n"
           f"  tensor types: {result.type_mix()}\n  tokenizer: {result.tokenizer}")

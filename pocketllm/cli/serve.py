@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import logging
+import os
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
 from pocketllm.cli.args import add_engine_args, engine_args_from
+from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
+from pocketllm.errors import ConfigurationError
 from pocketllm.structured.reasoning import REASONING_PARSERS
 from pocketllm.structured.tool_parsers import TOOL_PARSERS
 
@@ -18,29 +23,81 @@ from pocketllm.structured.tool_parsers import TOOL_PARSERS
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health; a flag is "
+                             "visible to other users in `ps`: prefer --api-key-file or the POCKETLLM_API_KEY "
+                             "environment variable")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="read the API key from the first line of FILE (instead of --api-key)")
     parser.add_argument("--allowed-origins", default=None,
                         help="comma-separated origins allowed by CORS, e.g. http://localhost:3000 or *")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template to use instead of the model's")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: the model file or directory name)")
-    parser.add_argument("--max-queued-requests", type=int, default=None,
-                        help="requests allowed to wait for the engine; more get 503 (default: no limit)")
+    parser.add_argument("--max-queued-requests", type=int, default=256,
+                        help="requests allowed to wait for the engine; more get 503 (default: 256)")
+    parser.add_argument("--max-queue-time", type=float, default=60.0, metavar="SECONDS",
+                        help="a request that waited this long without starting gets 503 with Retry-After "
+                             "(default: 60)")
+    parser.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="seconds a client has to send its request body (then 408; default: 30)")
+    parser.add_argument("--max-connections", type=int, default=1024,
+                        help="concurrent connections and requests; more get 503 (default: 1024)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds running requests get to finish on SIGTERM/SIGINT")
-    parser.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body accepted")
+                        help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")
+    parser.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                        help="largest request body accepted, in bytes (default: 4 MiB)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how the model writes tool calls (default: inferred from the chat template)")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split <think>...</think> reasoning into reasoning_content")
 
 
-def load_engine(args: argparse.Namespace) -> LLMEngine:
+def read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ConfigurationError(f"cannot read the chat template {path}: {e.strerror or e}") from None
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $POCKETLLM_API_KEY."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ConfigurationError("give the API key once: --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ConfigurationError(f"cannot read the API key file {args.api_key_file}: {e.strerror or e}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigurationError(f"the API key file {args.api_key_file} has no key on its first line")
+        return key
+    return args.api_key or os.environ.get("POCKETLLM_API_KEY") or None
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before the model loads when the server could not listen: bind as uvicorn will."""
+    if not 1 <= port <= 65535:
+        raise ConfigurationError(f"--port must be in 1..65535; got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigurationError(f"port {port} is in use on {host}; stop what uses it or pick another "
+                                     "with --port") from None
+        raise ConfigurationError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+
+
+def load_engine(engine_args: EngineArgs) -> LLMEngine:
     """Build the engine, showing how long loading takes so far (on a terminal)."""
-    engine_args = engine_args_from(args)
     if engine_args.model is None:
         from pocketllm.pull import pull_default_model
         engine_args.model = str(pull_default_model())  # shows its own download progress
@@ -75,18 +132,13 @@ def run(args: argparse.Namespace) -> int:
     from pocketllm.server.async_llm import AsyncLLM
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    chat_template = None
-    if args.chat_template:
-        try:
-            chat_template = Path(args.chat_template).read_text()
-        except OSError as e:
-            print(f"error: cannot read the chat template {args.chat_template}: {e}", file=sys.stderr)
-            return 2
-    try:
-        llm = AsyncLLM(lambda: load_engine(args), max_queued_requests=args.max_queued_requests)
-    except Exception as e:  # noqa: BLE001  (a bad configuration: say what, exit non-zero)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # Every setting is checked before the model loads: a mistake costs no loading time.
+    chat_template = read_chat_template(args.chat_template)
+    api_key = api_key_of(args)
+    engine_args = engine_args_from(args)
+    check_port(args.host, args.port)
+    llm = AsyncLLM(lambda: load_engine(engine_args), max_queued_requests=args.max_queued_requests,
+                   max_queue_time=args.max_queue_time)
     engine = llm.engine
     # Everything loaded so far lives as long as the server: keep it out of the collector's way, or a
     # full collection stalls every thread (the engine's too) for ~0.15 s now and then (vLLM freezes its heap too).
@@ -94,15 +146,16 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     cfg = ServerConfig(
         model_name=args.served_model_name or Path(engine.args.model).name,
-        api_key=args.api_key,
+        api_key=api_key,
         allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
         chat_template=chat_template, max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, body_timeout=args.request_body_timeout,
+        max_connections=args.max_connections)
     host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}/v1"
 
     def announce() -> None:
         print(f"Serving {cfg.model_name} at {url}  (Ctrl+C to stop)", flush=True)
 
-    return 0 if serve(llm, cfg, args.host, args.port, on_started=announce) else 1
+    return serve(llm, cfg, args.host, args.port, on_started=announce)

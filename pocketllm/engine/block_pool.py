@@ -75,10 +75,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if block.block_hash is not None:  # lazy eviction of the cached content
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
+            self.unregister(block)  # lazy eviction of the cached content
             assert block.ref_cnt == 0
             block.ref_cnt = 1
             out.append(block)
@@ -109,6 +106,11 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+
+    def unregister(self, block: KVBlock) -> None:
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def check_integrity(self) -> None:
         referenced = sum(1 for b in self.blocks if b.ref_cnt > 0)

@@ -97,6 +97,14 @@ class KVCacheManager:
             self.pool.register(blocks[req.block_ids[i]], req.block_hashes[i])
         req.num_hashed_blocks = num_full
 
+    def forget_exclusive_blocks(self, req: Request) -> None:
+        """Unregister the hashed blocks that only `req` references: their KV may never have been
+        written (a failed step), so no later request may take them as a prefix hit."""
+        blocks = self.pool.blocks
+        for i in req.block_ids[:req.num_hashed_blocks]:
+            if blocks[i].ref_cnt == 1:
+                self.pool.unregister(blocks[i])
+
     def free(self, req: Request) -> None:
         """Release the request's blocks, last block first, so chain tails are evicted before
         the shared heads that other requests are more likely to reuse."""

@@ -5,6 +5,7 @@ import hashlib
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from pocketllm.engine.kv_cache_manager import KVCacheManager
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.request import Request, RequestStatus
 from pocketllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pocketllm.errors import ConfigurationError, RequestError
+from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
 from pocketllm.models.registry import select_runtime
 from pocketllm.outputs import RequestOutput
 from pocketllm.runner.model_runner import LaunchedStep, ModelRunner
@@ -43,11 +44,23 @@ class StepStats:
         return self.total_time - self.forward_time
 
 
+def _is_device_fault(error: BaseException) -> bool:
+    """A CUDA fault leaves the device's context unusable: nothing after it can be trusted."""
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(error, accel)) or "CUDA error" in str(error)
+
+
+def _wrap64(x: int) -> int:
+    """x as a signed 64-bit integer (sibling seeds past the largest one wrap around)."""
+    return (x + 2**63) % 2**64 - 2**63
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigurationError("device 'cuda' was asked for but no CUDA GPU is visible; use device='cpu'")
+        raise ConfigurationError("device 'cuda' was asked for but no CUDA GPU is visible; "
+                                 "use --device cpu (device='cpu' in Python)")
     return torch.device(device)
 
 
@@ -59,8 +72,41 @@ def resolve_dtype(dtype: str, device: torch.device, model_dtype: str) -> str:
     return "float16" if model_dtype == "float16" else "bfloat16"
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _tensors_in(value) -> Iterator[torch.Tensor]:
+    """The tensors an attribute of a module holds: GGUF layers keep theirs in plain attributes."""
+    from pocketllm.layers.linear import QuantizedTensor
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v)
+    elif isinstance(value, QuantizedTensor):
+        yield value.data
+    elif callable(getattr(value, "tensors", None)):  # the CPU layouts of GGUF blocks
+        yield from value.tensors()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, buffers and GGUF blocks; memory shared by several (tied
+    embeddings, views of one file) is counted once."""
+    held: dict[tuple, int] = {}
+    for m in model.modules():
+        for value in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
+            for t in _tensors_in(value):
+                if t.device.type != "meta":
+                    key = (t.device, t.data_ptr())
+                    held[key] = max(held.get(key, 0), t.numel() * t.element_size())
+    return sum(held.values())
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
+        t_start = time.perf_counter()
         args.validate()
         self.args = args
         if args.num_threads:
@@ -95,10 +141,11 @@ class LLMEngine:
             * torch.empty((), dtype=kv_dtype).element_size()
         if self.device.type == "cpu" or args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
-            self._check_kv_fits(num_blocks)
+            self._fit_max_model_len(num_blocks, per_block)
         self.tokenizer = self._load_tokenizer(path)
 
-        # Everything is checked: now read the weights.
+        # Everything is checked: now read the weights. On CUDA max_model_len may still be lowered
+        # once the KV cache is sized; rotary tables longer than needed are harmless.
         t0 = time.perf_counter()
         model = self.runtime.model_class(cfg, dtype=self.dtype, device=self.device,
                                          max_model_len=self.max_model_len)
@@ -117,6 +164,7 @@ class LLMEngine:
         if self.is_gguf:
             self.gguf.release()
         self.load_time = time.perf_counter() - t0
+        self.weight_bytes = weight_bytes(model)  # before the runner binds the KV cache to it
 
         if self.device.type == "cuda" and args.num_kv_blocks is None:
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -124,8 +172,8 @@ class LLMEngine:
             budget = free - (1 - args.gpu_memory_utilization) * total
             # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.
             cap = 4 * args.max_num_seqs * -(-self.max_model_len // self.block_size)
-            num_blocks = min(int(budget // per_block), cap)
-            self._check_kv_fits(num_blocks)
+            num_blocks = max(0, min(int(budget // per_block), cap))
+            self._fit_max_model_len(num_blocks, per_block)
         self.num_blocks = num_blocks
         self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
@@ -146,9 +194,14 @@ class LLMEngine:
         self.last_step = StepStats()
         # Launched and not yet read back (asynchronous scheduling): (its schedule, its launch).
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._step_scheds: list[SchedulerOutput] | None = []  # the running step's batches (failure scope)
+        self._failed_steps = 0  # consecutive
         self._wait_time = 0.0
         self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)
+        log.info("Loaded %s (%s; weights %s) on %s in %.1f s: %d KV blocks of %d tokens, context %d",
+                 cfg.architecture, self._describe_weights(model, quant_types), _size(self.weight_bytes),
+                 self.device, time.perf_counter() - t_start, num_blocks, self.block_size, self.max_model_len)
 
     # -- set-up helpers --------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -160,6 +213,50 @@ class LLMEngine:
             raise ConfigurationError(f"max_model_len {asked} exceeds the model's maximum of {limit} "
                                      "positions; lower max_model_len")
         return asked
+
+    def _fit_max_model_len(self, num_blocks: int, per_block: int) -> None:
+        """A max_model_len that was asked for must fit one request in the KV cache. The default one,
+        the model's context, is lowered to what fits (as llama.cpp and Ollama do), and one log line
+        says why."""
+        if self.args.max_model_len is None and num_blocks > 0:
+            length, why = min(self._context_limits(num_blocks, per_block))
+            if length < self.max_model_len:
+                log.info("max_model_len %d (the model's context is %d; %s)", length, self.max_model_len, why)
+                self.max_model_len = length
+        self._check_kv_fits(num_blocks)
+
+    def _context_limits(self, num_blocks: int, per_block: int) -> list[tuple[int, str]]:
+        """(longest request, why) for each limit on the context besides the model's own."""
+        args, tokens = self.args, num_blocks * self.block_size
+        if args.num_kv_blocks is not None:
+            cache, more = f"{num_blocks} blocks", "--num-kv-blocks"
+        elif self.device.type == "cuda":
+            cache = f"{_size(num_blocks * per_block)} (gpu_memory_utilization {args.gpu_memory_utilization})"
+            more = "--gpu-memory-utilization or --num-kv-blocks"
+        else:
+            cache, more = _size(num_blocks * per_block), "--kv-cache-memory or --num-kv-blocks"
+        limits = [(tokens, f"the KV cache of {cache} holds {tokens} tokens; raise {more} for more")]
+        if not args.enable_chunked_prefill:  # then a whole prompt must fit in one step
+            n = args.max_num_batched_tokens
+            limits.append((n, f"without chunked prefill a prompt must fit in one step of "
+                              f"max_num_batched_tokens={n}; raise --max-num-batched-tokens for more"))
+        return limits
+
+    def _describe_weights(self, model: torch.nn.Module, quant_types: set[str]) -> str:
+        """Where the weights came from and in what form they are held."""
+        if self.dummy:
+            return f"random weights, {self.dtype_name}"
+        if not self.is_gguf:
+            return f"safetensors, {self.dtype_name}"
+        from pocketllm.quant.linear import GGUFLinear
+
+        layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+        kept = sorted({m.qtype.name for m in layers if m.path != "dense"})
+        dense = sorted({m.qtype.name for m in layers if m.path == "dense"} - {"F32", "F16", "BF16"})
+        parts = [f"GGUF {', '.join(kept)} kept quantized"] if kept else []
+        if dense:
+            parts.append(f"{', '.join(dense)} dequantized to {self.dtype_name}")
+        return "; ".join(parts) or f"GGUF {', '.join(sorted(quant_types))}, {self.dtype_name}"
 
     def _check_kv_fits(self, num_blocks: int) -> None:
         need = -(-self.max_model_len // self.block_size)
@@ -197,16 +294,24 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Everything about a request that depends on the model, checked before it is queued:
+        nothing a request carries may fail later inside a step (where the whole batch runs)."""
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) > self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len="
                                f"{self.max_model_len}; shorten it or raise max_model_len")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        for param, values in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in values if not 0 <= t < vocab]
+            if bad:
+                err = RequestError(f"{param} has token ids out of range [0, {vocab}): {bad[:5]}")
+                err.param = param
+                raise err
 
     def add_request(self, request_id: str | None, prompt: str | dict | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
@@ -215,7 +320,7 @@ class LLMEngine:
         if request_id in self.outputs.parents:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        self.validate_prompt(ids, params)
+        self.validate_request(ids, params)
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         parent = ParentState(request_id, text, ids, prompt_logprobs=None if params.prompt_logprobs is None else [])
         leader = None
@@ -223,7 +328,7 @@ class LLMEngine:
             child_params = params
             if params.n > 1:
                 child_params = SamplingParams(**{**params.__dict__, "n": 1,
-                                                 "seed": None if params.seed is None else params.seed + i})
+                                                 "seed": None if params.seed is None else _wrap64(params.seed + i)})
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival_time, leader=leader)
             if grammar is not None:  # each sibling walks the grammar on its own
@@ -248,20 +353,51 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.parents)
 
+    def stale_requests(self, max_wait: float, now: float) -> list[str]:
+        """Requests that have waited more than `max_wait` seconds since they arrived without
+        being scheduled once (a preempted request has started: it is not stale)."""
+        stale = []
+        for req in self.scheduler.waiting:
+            if req.first_scheduled_time is None and now - req.arrival_time > max_wait:
+                parent = self.outputs.parent_of[req.request_id]
+                if all(c.request.first_scheduled_time is None for c in parent.children):
+                    stale.append(parent.request_id)
+        return list(dict.fromkeys(stale))
+
     # -- the step ----------------------------------------------------------------------------------
+    MAX_FAILED_STEPS = 3  # consecutive failed steps after which the engine gives up (EngineDeadError)
+
     def step(self) -> list[RequestOutput]:
         """Schedules and launches a step, then returns the outputs of the step that completes:
         this one, or with asynchronous scheduling the one before it (whose tokens are read
         back and processed while this one runs on the device). `last_step` describes the
         step launched here; with asynchronous scheduling its time includes waiting for the
-        step before."""
+        step before.
+
+        A step that raises fails only the requests it carried: they come back finished with
+        `error` set, their KV blocks freed, and the engine goes on. Only an error the engine
+        cannot recover from (a CUDA fault, or several failed steps in a row) raises, as
+        EngineDeadError."""
+        self._step_scheds = []
+        try:
+            outs = self._step()
+        except Exception as e:  # noqa: BLE001  (isolated below, or fatal)
+            return self._fail_step(e)
+        self._failed_steps = 0
+        return outs
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._wait_time = 0.0
         outs: list[RequestOutput] = []
         inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            self._step_scheds.append(inflight[0])
         if inflight is not None and any(r.needs_host_tokens for r in self.scheduler.requests.values()):
             outs, inflight = self._complete(*inflight), None  # the next step needs its tokens on the host
+        self._step_scheds = None  # a scheduler failure involves every running request
         sched = self.scheduler.schedule()
+        self._step_scheds = [sched] + ([inflight[0]] if inflight is not None else [])
         t1 = time.perf_counter()
         launched = None if sched.is_empty else self.runner.launch(sched, inflight[1] if inflight else None)
         if inflight is not None:
@@ -282,6 +418,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.runner.collect(launched)
         self._wait_time += time.perf_counter() - t0
+        parents: dict[str, ParentState] = {}
+        for rid, error in result.failed.items():  # sampling failed for these rows alone
+            parents.update(self._fail_requests([rid], error))
         for rid, (first, scored) in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
             if req is not None and first <= req.num_prompt_scored:  # a recomputation scores some again
@@ -291,11 +430,14 @@ class LLMEngine:
         sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
         touched = self.scheduler.update_from_output(sched, sampled)
         now = time.monotonic()
-        parents: dict[str, ParentState] = {}
         for req in touched:
             if req.first_token_time is None:
                 req.first_token_time = now
-            stop = self.outputs.process(req, result.sampled[req.request_id])
+            try:
+                stop = self.outputs.process(req, result.sampled[req.request_id])
+            except Exception as e:  # noqa: BLE001  (detokenizing or stop strings: this request alone)
+                parents.update(self._fail_requests([req.request_id], e))
+                continue
             if stop is not None and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             parent = self.outputs.parent_of[req.request_id]
@@ -305,6 +447,45 @@ class LLMEngine:
             outs.append(parent.output())
             self.outputs.pop_finished(parent.request_id)
         return outs
+
+    # -- failures ------------------------------------------------------------------------------------
+    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+        """A step raised: fail the requests it carried (every running one if scheduling itself
+        failed) and drop the step in flight; the rest of the engine's state is untouched."""
+        self._failed_steps += 1
+        if _is_device_fault(error) or self._failed_steps >= self.MAX_FAILED_STEPS:
+            raise EngineDeadError(f"the engine cannot go on after: {type(error).__name__}: {error}") from error
+        log.error("a step failed; failing the requests it carried", exc_info=error)
+        self._inflight = None
+        if self._step_scheds is None:
+            involved = [r.request_id for r in self.scheduler.running]
+        else:
+            involved = [sr.request.request_id for s in self._step_scheds for sr in s.scheduled]
+        try:
+            parents = self._fail_requests(involved, error)
+            outs = [p.output() for p in parents.values()]
+            for rid in parents:
+                self.outputs.pop_finished(rid)
+        except Exception as e:  # noqa: BLE001
+            raise EngineDeadError(f"the engine could not recover from a failed step: {e}") from error
+        return outs
+
+    def _fail_requests(self, child_ids: list[str], error: BaseException) -> dict[str, ParentState]:
+        """Finish the parents of these sequences with an error. KV blocks only they hold are
+        dropped from the prefix cache, since a failed step may not have written them."""
+        parents: dict[str, ParentState] = {}
+        for rid in child_ids:
+            parent = self.outputs.parent_of.get(rid)
+            if parent is None or parent.request_id in parents:
+                continue
+            parents[parent.request_id] = parent
+            parent.error = f"{type(error).__name__}: {error}"
+            for c in parent.children:
+                req = c.request
+                if not req.is_finished:
+                    self.kv.forget_exclusive_blocks(req)
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+        return parents
 
     # -- introspection -------------------------------------------------------------------------------
     @property

@@ -26,6 +26,7 @@ class ParentState:
     prompt_token_ids: list[int]
     children: list[ChildState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob]] | None = None  # the first child's, when asked for
+    error: str | None = None  # set when the engine failed the request
 
     @property
     def finished(self) -> bool:
@@ -45,13 +46,20 @@ class ParentState:
                 stop_reason=c.stop_reason if c.stop_reason is not None else r.stop_reason,
             ))
         first = self.children[0].request
-        metrics = {"arrival_time": first.arrival_time, "first_scheduled_time": first.first_scheduled_time,
-                   "first_token_time": first.first_token_time, "finished_time": first.finished_time,
-                   "num_preemptions": sum(c.request.num_preemptions for c in self.children)}
+        reqs = [c.request for c in self.children]
+        # The request's times over its choices: its first sequence scheduled and first token, its
+        # last sequence finished (None until all are).
+        scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
+        first_tokens = [r.first_token_time for r in reqs if r.first_token_time is not None]
+        finished = [r.finished_time for r in reqs if r.finished_time is not None]
+        metrics = {"arrival_time": first.arrival_time, "first_scheduled_time": min(scheduled, default=None),
+                   "first_token_time": min(first_tokens, default=None),
+                   "finished_time": max(finished) if self.finished and finished else None,
+                   "num_preemptions": sum(r.num_preemptions for r in reqs)}
         prompt_lps = None if self.prompt_logprobs is None else [None, *self.prompt_logprobs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              finished=self.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=metrics, prompt_logprobs=prompt_lps)
+                             metrics=metrics, prompt_logprobs=prompt_lps, error=self.error)
 
 
 class OutputProcessor:

@@ -63,6 +63,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}
         self.reserve_blocks = max(1, int(config.watermark * kv.num_blocks))
+        self.num_preemptions = 0  # since the start, for metrics
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -185,6 +186,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
 

@@ -23,6 +23,7 @@ class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # request id -> (its first scored prompt position, one SampledToken per position from there)
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
+    failed: dict[str, Exception] = field(default_factory=dict)  # request id -> why it could not be sampled
     forward_time: float = 0.0  # seconds spent in the model and sampler (launch and wait)
     prepare_time: float = 0.0  # seconds spent building inputs
 
@@ -215,7 +216,11 @@ class ModelRunner:
         if step.sampling:
             if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:
                 hidden = hidden[torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)]
-            sample = self.sampler.sample(self.model.compute_logits(hidden), step.sampling)
+            logits = self.model.compute_logits(hidden)
+            try:
+                sample = self.sampler.sample(logits, step.sampling)
+            except Exception:  # noqa: BLE001  (find the rows at fault; the others go on)
+                sample = self.sampler.sample_each(logits, step.sampling)
             tokens = sample.tokens  # the next step's pending inputs read this copy, on the device
             sample.start_copy()
         else:
@@ -244,8 +249,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         result = RunnerOutput(prepare_time=launched.prepare_time)
         if launched.sample is not None:
-            for req, tok in zip(launched.sampling, launched.sample.to_host()):
-                result.sampled[req.request_id] = tok
+            failed = launched.sample.failed
+            for i, (req, tok) in enumerate(zip(launched.sampling, launched.sample.to_host())):
+                if i in failed:
+                    result.failed[req.request_id] = failed[i]
+                else:
+                    result.sampled[req.request_id] = tok
         if launched.prompt_sample is not None:
             scored, i = launched.prompt_sample.to_host(), 0
             for req, first, _, targets in launched.prompt_scores:

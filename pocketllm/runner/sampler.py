@@ -2,7 +2,7 @@
 each processing stage runs only on the rows that asked for it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class DeviceSample:
     logprob_rows: list[int]  # rows that asked for logprobs, and how many top entries each
     logprob_counts: list[int]
     logprobs: tuple[torch.Tensor, ...] = ()  # chosen logprob, rank, top values, top ids
+    failed: dict[int, Exception] = field(default_factory=dict)  # rows that could not be sampled
     _copied: object = None  # the CUDA event after the copies
 
     def start_copy(self) -> "DeviceSample":
@@ -89,6 +90,23 @@ class Sampler:
         counts = [reqs[i].params.logprobs for i in lp_rows]
         return DeviceSample(tokens, lp_rows, counts, token_logprobs(raw[lp_rows], tokens[lp_rows], max(counts)))
 
+    def sample_each(self, logits: torch.Tensor, reqs: list[Request]) -> DeviceSample:
+        """After the batch failed to sample: every row alone, so that a request whose parameters
+        break sampling fails by itself (`DeviceSample.failed`) and the others get their tokens."""
+        tokens = torch.zeros(len(reqs), dtype=torch.long, device=logits.device)
+        failed: dict[int, Exception] = {}
+        for i, req in enumerate(reqs):
+            try:
+                tokens[i] = self.sample(logits[i:i + 1], [req]).tokens[0]
+            except Exception as e:  # noqa: BLE001  (reported with the row)
+                failed[i] = e
+        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None and i not in failed]
+        if not lp_rows:
+            return DeviceSample(tokens, [], [], failed=failed)
+        counts = [reqs[i].params.logprobs for i in lp_rows]
+        return DeviceSample(tokens, lp_rows, counts, token_logprobs(logits[lp_rows].float(), tokens[lp_rows], max(counts)),
+                            failed=failed)
+
     @staticmethod
     def _apply_bias_and_bans(logits: torch.Tensor, reqs: list[Request], vocab: int) -> None:
         dev = logits.device
@@ -110,7 +128,8 @@ class Sampler:
         logits = logits / _column([r.params.temperature for r in reqs], dev)
         top_k = [r.params.top_k for r in reqs]
         if any(top_k):
-            k = torch.tensor([kk if kk > 0 else logits.shape[1] for kk in top_k], device=dev)
+            vocab = logits.shape[1]  # k beyond the vocabulary keeps every token, as k = 0 does
+            k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=dev)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)

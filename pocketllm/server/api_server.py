@@ -16,16 +16,18 @@ import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketllm import __version__
-from pocketllm.errors import ConfigurationError, RequestError
+from pocketllm.errors import PocketLLMError, RequestError, RequestFailedError
 from pocketllm.outputs import RequestOutput
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.server import protocol as P
-from pocketllm.server.async_llm import AsyncLLM, EngineClosedError, QueueFullError, RequestStream
+from pocketllm.server.async_llm import AsyncLLM, EngineUnavailableError, RequestStream
 from pocketllm.server.metrics import RequestTimer, ServerMetrics
 from pocketllm.structured.chat import ReplyParser, template_messages, tool_constraint
 from pocketllm.structured.reasoning import get_reasoning_parser
@@ -43,7 +45,16 @@ class ServerConfig:
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: inferred from the template
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1
     max_request_bytes: int = 4 << 20
-    shutdown_timeout: float = 30.0
+    body_timeout: float = 30.0  # seconds a client has to send its request body (then 408)
+    max_connections: int = 1024  # concurrent connections and requests; more get 503
+    shutdown_timeout: float = 30.0  # on SIGTERM: seconds running requests get to finish
+    drain_retry_after: int = 5  # Retry-After of the 503s answered while draining
+
+
+@dataclass
+class ServerState:
+    """What every request checks first: whether the server is draining (SIGTERM)."""
+    draining: bool = False
 
 
 _INTERNAL = P.APIError(500, "The server had an error while processing your request.", type="server_error")
@@ -58,40 +69,50 @@ def _error_response(e: P.APIError) -> JSONResponse:
 
 
 class _Guard:
-    """API key and body-size checks before any route runs. The body is read here, at most
-    `max_bytes` of it, and replayed to the app; after it the app sees the client's own messages,
-    so a disconnect still reaches it."""
+    """Checks before any route runs: draining, API key, body size and body timeout. The body is
+    read here, at most `max_bytes` of it within `body_timeout` seconds, and replayed to the app;
+    after it the app sees the client's own messages, so a disconnect still reaches it."""
 
-    def __init__(self, app, api_key: str | None, max_bytes: int):
-        self.app, self.api_key, self.max_bytes = app, api_key, max_bytes
+    def __init__(self, app, cfg: ServerConfig, state: ServerState):
+        self.app, self.cfg, self.state = app, cfg, state
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrival_time"] = time.monotonic()
+        cfg, path = self.cfg, scope["path"]
+        if self.state.draining and path != "/metrics":
+            retry = {"Retry-After": str(cfg.drain_retry_after)}
+            if path == "/health":
+                return await JSONResponse({"status": "draining"}, 503, headers=retry)(scope, receive, send)
+            error = P.APIError(503, "The server is shutting down; please retry on another instance or later.",
+                               type="server_error", headers=retry)
+            return await _error_response(error)(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"] != "/health":
+        if cfg.api_key and path != "/health":
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not given.startswith("Bearer ") or not secrets.compare_digest(given[7:].encode(),
-                                                                             self.api_key.encode()):
+                                                                             cfg.api_key.encode()):
                 msg = ("Incorrect API key provided." if given else
                        "You didn't provide an API key. You need to provide your API key in an Authorization "
                        "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
-                return await _error_response(P.APIError(401, msg, code="invalid_api_key"))(scope, receive, send)
-        too_large = P.APIError(413, f"The request body is larger than {self.max_bytes} bytes.",
+                error = P.APIError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await _error_response(error)(scope, receive, send)
+        too_large = P.APIError(413, f"The request body is larger than {cfg.max_request_bytes} bytes.",
                                code="request_too_large")
         length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
+        if length.isdigit() and int(length) > cfg.max_request_bytes:
             return await _error_response(too_large)(scope, receive, send)
-        body, more = bytearray(), True
-        while more:  # also bounds bodies sent without a content-length
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                return await _error_response(too_large)(scope, receive, send)
+        try:
+            body = await asyncio.wait_for(self._read_body(receive), cfg.body_timeout)
+        except asyncio.TimeoutError:
+            error = P.APIError(408, f"The request body did not arrive within {cfg.body_timeout:g} seconds.",
+                               code="request_timeout", headers={"Connection": "close"})
+            return await _error_response(error)(scope, receive, send)
+        if body is None:  # the client left
+            return
+        if len(body) > cfg.max_request_bytes:
+            return await _error_response(too_large)(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -102,6 +123,18 @@ class _Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _read_body(self, receive) -> bytearray | None:
+        """The body, or None if the client disconnected; stops early past the size limit (this
+        also bounds bodies sent without a content-length)."""
+        body, more = bytearray(), True
+        while more and len(body) <= self.cfg.max_request_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        return body
 
 
 class _SSEResponse(StreamingResponse):
@@ -205,20 +238,28 @@ class OpenAIServing:
         name = self.cfg.tool_call_parser or infer_tool_parser(template)
         return get_tool_parser(name) if name else None
 
+    _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+
     def render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         template = self._template(tools)
         dicts = [m.as_template_dict() for m in messages]
-        reserved = {"messages", "tools", "add_generation_prompt", "chat_template"}
-        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in reserved}
+        reserved = [k for k in self._RESERVED_TEMPLATE_KWARGS if k in (template_kwargs or {})]
+        if reserved:
+            raise P.APIError(400, f"Invalid 'chat_template_kwargs': {reserved} are set by the request itself.",
+                             param="chat_template_kwargs", code="invalid_value")
         try:
             if template is not None:
                 parser = self._tool_parser(template) or get_tool_parser("hermes")
                 dicts = template_messages(dicts, tools, template, parser)
             return self._tokenizer().apply_chat_template(
-                dicts, tools=tools, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs)
-        except (jinja2.TemplateError, ConfigurationError) as e:
-            raise P.APIError(400, f"The chat template could not render the messages: {e}", param="messages",
+                dicts, tools=tools, add_generation_prompt=add_generation_prompt, chat_template=template,
+                **(template_kwargs or {}))
+        except P.APIError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a template raises what it likes: raise_exception, overflows, recursion)
+            message = str(e) if isinstance(e, (jinja2.TemplateError, PocketLLMError)) else f"{type(e).__name__}: {e}"
+            raise P.APIError(400, f"The chat template could not render the messages: {message}", param="messages",
                              code="invalid_value") from None
 
     @staticmethod
@@ -252,18 +293,49 @@ class OpenAIServing:
                 constraint = {**constraint, "reasoning": prefix}
         return constraint, param
 
-    def _prompts(self, req) -> list[tuple[str | None, list[int]]]:
+    # Tokenizing or rendering more text than this runs on a worker thread, not on the event loop.
+    _OFF_LOOP_CHARS = 16384
+
+    async def _run(self, num_chars: int, fn, *args, **kwargs):
+        if num_chars > self._OFF_LOOP_CHARS:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    def _check_text_size(self, num_chars: int, where: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it: no token covers more
+        than `max_token_chars` characters (halved again for normalizers that shrink text)."""
+        at_least = num_chars // (2 * self._tokenizer().max_token_chars)
+        if at_least > self.engine.max_model_len:
+            raise P.APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+                                  f"However, your {where} has {num_chars} characters, which is at least "
+                                  f"{at_least} tokens. Please reduce the length of the {where}.", param=where,
+                             code="context_length_exceeded")
+
+    async def _chat_prompt(self, messages: list[P.ChatMessage], tools: list[dict] | None,
+                           template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> list[int]:
+        num_chars = sum(len(p) for m in messages for p in m.texts())
+        self._check_text_size(num_chars, "messages")
+        text = await self._run(num_chars, self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
+        self._check_text_size(len(text), "messages")
+        # The template writes the special tokens it wants (BOS included).
+        return text, await self._run(len(text), self._tokenizer().encode, text, add_special_tokens=False)
+
+    async def _prompts(self, req) -> list[tuple[str | None, list[int]]]:
         if isinstance(req, P.ChatCompletionRequest):
-            text = self.render_chat(req.messages, tools=self._tools(req), template_kwargs=req.chat_template_kwargs)
-            # The template writes the special tokens it wants (BOS included).
-            return [(text, self._tokenizer().encode(text, add_special_tokens=False))]
+            return [await self._chat_prompt(req.messages, self._tools(req), req.chat_template_kwargs)]
         out = []
+        vocab = self.engine.model_config.vocab_size
         for p in req.prompt_list():
             if isinstance(p, str):
-                out.append((p, self._tokenizer().encode(p)))
-            else:
-                tok = self.engine.tokenizer
-                out.append((tok.decode(p) if tok is not None and req.echo else None, list(p)))
+                self._check_text_size(len(p), "prompt")
+                out.append((p, await self._run(len(p), self._tokenizer().encode, p)))
+                continue
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:  # before anything decodes them
+                raise P.APIError(400, f"Invalid 'prompt': token ids out of range [0, {vocab}): {bad[:5]}",
+                                 param="prompt", code="invalid_value")
+            tok = self.engine.tokenizer
+            out.append((tok.decode(p) if tok is not None and req.echo else None, list(p)))
         return out
 
     def _params(self, req, prompts, constraint: dict | None = None, constraint_param: str | None = None,
@@ -289,16 +361,17 @@ class OpenAIServing:
                                      constraint_param, skip_special_tokens, prompt_logprobs=echo_lps)
         for _, ids in prompts:
             try:
-                self.engine.validate_prompt(ids, params)
+                self.engine.validate_request(ids, params)
             except RequestError as e:
-                raise P.APIError(400, str(e), param=where, code="invalid_value") from None
+                raise P.APIError(400, str(e), param=getattr(e, "param", None) or where,
+                                 code="invalid_value") from None
         return params
 
     async def create(self, request: Request, model: type[P.ChatCompletionRequest] | type[P.CompletionRequest]):
         req = P.parse(model, await request.body())
         self._check_model(req.model)
         kind = "chat" if model is P.ChatCompletionRequest else "completion"
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         tools = self._tools(req)
         parser = self._reply_tool_parser(req, tools) if kind == "chat" else None
         opened = self.reasoning.prompt_state(prompts[0][0]) if kind == "chat" and self.reasoning else None
@@ -456,8 +529,10 @@ class OpenAIServing:
                     yield e
             if req.include_usage:
                 yield f"data: {_json({**base, 'choices': [], 'usage': job.usage()})}\n\n"
-        except EngineClosedError as e:  # headers are sent: the error goes in the stream, as OpenAI's do
+        except EngineUnavailableError as e:  # headers are sent: the error goes in the stream, as OpenAI's do
             yield f"data: {_json(P.APIError(503, str(e), type='server_error').body())}\n\n"
+        except RequestFailedError as e:
+            yield f"data: {_json(P.APIError(500, str(e), type='server_error').body())}\n\n"
         except Exception:
             log.exception("a streaming response failed")
             yield f"data: {_json(_INTERNAL.body())}\n\n"
@@ -471,10 +546,12 @@ class OpenAIServing:
             raise P.APIError(400, "Give exactly one of 'prompt' and 'messages'.", param="prompt",
                              code="invalid_value")
         if req.messages is not None:
-            ids = self._tokenizer().encode(self.render_chat(req.messages, req.add_generation_prompt),
-                                           add_special_tokens=False)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            _, ids = await self._chat_prompt(req.messages, tools, req.chat_template_kwargs, req.add_generation_prompt)
         else:
-            ids = self._tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            self._check_text_size(len(req.prompt), "prompt")
+            ids = await self._run(len(req.prompt), self._tokenizer().encode, req.prompt,
+                                  add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request) -> dict:
@@ -488,13 +565,36 @@ class OpenAIServing:
         return {"prompt": self._tokenizer().decode(req.tokens)}
 
 
-def create_app(llm: AsyncLLM, cfg: ServerConfig) -> FastAPI:
+# The routes read their bodies themselves (P.parse: strict types, OpenAI's error messages); the
+# schema still declares them, for clients and fuzzers.
+_BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest,
+           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest}
+
+
+def _with_request_bodies(app: FastAPI) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in _BODIES.values()],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            for path, model in _BODIES.items():
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await llm.shutdown(cfg.shutdown_timeout)
 
     app = FastAPI(title="PocketLLM", version=__version__, lifespan=lifespan)
+    app.state.server = state = state or ServerState()
     metrics = ServerMetrics(llm, cfg.model_name)
     serving = OpenAIServing(llm, cfg, metrics)
     created = int(time.time())
@@ -503,18 +603,18 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     async def api_error(request: Request, e: P.APIError):
         return _error_response(e)
 
-    @app.exception_handler(QueueFullError)
-    async def queue_full(request: Request, e: QueueFullError):
-        return _error_response(P.APIError(503, str(e), type="server_error",
-                                          headers={"Retry-After": str(e.retry_after)}))
+    @app.exception_handler(EngineUnavailableError)
+    async def unavailable(request: Request, e: EngineUnavailableError):
+        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+        return _error_response(P.APIError(503, str(e), type="server_error", headers=headers))
+
+    @app.exception_handler(RequestFailedError)
+    async def failed(request: Request, e: RequestFailedError):
+        return _error_response(P.APIError(500, str(e), type="server_error"))
 
     @app.exception_handler(RequestError)
     async def bad_request(request: Request, e: RequestError):
         return _error_response(P.APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value"))
-
-    @app.exception_handler(EngineClosedError)
-    async def engine_closed(request: Request, e: EngineClosedError):
-        return _error_response(P.APIError(503, str(e), type="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -568,7 +668,8 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig) -> FastAPI:
     async def version():
         return {"version": __version__}
 
-    app.add_middleware(_Guard, api_key=cfg.api_key, max_bytes=cfg.max_request_bytes)
+    _with_request_bodies(app)
+    app.add_middleware(_Guard, cfg=cfg, state=state)
     if cfg.allowed_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_credentials=True,
                            allow_methods=["*"], allow_headers=["*"])
@@ -576,14 +677,49 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None):
+    """uvicorn with a drain: on SIGTERM/SIGINT the listener stays open and answers 503 while the
+    requests in flight finish (or, after `shutdown_timeout`, end with an error); then it stops.
+    A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, cfg: ServerConfig, state: ServerState,
+                 on_started: Callable[[], None] | None):
         super().__init__(config)
-        self.on_started = on_started
+        self.llm, self.cfg, self.state, self.on_started = llm, cfg, state, on_started
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started and self.on_started is not None:
             self.on_started()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.state.draining or self._loop is None or not self.started:
+            return super().handle_exit(sig, frame)
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drained())
+
+    async def _drained(self) -> None:
+        log.info("Draining: new requests get 503; %d in flight get up to %g s to finish",
+                 self.llm.num_in_flight, self.cfg.shutdown_timeout)
+        await self.llm.shutdown(self.cfg.shutdown_timeout)
+        self.should_exit = True
+
+    def engine_died(self, error: BaseException) -> None:
+        """From the engine thread: exit non-zero, so that a supervisor restarts the server."""
+        def stop() -> None:
+            log.critical("the engine died (%s); exiting so that the server can be restarted", error)
+            self.exit_code = 1
+            self.should_exit = True
+
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed already
+                self._loop.call_soon_threadsafe(stop)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -597,10 +733,15 @@ class _Server(uvicorn.Server):
 
 
 def serve(llm: AsyncLLM, cfg: ServerConfig, host: str, port: int,
-          on_started: Callable[[], None] | None = None) -> bool:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully: uvicorn stops accepting and gives open
-    requests `shutdown_timeout` seconds, then the engine aborts what is left. False if it could not start."""
-    server = _Server(uvicorn.Config(create_app(llm, cfg), host=host, port=port, log_level="info",
-                                    timeout_graceful_shutdown=cfg.shutdown_timeout), on_started)
+          on_started: Callable[[], None] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM, then drain (see _Server). Returns the exit code: 0 after a
+    clean stop, 1 if the server could not start or the engine died."""
+    state = ServerState()
+    config = uvicorn.Config(create_app(llm, cfg, state), host=host, port=port, log_level="info",
+                            limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=5)
+    server = _Server(config, llm, cfg, state, on_started)
+    llm.on_fatal = server.engine_died
+    if llm.error is not None:  # it died before the server was there to hear it
+        return 1
     server.run()
-    return server.started
+    return server.exit_code if server.started else 1

@@ -26,34 +26,60 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pocketllm.engine.llm_engine import LLMEngine
-from pocketllm.errors import PocketLLMError, RequestError
+from pocketllm.errors import PocketLLMError, RequestError, RequestFailedError
 from pocketllm.outputs import RequestOutput
 from pocketllm.sampling_params import SamplingParams
 
 log = logging.getLogger("pocketllm")
 
 
-class QueueFullError(PocketLLMError):
-    """Too many requests are already waiting for the engine; retry later."""
+class EngineUnavailableError(PocketLLMError):
+    """The request cannot be served now; the same request may succeed later (HTTP 503)."""
 
-    def __init__(self, max_queued: int, retry_after: int = 1):
-        super().__init__(f"The server is overloaded: its queue of {max_queued} waiting requests is full. "
-                         "Please retry later.")
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
         self.retry_after = retry_after
 
 
-class EngineClosedError(PocketLLMError):
+class QueueFullError(EngineUnavailableError):
+    """Too many requests are already waiting for the engine."""
+
+    def __init__(self, max_queued: int, retry_after: int = 1):
+        super().__init__(f"The server is overloaded: its queue of {max_queued} waiting requests is full. "
+                         "Please retry later.", retry_after)
+
+
+class QueueTimeoutError(EngineUnavailableError):
+    """The request waited longer than the queue-time limit without starting."""
+
+    def __init__(self, max_queue_time: float, retry_after: int = 5):
+        super().__init__(f"The server is overloaded: the request waited {max_queue_time:g} s in the queue "
+                         "without starting. Please retry later.", retry_after)
+
+
+class EngineClosedError(EngineUnavailableError):
     """The engine is shutting down, or stopped after an internal error."""
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """What the engine thread publishes after every step, for admission and metrics."""
+    """What the engine thread publishes after every step, for admission and metrics. Counters
+    are cumulative since the engine started."""
+    # vLLM's buckets of tokens per step (the metrics cut them at max_num_batched_tokens).
+    ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    # Steps by the tokens they computed: one count per bucket of ITERATION_TOKEN_BUCKETS (a step
+    # of n tokens counts in the first bucket >= n), then one for larger steps; and their sum.
+    iteration_token_counts: tuple[int, ...] = (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    iteration_tokens_sum: int = 0
+    # The engine's `last_step` already counted: a step is counted once however often stats are published.
+    last_step: object = None
 
 
 def _deliver(items: list[tuple["RequestStream", RequestOutput | BaseException]]) -> None:
@@ -119,15 +145,20 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_queued_requests: int | None = None,
-                 admission_gap: float | None = None, admission_max_wait: float = 0.04):
+                 admission_gap: float | None = None, admission_max_wait: float = 0.04,
+                 max_queue_time: float | None = None, on_fatal: Callable[[BaseException], None] | None = None):
         """`engine` may be a function that builds it: it then runs on the engine thread, so that
         all torch work happens on that one thread. (Steps ran ~1.6x slower on a 2-core machine when
         the engine thread computed next to the idle OpenMP team of the thread that loaded it.)
         Returns once the engine is built; its error, if any, is raised here. `admission_gap`:
-        None is 15 ms on CPU and 0 on CUDA (see the module docs)."""
+        None is 15 ms on CPU and 0 on CUDA (see the module docs). A request that waits more than
+        `max_queue_time` seconds without starting fails with QueueTimeoutError. `on_fatal` is
+        called (on the engine thread) when the engine dies of an error it cannot recover from."""
         build = None if isinstance(engine, LLMEngine) else engine
         self.engine = None if build else engine
         self.max_queued_requests = max_queued_requests
+        self.max_queue_time = max_queue_time
+        self.on_fatal = on_fatal
         self.admission_gap, self.admission_max_wait = admission_gap, admission_max_wait
         self.stats = EngineStats()
         self.error: BaseException | None = None
@@ -183,8 +214,13 @@ class AsyncLLM:
                 self._aborts.append(request_id)
                 self._cond.notify()
 
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest."""
+        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest
+        (their consumers get EngineClosedError). Calling it again waits for the same end."""
         with self._cond:
             self._accepting = False
         deadline = time.monotonic() + timeout
@@ -196,8 +232,13 @@ class AsyncLLM:
         await asyncio.to_thread(self._thread.join)
 
     def _busy(self) -> bool:
+        return self.num_in_flight > 0
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished or aborted."""
         with self._cond:
-            return bool(self._streams)
+            return len(self._streams)
 
     # -- the engine thread ----------------------------------------------------------------------
     def _main(self, build: Callable[[], LLMEngine] | None, built: threading.Event) -> None:
@@ -229,6 +270,8 @@ class AsyncLLM:
                     # Applied under the lock so the published waiting count always includes them.
                     self._apply(self._adds, self._aborts)
                     self._adds, self._aborts = [], []
+                    if self.max_queue_time is not None:
+                        self._expire_waiting()
                     self._publish()
                 outs = engine.step()
                 if not outs and engine.last_step.num_seqs == 0:
@@ -240,15 +283,28 @@ class AsyncLLM:
                     for o in outs:
                         stream = self._streams.get(o.request_id)
                         if stream is not None:
-                            by_loop.setdefault(stream._loop, []).append((stream, o))
+                            item = o if o.error is None else RequestFailedError(
+                                "The server had an error while processing your request; it was aborted "
+                                "(other requests are unaffected).")
+                            by_loop.setdefault(stream._loop, []).append((stream, item))
                             if o.finished:
                                 del self._streams[o.request_id]
                 for loop, items in by_loop.items():
                     _send(loop, items)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (EngineDeadError, or a bug outside the step)
             log.exception("the engine failed; no more requests will be served")
             self.error = e
         self._close_all()
+        if self.error is not None and self.on_fatal is not None:
+            self.on_fatal(self.error)
+
+    def _expire_waiting(self) -> None:
+        """Called with the lock held: fail the requests that waited too long without starting."""
+        for request_id in self.engine.stale_requests(self.max_queue_time, time.monotonic()):
+            self.engine.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(QueueTimeoutError(self.max_queue_time))
 
     def _wait_for_burst(self) -> None:
         """Called with the lock held on an idle engine: let the rest of a burst of requests arrive."""
@@ -275,9 +331,16 @@ class AsyncLLM:
             self.engine.abort_request(request_id)
 
     def _publish(self) -> None:
-        kv, sched = self.engine.kv, self.engine.scheduler
+        kv, sched, step, prev = self.engine.kv, self.engine.scheduler, self.engine.last_step, self.stats
+        counts, tokens = prev.iteration_token_counts, prev.iteration_tokens_sum
+        if step is not prev.last_step and step.num_tokens > 0:  # a step ran since the last publication
+            bounds = EngineStats.ITERATION_TOKEN_BUCKETS
+            i = next((i for i, b in enumerate(bounds) if step.num_tokens <= b), len(bounds))
+            counts = counts[:i] + (counts[i] + 1,) + counts[i + 1:]
+            tokens += step.num_tokens
         self.stats = EngineStats(len(sched.running), len(sched.waiting), kv.usage,
-                                 kv.num_queried_tokens, kv.num_hit_tokens)
+                                 kv.num_queried_tokens, kv.num_hit_tokens, sched.num_preemptions,
+                                 counts, tokens, step)
 
     def _close_all(self) -> None:
         """Abort whatever is left and tell its consumers; the engine thread ends after this."""

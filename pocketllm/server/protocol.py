@@ -27,8 +27,12 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_CONFIG = dict(extra="ignore", strict=True, allow_inf_nan=False)  # JSON has no NaN; Infinity is no sampling value
+_INT64 = (-(2**63), 2**63 - 1)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(**_CONFIG)
 
 
 class StreamOptions(_Strict):
@@ -53,12 +57,17 @@ class MessageToolCall(_Strict):
 
 class ChatMessage(_Strict):
     # Other keys are kept for the chat template.
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(**{**_CONFIG, "extra": "allow"})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+
+    def texts(self) -> list[str]:
+        """The message's text, as the chat template will see it."""
+        parts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content or []]
+        return parts + [c.function.arguments for c in self.tool_calls or []]
 
     def as_template_dict(self) -> dict[str, Any]:
         d = self.model_dump(exclude_none=True)
@@ -70,7 +79,7 @@ class ChatMessage(_Strict):
 
 
 class JSONSchemaFormat(_Strict):
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    model_config = ConfigDict(**_CONFIG, populate_by_name=True)
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -110,7 +119,7 @@ class _SamplingRequest(_Strict):
     top_p: float | None = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=_INT64[0], le=_INT64[1])  # as vLLM's: a 64-bit integer
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
@@ -118,12 +127,12 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT64[1])]] | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM's extension: token ids of each choice and its prompt (streamed too)
     response_format: ResponseFormat | None = None
@@ -141,6 +150,10 @@ class _SamplingRequest(_Strict):
                 and self.response_format.type != "text":
             raise APIError(400, "Give either 'response_format' or 'structured_outputs', not both.",
                            param="structured_outputs", code="invalid_value")
+        internal = {"tool_calls", "reasoning"} & set(self.structured_outputs or {})
+        if internal:  # the server derives these from `tools` and its reasoning parser
+            raise APIError(400, f"Invalid 'structured_outputs': {sorted(internal)} cannot be given by a client; "
+                                "use 'tools' and 'tool_choice'.", param="structured_outputs", code="invalid_value")
         rf = self.response_format
         if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
             raise APIError(400, "Missing required parameter: 'response_format.json_schema.schema'.",
@@ -247,6 +260,8 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered with the messages, as the chat request would
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -1,5 +1,6 @@
 """The tokenizer the engine uses, whatever file it came from."""
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,13 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self.chat_templates.get("default")
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its vocabulary entry is at least
+        as long: one character per byte, or per character): a text of n characters has at least
+        n / max_token_chars tokens."""
+        return max(1, max(map(len, self._backend.get_vocab(with_added_tokens=True))))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -59,6 +67,7 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,  # so that a template variable may be called `self` or `messages`... as transformers allows
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
@@ -70,8 +79,8 @@ class Tokenizer:
             chat_template = (tools and self.chat_templates.get("tool_use")) or self.chat_template
         if chat_template is None:
             raise ConfigurationError(
-                "this model has no chat template; pass chat_template=... (a Jinja template string) "
-                "or load the tokenizer with get_tokenizer(path, chat_template=...)"
+                "this model has no chat template; give one: --chat-template FILE on the command line, "
+                "chat_template=... (a Jinja template string) in Python, or get_tokenizer(path, chat_template=...)"
             )
         variables = {**self.special_tokens, **template_kwargs}
         return render_chat(

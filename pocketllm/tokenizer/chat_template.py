@@ -53,16 +53,18 @@ def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
 def render_chat(
     template: str,
     messages: Sequence[Mapping[str, Any]],
+    /,
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     **variables: Any,
 ) -> str:
-    """`variables` are the model's special tokens (`bos_token`, ...) and any template options (`enable_thinking`)."""
-    return compile_template(template).render(
-        messages=[_normalize_message(m) for m in messages],
-        tools=tools,
-        documents=None,
-        add_generation_prompt=add_generation_prompt,
+    """`variables` are the model's special tokens (`bos_token`, ...) and any template options (`enable_thinking`,
+    `documents`); they cannot replace the messages, tools or add_generation_prompt."""
+    return compile_template(template).render({
+        "documents": None,
         **variables,
-    )
+        "messages": [_normalize_message(m) for m in messages],
+        "tools": tools,
+        "add_generation_prompt": add_generation_prompt,
+    })

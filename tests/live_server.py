@@ -1,0 +1,64 @@
+"""`pocketllm serve` in a subprocess, for tests that talk to it over HTTP."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fixtures import default_model_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small context and KV cache keep memory low.
+ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory", str(160 << 20)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`pocketllm serve MODEL` (the default model unless given) with ENGINE_FLAGS and `flags`."""
+
+    def __init__(self, *flags: str, model: str | Path | None = None, engine_flags: list[str] = ENGINE_FLAGS):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+        self.ready = False
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pocketllm.cli.main", "serve", str(model or default_model_gguf()), "--port",
+             str(self.port), *engine_flags, *flags], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 180) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    self.ready = True
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"the server did not become ready in {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-5000:]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)

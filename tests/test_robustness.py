@@ -1,0 +1,597 @@
+"""No request and no mistake can hurt the server. Hostile and malformed requests get a 4xx with
+an OpenAI error object while other streams go on; a bug inside a step fails only the requests it
+touched; the event loop never stalls on a large input; waiting is bounded; SIGTERM drains; slow
+clients time out. The servers run a one-layer model with the default model's real tokenizer and
+chat template, so that every request is cheap."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from conftest import prompts_of
+from live_server import ROOT, Server, free_port
+from pocketllm import LLM, SamplingParams
+from pocketllm.config import EngineArgs
+from pocketllm.engine.llm_engine import LLMEngine
+from pocketllm.errors import EngineDeadError, RequestError, RequestFailedError
+from pocketllm.runner.sampler import Sampler
+from pocketllm.server.async_llm import AsyncLLM, EngineClosedError
+from tiny_models import make_tiny_chat_model
+
+MODEL = "tiny-chat"
+TINY_FLAGS = ["--max-model-len", "2048", "--num-kv-blocks", "1024", "--served-model-name", MODEL]
+# An operator's template with mistakes that only some messages reach.
+EVIL_TEMPLATE = """{%- macro again(n) %}{{ again(n) }}{% endmacro -%}
+{%- for m in messages -%}
+{%- if m.content == 'RANGE' %}{% for i in range(10**9) %}{% endfor %}{% endif -%}
+{%- if m.content == 'RECURSE' %}{{ again(1) }}{% endif -%}
+{%- if m.content == 'RAISE' %}{{ raise_exception('this template refuses') }}{% endif -%}
+{%- if m.content == 'UNDEFINED' %}{{ m.nothing.deeper }}{% endif -%}
+{%- if m.content == 'DIVIDE' %}{{ 1 // 0 }}{% endif -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_chat, tmp_path_factory):
+    """Every server of this module, started at once so that their loads overlap."""
+    template = tmp_path_factory.mktemp("template") / "evil.jinja"
+    template.write_text(EVIL_TEMPLATE)
+    started = {
+        "main": Server("--chat-template", str(template), "--max-queued-requests", "64",
+                       model=tiny_chat, engine_flags=TINY_FLAGS),
+        # 48 blocks of 16 tokens: a few long requests fill the cache and the rest wait
+        "pressure": Server("--max-queue-time", "2", "--served-model-name", MODEL, model=tiny_chat,
+                           engine_flags=["--max-model-len", "512", "--num-kv-blocks", "48"]),
+        "drain": Server("--shutdown-timeout", "3", model=tiny_chat, engine_flags=TINY_FLAGS),
+        "slow": Server("--request-body-timeout", "1", "--max-connections", "8", model=tiny_chat,
+                       engine_flags=TINY_FLAGS),
+    }
+    yield {name: s.wait_ready() for name, s in started.items()}
+    for s in started.values():
+        s.stop(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def main(servers):
+    return servers["main"]
+
+
+def post(url: str, path: str, body, timeout: float = 60) -> httpx.Response:
+    """`body` as JSON (NaN and Infinity written as the literals a careless client sends), or raw bytes."""
+    content = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+    return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=timeout)
+
+
+def assert_error(r: httpx.Response, status: int | None = None) -> dict:
+    """A 4xx (or `status`) with an OpenAI error object, as JSON: nothing was streamed."""
+    assert (r.status_code == status) if status else 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert "Traceback" not in err["message"]
+    return err
+
+
+def assert_serves(url: str) -> None:
+    """The server is up and a normal request succeeds."""
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["text"]) > 0
+    assert httpx.get(url + "/health").status_code == 200
+
+
+# -- hostile requests ------------------------------------------------------------------------------
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+NAN, INF = math.nan, math.inf
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _nested(depth: int):
+    value = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# Sampling fields, each invalid value sent to both endpoints, streamed and not.
+_BAD_SAMPLING = {
+    "temperature": ["hot", -1, 2.5, NAN, INF, -INF, True, [], {}],
+    "top_p": [-0.1, 1.5, 0, NAN, "x"],
+    "top_k": [-2, 1.5, "5", -(2**70)],
+    "min_p": [-1, 2, NAN],
+    "repetition_penalty": [0, -1, NAN, INF, 1e6],
+    "presence_penalty": [3, NAN],
+    "frequency_penalty": [-3, -INF],
+    "max_tokens": [0, -5, 1.5, "10", 10**30, 2**63],
+    "n": [0, 129, -1, 1.5],
+    "seed": [2**64, -(2**63) - 1, 1.5, "1", 10**40],
+    "stop": [5, [1, 2], [["a"]], {"a": 1}],
+    "stop_token_ids": [[-1], [-100000], [10**9], ["a"], 5, [2**64]],
+    "logit_bias": [{"abc": 1}, {"1": 1000}, {"1": NAN}, {"-5": 1}, {"99999999": 1}, [1, 2], {"1": "x"}],
+    "min_tokens": [-1, 10**6, "1"],
+    "stream_options": [{"include_usage": True}],  # without stream
+    "response_format": [{"type": "xml"}, {"type": "json_schema"},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": "not an object"}},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}],
+    "structured_outputs": [{"regex": "(unclosed"}, {"regex": ""}, {"grammar": "root ::= "},
+                           {"grammar": "garbage ((("}, {"choice": []}, {"choice": [1, 2]}, {"json": "{not json"},
+                           {"tool_calls": {"format": "hermes", "tools": [{"x": 1}], "parallel": True}},
+                           {"reasoning": {"start": "<think>", "end": "</think>", "open": True}},
+                           {"json": SCHEMA, "regex": "a"}, "string", {"unknown": 1}, {}],
+    "model": ["nope", 5, None],
+}
+_BAD_CHAT = {
+    "messages": [[], "string", [{"role": "robot", "content": "x"}], [{"role": "user", "content": 5}],
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                 [{"content": "no role"}], [{"role": "user", "content": _nested(64)}],
+                 [{"role": "user", "content": "RANGE"}], [{"role": "user", "content": "RECURSE"}],
+                 [{"role": "user", "content": "RAISE"}], [{"role": "user", "content": "UNDEFINED"}],
+                 [{"role": "user", "content": "DIVIDE"}], [{"role": "user", "content": "x" * 1_000_000}],
+                 [{"role": "user", "content": "y" * 200_000}]],
+    "chat_template_kwargs": [{"messages": 1}, {"tools": 1}, {"add_generation_prompt": 1}, "x"],
+    "logprobs": ["yes", 1],
+    "top_logprobs": [21, -1, 5],  # 5: without logprobs
+    "tools": ["x", [{"type": "function", "function": {"name": "bad name!"}}], [{"type": "other"}]],
+    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, {"type": "function"}, "sometimes"],
+    "max_completion_tokens": [0, -1],
+}
+_BAD_COMPLETION = {
+    "prompt": ["", [], [[]], [-1], [10**9], [1.5], [[1, -2]], {"a": 1}, None, [2**64], "x" * 4_000_000,
+               "y" * 200_000, ["ok", 5]],
+    "logprobs": [6, -1, True],
+    "echo": ["yes"],
+}
+_BAD_BODIES = [b"", b"not json", b"[]", b"null", b"5", b'"text"', b"\xff\xfe\x00garbage", b"{" * 100_000,
+               b"[" * 5000 + b"]" * 5000, b'{"model": "tiny-chat", "prompt": "Hi", "temperature": 1e999999}',
+               b'{"model": "tiny-chat", "prompt": "\\ud800 lone"}', b'{"model": "tiny-chat", "prompt": "Hi",',
+               b'{"model": "tiny-chat", "prompt": "Hi", "max_tokens": 1' + b"0" * 5000 + b"}"]
+
+
+def _bad_cases() -> list:
+    cases = []
+    for field, values in _BAD_SAMPLING.items():
+        for i, v in enumerate(values):
+            for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+                body = {**base, field: v} if v is not None or field != "model" else {
+                    k: x for k, x in base.items() if k != "model"}
+                cases.append(pytest.param(path, {**body, "stream": bool(i % 2)}, id=f"{path}:{field}[{i}]"))
+    for path, base, table in (("/v1/chat/completions", CHAT, _BAD_CHAT),
+                              ("/v1/completions", COMPLETION, _BAD_COMPLETION)):
+        for field, values in table.items():
+            for i, v in enumerate(values):
+                cases.append(pytest.param(path, {**base, field: v, "stream": bool(i % 2)}, id=f"{path}:{field}[{i}]"))
+    for i, raw in enumerate(_BAD_BODIES):
+        cases.append(pytest.param("/v1/completions", raw, id=f"body[{i}]"))
+        cases.append(pytest.param("/v1/chat/completions", raw, id=f"chat-body[{i}]"))
+    cases += [pytest.param("/tokenize", b, id=f"tokenize[{i}]") for i, b in enumerate([
+        {"prompt": "x", "messages": CHAT["messages"]}, {}, {"prompt": 5}, {"prompt": "z" * 4_000_000},
+        {"messages": [{"role": "user", "content": "RECURSE"}]}, {"model": "nope", "prompt": "x"}])]
+    cases += [pytest.param("/detokenize", b, id=f"detokenize[{i}]") for i, b in enumerate([
+        {"tokens": [-1]}, {"tokens": [10**20]}, {"tokens": "x"}, {"tokens": [1.5]}, {}])]
+    return cases
+
+
+BAD_CASES = _bad_cases()
+
+
+def test_the_hostile_suite_is_large():
+    assert len(BAD_CASES) >= 150, len(BAD_CASES)
+
+
+@pytest.mark.parametrize("path, body", BAD_CASES)
+def test_hostile_request_gets_a_4xx_and_the_server_goes_on(main, path, body):
+    assert_error(post(main.url, path, body))
+    assert_serves(main.url)
+
+
+# Odd but valid: served normally.
+ODD_CASES = [
+    {**COMPLETION, "top_k": 100000, "temperature": 1},  # beyond the vocabulary: every token stays
+    {**COMPLETION, "top_k": -1},
+    {**COMPLETION, "unknown_field": {"deep": [1, 2]}},
+    {**COMPLETION, "seed": 2**63 - 1, "n": 2, "temperature": 1},
+    {**COMPLETION, "seed": -(2**63)},
+    {**COMPLETION, "prompt": "héllo \u2028 \U0001F600 \x00 ok"},
+    {**COMPLETION, "logit_bias": {"12": -100, "13": 100}},
+    {**CHAT, "chat_template_kwargs": {"documents": [{"title": "t", "text": "x"}], "template": 1, "self": 2}},
+    {**CHAT, "messages": [{"role": "user", "content": None}]},
+]
+
+
+@pytest.mark.parametrize("body", ODD_CASES, ids=range(len(ODD_CASES)))
+def test_odd_but_valid_requests_are_served(main, body):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = post(main.url, path, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"]
+
+
+def test_bad_requests_leave_running_streams_alone(main):
+    """The requests that used to kill the engine, sent while three streams run: the streams end
+    normally and the server serves on."""
+    client = openai.OpenAI(base_url=f"{main.url}/v1", api_key="none", max_retries=0)
+
+    def stream() -> tuple[str | None, int]:
+        chunks = list(client.completions.create(model=MODEL, prompt="Count on", max_tokens=300, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        return chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens
+
+    with ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(stream) for _ in range(3)]
+        time.sleep(0.2)
+        for body in ({**COMPLETION, "top_k": 100000, "temperature": 1, "max_tokens": 2},
+                     {**COMPLETION, "min_tokens": 1, "stop_token_ids": [-100000]},
+                     {**COMPLETION, "min_tokens": 1, "stop_token_ids": [10**6]},
+                     {**COMPLETION, "logit_bias": {"99999999": 5}},
+                     {**COMPLETION, "prompt": [-1], "echo": True, "logprobs": 1}):
+            r = post(main.url, "/v1/completions", body)
+            assert r.status_code < 500, r.text
+        assert [f.result() for f in running] == [("length", 300)] * 3
+    assert_serves(main.url)
+
+
+def test_operator_template_errors_are_400s(main):
+    for content in ("RANGE", "RECURSE", "RAISE", "UNDEFINED", "DIVIDE"):
+        err = assert_error(post(main.url, "/v1/chat/completions",
+                                {**CHAT, "messages": [{"role": "user", "content": content}]}), 400)
+        assert "chat template" in err["message"] and err["param"] == "messages"
+
+
+def test_tokenize_renders_tools_as_the_chat_request_does(main):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools = post(main.url, "/tokenize", {"messages": messages, "tools": tools}).json()["count"]
+    without = post(main.url, "/tokenize", {"messages": messages}).json()["count"]
+    chat = post(main.url, "/v1/chat/completions", {**CHAT, "messages": messages, "tools": tools,
+                                                   "tool_choice": "none", "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == with_tools > without
+
+
+def test_openapi_declares_the_request_bodies(main):
+    schema = httpx.get(main.url + "/openapi.json").json()
+    for path, field in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt"),
+                        ("/tokenize", "messages"), ("/detokenize", "tokens")):
+        body = schema["paths"][path]["post"]["requestBody"]
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        model = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
+        assert field in model["properties"], (path, model)
+    seed = schema["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]
+    assert {"maximum": 2**63 - 1, "minimum": -(2**63)}.items() <= seed["anyOf"][0].items()
+
+
+# -- the event loop ------------------------------------------------------------------------------
+def test_a_huge_prompt_does_not_stall_other_streams(main):
+    """While 4 MB prompts are refused (and a 200 KB one is tokenized and refused), another stream's
+    largest inter-token gap stays within 0.5 s of its median."""
+    stamps: list[float] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", main.url + "/v1/completions", timeout=120, json={
+                **COMPLETION, "prompt": "Go", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.monotonic())
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    while len(stamps) < 20:
+        time.sleep(0.01)
+    for body in ({**COMPLETION, "prompt": "x" * 4_000_000}, {**CHAT, "messages": [{"role": "user", "content": "x" * 4_000_000}]},
+                 {**COMPLETION, "prompt": "hello world " * 17_000}, {**COMPLETION, "prompt": "x" * 4_000_000}):
+        r = post(main.url, "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
+        assert assert_error(r, 400)["code"] == "context_length_exceeded"
+    runner.join()
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert len(gaps) > 100
+    assert max(gaps) < statistics.median(gaps) + 0.5, (max(gaps), statistics.median(gaps))
+
+
+# -- bounded waiting -------------------------------------------------------------------------------
+def test_waiting_is_bounded_under_kv_pressure(servers):
+    """13 streams of ~300-token prompts on a 48-block cache (two prompts fill it) with
+    --max-queue-time 2: each either runs to the end or, if it could not start within 2 s, gets an
+    error event and [DONE] by then; nobody waits in silence."""
+    url = servers["pressure"].url
+    long_prompt = " ".join(["word"] * 300)
+
+    def stream(i: int) -> tuple[str, float]:
+        start, first, events = time.monotonic(), None, []
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                **COMPLETION, "prompt": f"{i} {long_prompt}", "max_tokens": 150, "ignore_eos": True,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first = first or time.monotonic() - start
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        if "error" in last:
+            assert last["error"]["type"] == "server_error" and "queue" in last["error"]["message"]
+            assert len(events) == 2  # no token came before the error
+            return "timed out", first
+        assert last["choices"][0]["finish_reason"] == "length"
+        return "done", first
+
+    with ThreadPoolExecutor(13) as pool:
+        results = list(pool.map(stream, range(13)))
+    kinds = [k for k, _ in results]
+    assert "done" in kinds and "timed out" in kinds, results
+    assert all(first < 2 + 3 for kind, first in results if kind == "timed out"), results
+    # Non-streamed: a 503 with Retry-After.
+    with ThreadPoolExecutor(13) as pool:
+        responses = list(pool.map(lambda i: post(url, "/v1/completions", {
+            **COMPLETION, "prompt": f"{i} {long_prompt}", "max_tokens": 150, "ignore_eos": True}, timeout=120),
+            range(13)))
+    statuses = sorted(r.status_code for r in responses)
+    assert 200 in statuses and 503 in statuses, statuses
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) > 0 and "queue" in assert_error(r, 503)["message"]
+    metrics = httpx.get(url + "/metrics").text
+    assert 'pocketllm:num_requests_running{model_name="tiny-chat"} 0.0' in metrics
+    assert 'pocketllm:kv_cache_usage_perc{model_name="tiny-chat"} 0.0' in metrics
+
+
+# -- slow clients ------------------------------------------------------------------------------------
+def test_a_body_that_never_comes_times_out(servers):
+    server = servers["slow"]
+    socks = []
+    for _ in range(6):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\"")
+        socks.append(s)
+    t0 = time.monotonic()
+    for s in socks:
+        s.settimeout(10)
+        data = b""
+        while chunk := s.recv(65536):  # the server answers, then closes the connection
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 408"), data[:100]
+        assert b"request_timeout" in data
+        s.close()
+    assert time.monotonic() - t0 < 6
+    assert_serves(server.url)
+
+
+def test_connections_are_bounded(servers):
+    server = servers["slow"]
+    # 7 connections hold a request open (its body is late); with this one, 8 reach --max-connections.
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(7)]
+    try:
+        for s in idle:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+        time.sleep(0.3)
+        assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 503
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.3)
+    assert_serves(server.url)
+
+
+# -- drain -------------------------------------------------------------------------------------------
+def test_sigterm_drains(servers):
+    """In-flight requests finish (or, past --shutdown-timeout, end with an error event and [DONE]),
+    new requests and /health get 503 with Retry-After meanwhile, and the process exits 0."""
+    server = servers["drain"]
+    url = server.url
+    events: dict[str, list[str]] = {"short": [], "long": []}
+    started = threading.Barrier(3)
+
+    def stream(name: str, max_tokens: int) -> None:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                **COMPLETION, "prompt": name, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events[name].append(line[6:])
+                    break
+            started.wait()
+            events[name] += [line[6:] for line in lines if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=stream, args=("short", 200)),
+               threading.Thread(target=stream, args=("long", 2000))]
+    for t in threads:
+        t.start()
+    started.wait()
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=10)
+    assert_error(r, 503)
+    assert int(r.headers["retry-after"]) > 0
+    health = httpx.get(url + "/health", timeout=10)
+    assert health.status_code == 503 and health.json() == {"status": "draining"}
+    for t in threads:
+        t.join(timeout=30)
+    assert server.proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 < 3 + 8
+    short, long = events["short"], events["long"]
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+    assert long[-1] == "[DONE]" and json.loads(long[-2])["error"]["type"] == "server_error"
+
+
+# -- a dead engine exits ---------------------------------------------------------------------------
+FAULTY_SERVER = """
+import sys
+from pocketllm.cli.main import main
+from pocketllm.runner.model_runner import ModelRunner
+
+def launch(self, *args, **kwargs):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+ModelRunner.launch = launch  # what a device fault looks like to the engine
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_device_fault_makes_the_server_exit_non_zero(tiny_chat):
+    """An error the engine cannot recover from ends the process (non-zero, for a supervisor to
+    restart it) instead of leaving a server that answers 503 forever."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", FAULTY_SERVER, "serve", str(tiny_chat), "--port", str(port),
+                             *TINY_FLAGS], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = post(f"http://127.0.0.1:{port}", "/v1/completions", COMPLETION)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert proc.wait(timeout=30) == 1
+        assert "illegal memory access" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- a bug inside a step ---------------------------------------------------------------------------
+# Faults are injected where a bug would raise (the sampler, the runner's launch); the engine's
+# isolation of them is what is tested.
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def tiny_engine(tiny_models, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=str(tiny_models["llama"][1]), dtype="float32", num_kv_blocks=64, **kwargs))
+
+
+def run_all(engine: LLMEngine, requests: dict) -> dict:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def token_ids(out) -> list[int]:
+    assert out.error is None, out.error
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_that_breaks_sampling_fails_alone(tiny_models, monkeypatch, async_scheduling):
+    mark = 7  # a logit_bias key the injected sampler bug reacts to
+    apply = Sampler._apply_bias_and_bans
+
+    def buggy(logits, reqs, vocab):
+        if any(mark in r.params.logit_bias for r in reqs):
+            raise RuntimeError("a sampler bug")
+        return apply(logits, reqs, vocab)
+
+    a, b, bad = prompts_of([5, 9, 7])
+    reference = run_all(tiny_engine(tiny_models), {"a": (a, GREEDY), "b": (b, GREEDY)})
+    monkeypatch.setattr(Sampler, "_apply_bias_and_bans", staticmethod(buggy))
+    engine = tiny_engine(tiny_models, async_scheduling=async_scheduling)
+    out = run_all(engine, {"a": (a, GREEDY), "bad": (bad, SamplingParams(max_tokens=8, logit_bias={mark: 1.0})),
+                           "b": (b, GREEDY)})
+    assert "a sampler bug" in out["bad"].error and out["bad"].outputs[0].finish_reason == "abort"
+    assert token_ids(out["a"]) == token_ids(reference["a"]) and token_ids(out["b"]) == token_ids(reference["b"])
+    engine.check_no_leaks()
+
+
+def test_a_failing_step_fails_only_its_requests(tiny_models):
+    """max_num_seqs=1: "b" waits while "a" is prefilled; that step raises. "a" fails, "b" runs,
+    and the prefix cache does not hand a's unwritten blocks to the same prompt sent again."""
+    a, b = prompts_of([40, 9])  # a: two full blocks of 16 tokens, registered when scheduled
+    reference = run_all(tiny_engine(tiny_models), {"a": (a, GREEDY), "b": (b, GREEDY)})
+    engine = tiny_engine(tiny_models, max_num_seqs=1)
+    launch, calls = engine.runner.launch, []
+
+    def faulty(sched, prev=None):
+        calls.append(sched)
+        if len(calls) == 1:
+            raise RuntimeError("a kernel bug")
+        return launch(sched, prev)
+
+    engine.runner.launch = faulty
+    out = run_all(engine, {"a": (a, GREEDY), "b": (b, GREEDY)})
+    assert "a kernel bug" in out["a"].error and out["a"].outputs[0].token_ids == []
+    assert token_ids(out["b"]) == token_ids(reference["b"])
+    engine.check_no_leaks()
+    again = run_all(engine, {"a2": (a, GREEDY)})
+    assert token_ids(again["a2"]) == token_ids(reference["a"])
+    engine.check_no_leaks()
+
+
+def test_failing_every_step_kills_the_engine_and_tells_its_clients(tiny_models):
+    engine = tiny_engine(tiny_models, max_num_seqs=1)
+
+    def broken(sched, prev=None):
+        raise RuntimeError("a persistent bug")
+
+    engine.runner.launch = broken
+    died = threading.Event()
+
+    async def main():
+        llm = AsyncLLM(engine, on_fatal=lambda e: died.set())
+        streams = [llm.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY) for i, p in enumerate(prompts_of([5] * 5))]
+        errors = []
+        for stream in streams:
+            with pytest.raises((RequestFailedError, EngineClosedError)) as e:
+                async for _ in stream:
+                    pass
+            errors.append(type(e.value))
+        await asyncio.to_thread(died.wait, 30)
+        # Each failed step failed its request; the third in a row killed the engine and closed the rest.
+        assert errors == [RequestFailedError] * (LLMEngine.MAX_FAILED_STEPS - 1) + [EngineClosedError] * 3
+        assert not llm.is_running and isinstance(llm.error, EngineDeadError)
+        with pytest.raises(EngineClosedError):
+            llm.add_request("late", {"prompt_token_ids": [1, 2]}, GREEDY)
+
+    asyncio.run(main())
+
+
+def test_offline_generate_checks_requests_before_running(tiny_models):
+    """What used to fail inside a step offline: a top_k beyond the vocabulary samples over the whole
+    vocabulary; out-of-range stop ids are a RequestError before anything is queued."""
+    llm = LLM(str(tiny_models["llama"][1]), dtype="float32", num_kv_blocks=64)
+    prompt = {"prompt_token_ids": prompts_of([5])[0]}
+    seeded = dict(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    whole = llm.generate(prompt, SamplingParams(**seeded, top_k=0))[0].outputs[0].token_ids
+    assert llm.generate(prompt, SamplingParams(**seeded, top_k=100_000))[0].outputs[0].token_ids == whole
+    for bad in (dict(stop_token_ids=[10**6], min_tokens=1), dict(logit_bias={-3: 1.0})):
+        with pytest.raises(RequestError, match="out of range"):
+            llm.generate([prompt, prompt], SamplingParams(max_tokens=4, **bad))
+        assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(RequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-100000])
+    llm.engine.check_no_leaks()
