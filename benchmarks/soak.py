@@ -327,7 +327,10 @@ def judge(spec: Spec, acc: dict) -> str:
         if "echo" in chk:
             if not text.startswith(chk["echo"]):
                 raise BadReply(f"echo: {text!r} does not start with the prompt")
-            if "".join(c["lp_tokens"]) != text or len(c["lp_values"]) != len(c["lp_tokens"]):
+            tokens = c["lp_tokens"]
+            if finish == "stop" and "".join(tokens[:-1]) == text:  # the stop token has a logprob, no text
+                tokens = tokens[:-1]
+            if "".join(tokens) != text or len(c["lp_values"]) != len(c["lp_tokens"]):
                 raise BadReply(f"echo: logprob tokens {c['lp_tokens']!r} do not spell the text {text!r}")
             if not c["lp_values"] or c["lp_values"][0] is not None:
                 raise BadReply("echo: the first prompt token must have no logprob")

@@ -1,16 +1,19 @@
 """`pocketllm serve` in a subprocess, for tests that talk to it over HTTP."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 from fixtures import default_model_gguf
 
@@ -62,3 +65,21 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout=timeout)
+
+
+@contextlib.contextmanager
+def in_process(app):
+    """`app` served by uvicorn in a thread of this process; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import prompts_of
+from live_server import in_process
 from pocketllm import SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
@@ -29,12 +27,6 @@ MODEL = "tiny-metrics"
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
     return make_model("qwen3", tmp_path_factory.mktemp("tiny-metrics"))[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_of(path, **kwargs) -> LLMEngine:
@@ -55,21 +47,8 @@ class Metrics:
 @contextlib.contextmanager
 def serving(engine: LLMEngine):
     """The server on `engine`, in a thread of this process."""
-    llm = AsyncLLM(engine)
-    app = create_app(llm, ServerConfig(model_name=MODEL))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with in_process(create_app(AsyncLLM(engine), ServerConfig(model_name=MODEL))) as url:
+        yield url
     engine.check_no_leaks()
 
 

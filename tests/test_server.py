@@ -7,18 +7,16 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from conftest import prompts_of
 from fixtures import default_model_gguf
-from live_server import ENGINE_FLAGS, ROOT, Server, free_port
+from live_server import ENGINE_FLAGS, ROOT, Server, in_process
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
@@ -83,19 +81,10 @@ def offline_llm(launched) -> LLM:
 def small_server(offline_llm):
     """A server in a thread of this process on the offline engine: one running request at most
     (the engine's max_num_seqs), one waiting, an API key, its own chat template."""
-    port = free_port()
     app = create_app(AsyncLLM(offline_llm.engine, max_queued_requests=1),
                      ServerConfig(model_name="tiny-smol", api_key=API_KEY, chat_template=CHAT_TEMPLATE))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with in_process(app) as url:
+        yield url
     offline_llm.engine.check_no_leaks()
 
 

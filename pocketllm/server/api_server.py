@@ -296,7 +296,8 @@ class OpenAIServing:
     # Tokenizing or rendering more text than this runs on a worker thread, not on the event loop.
     _OFF_LOOP_CHARS = 16384
 
-    async def _run(self, num_chars: int, fn, *args, **kwargs):
+    async def _off_loop_if_large(self, num_chars: int, fn, *args, **kwargs):
+        """fn(*args, **kwargs), on a worker thread when it works on more than _OFF_LOOP_CHARS."""
         if num_chars > self._OFF_LOOP_CHARS:
             return await asyncio.to_thread(fn, *args, **kwargs)
         return fn(*args, **kwargs)
@@ -312,13 +313,15 @@ class OpenAIServing:
                              code="context_length_exceeded")
 
     async def _chat_prompt(self, messages: list[P.ChatMessage], tools: list[dict] | None,
-                           template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> list[int]:
+                           template_kwargs: dict | None = None,
+                           add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         num_chars = sum(len(p) for m in messages for p in m.texts())
         self._check_text_size(num_chars, "messages")
-        text = await self._run(num_chars, self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
+        text = await self._off_loop_if_large(num_chars, self.render_chat, messages, add_generation_prompt, tools,
+                                             template_kwargs)
         self._check_text_size(len(text), "messages")
         # The template writes the special tokens it wants (BOS included).
-        return text, await self._run(len(text), self._tokenizer().encode, text, add_special_tokens=False)
+        return text, await self._off_loop_if_large(len(text), self._tokenizer().encode, text, add_special_tokens=False)
 
     async def _prompts(self, req) -> list[tuple[str | None, list[int]]]:
         if isinstance(req, P.ChatCompletionRequest):
@@ -328,7 +331,7 @@ class OpenAIServing:
         for p in req.prompt_list():
             if isinstance(p, str):
                 self._check_text_size(len(p), "prompt")
-                out.append((p, await self._run(len(p), self._tokenizer().encode, p)))
+                out.append((p, await self._off_loop_if_large(len(p), self._tokenizer().encode, p)))
                 continue
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:  # before anything decodes them
@@ -550,7 +553,7 @@ class OpenAIServing:
             _, ids = await self._chat_prompt(req.messages, tools, req.chat_template_kwargs, req.add_generation_prompt)
         else:
             self._check_text_size(len(req.prompt), "prompt")
-            ids = await self._run(len(req.prompt), self._tokenizer().encode, req.prompt,
+            ids = await self._off_loop_if_large(len(req.prompt), self._tokenizer().encode, req.prompt,
                                   add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 

@@ -214,10 +214,6 @@ class AsyncLLM:
                 self._aborts.append(request_id)
                 self._cond.notify()
 
-    def stop_accepting(self) -> None:
-        with self._cond:
-            self._accepting = False
-
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest
         (their consumers get EngineClosedError). Calling it again waits for the same end."""

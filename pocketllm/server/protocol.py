@@ -327,8 +327,9 @@ def from_validation_error(e: ValidationError) -> APIError:
         number = "integer" if isinstance(limit, int) else "decimal"
         above = kind.startswith("less")
         op = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}[kind]
+        shown = limit if isinstance(limit, int) else f"{limit:g}"  # 2**63 - 1 in full
         return APIError(400, f"Invalid '{param}': {number} {'above maximum' if above else 'below minimum'} "
-                             f"value. Expected a value {op} {limit:g}, but got {value} instead.", param=param,
+                             f"value. Expected a value {op} {shown}, but got {value} instead.", param=param,
                         code=f"{number}_{'above_max' if above else 'below_min'}_value")
     if kind == "too_short" and not value:
         return APIError(400, f"Invalid '{param}': empty array. Expected an array with minimum length "
