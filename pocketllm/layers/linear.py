@@ -33,6 +33,7 @@ class Linear(torch.nn.Module):
         self.quantized: torch.nn.Module | None = None
         self._quant_parts: dict[int, QuantizedTensor] = {}
         self.dequantize_at_load = False
+        self.int8_activations = False  # CPU fast path: see GGUFLinear
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         lo = sum(self.out_sizes[:shard])
@@ -58,13 +59,14 @@ class Linear(torch.nn.Module):
             self.quantized = GGUFLinear.from_gguf([p.data.reshape(p.shape[0], -1) for p in parts],
                                                   parts[0].qtype, sum(self.out_sizes), self.in_features,
                                                   bias, self.dequantize_at_load, device=self.device,
-                                                  dtype=self.dtype)
+                                                  dtype=self.dtype, int8_activations=self.int8_activations)
         else:  # e.g. Q4_K_M's Q4_K q/k with a Q6_K v: one layer per part
             subs, lo = [], 0
             for p, size in zip(parts, self.out_sizes):
                 b = None if bias is None else bias[lo:lo + size]
                 subs.append(GGUFLinear.from_gguf(p.data, p.qtype, size, self.in_features, b,
-                                                 self.dequantize_at_load, device=self.device, dtype=self.dtype))
+                                                 self.dequantize_at_load, device=self.device, dtype=self.dtype,
+                                                 int8_activations=self.int8_activations))
                 lo += size
             self.quantized = ConcatLinear(subs)
         self.weight = None

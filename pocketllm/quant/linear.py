@@ -8,6 +8,10 @@ Compute paths (``GGUFLinear.path``):
   dequantized, exactly, in registers right before it is used. Up to
   ``C_GEMM_ROWS`` activation rows the block is multiplied in the same pass
   (weights read once); larger batches dequantize row chunks into scratch for BLAS.
+  With ``int8_activations`` (the engine's ``exact_kernels=False``) the types with integer
+  kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, on CPUs with VNNI) take the fast variant: the
+  activations are quantized to 8 bits per block of 32 and each block's dot product runs on
+  integers (not exact: within 8-bit activation rounding of the exact result).
 * ``"dense"``  F32 weights as-is; F16/BF16 widened to float32 at load (2x their
   file size, exact, BLAS speed); any type with ``dequantize_at_load=True``.
 * ``"planes"`` default for the affine types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K).
@@ -234,6 +238,7 @@ class GGUFLinear(torch.nn.Module):
         self.path = "dense"
         self.bias: torch.Tensor | None = None
         self._store = None  # dense weight, raw bytes, _Planes or _Int4, by path
+        self.int8 = False  # the "c" path multiplies over 8-bit activations
 
     @classmethod
     def from_gguf(
@@ -247,6 +252,7 @@ class GGUFLinear(torch.nn.Module):
         path: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        int8_activations: bool = False,
     ) -> "GGUFLinear":
         """Wrap raw GGUF bytes of an ``[out_features, in_features]`` weight.
 
@@ -310,6 +316,7 @@ class GGUFLinear(torch.nn.Module):
         if path == "c":
             self._store = [p.view(-1, row_nbytes(qtype, k)).contiguous() for p in parts]  # views: no copy
             self._rows = gguf_ops.row_pointers(self._store)
+            self.int8 = int8_activations and gguf_ops.supports_int8(qtype)
             return self
         rows = raw.view(n, -1)
         if path == "dense":
@@ -347,7 +354,9 @@ class GGUFLinear(torch.nn.Module):
             return y.reshape(*lead, self.out_features)
         x2 = x2.to(self._store.dtype if self.path == "dense" else torch.float32)
         if self.path == "c":
-            if x2.shape[0] <= C_GEMM_ROWS:
+            if self.int8:
+                y = gguf_ops.gemm(x2, self._rows, self.qtype, int8=True)
+            elif x2.shape[0] <= C_GEMM_ROWS:
                 y = gguf_ops.gemm(x2, self._rows, self.qtype)
             else:
                 y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(

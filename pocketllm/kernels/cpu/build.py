@@ -36,8 +36,12 @@ def _arch_flags() -> list[str]:
     flags = []
     if {"avx2", "fma", "f16c"} <= have:
         flags += ["-mavx2", "-mfma", "-mf16c"]
+        if "avx_vnni" in have:
+            flags += ["-mavxvnni"]
         if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= have:
             flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
+            if "avx512_vnni" in have:
+                flags += ["-mavx512vnni"]
     return flags
 
 
@@ -62,7 +66,7 @@ def load_gguf_kernels() -> ctypes.CDLL | None:
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = Path(tmp) / lib.name
-            done = subprocess.run([cc, *flags, str(_SRC), "-o", str(out)], capture_output=True, text=True)
+            done = subprocess.run([cc, *flags, str(_SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
             if done.returncode != 0:
                 log.warning("building the GGUF C kernels failed, using the pure-torch path:\n%s", done.stderr[-2000:])
                 return None
@@ -73,4 +77,6 @@ def load_gguf_kernels() -> ctypes.CDLL | None:
     dll.gguf_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, ctypes.c_int]
     dll.gguf_dequant_row_ptrs.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]
     dll.gguf_supported.argtypes = [ctypes.c_int]
+    dll.gguf_gemm_int8.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    dll.gguf_int8_supported.argtypes = [ctypes.c_int]
     return dll

@@ -5,11 +5,12 @@
  * dequantization cost is shared by the whole batch and the weights are read once.
  * Rows of the weight matrix are split over OpenMP threads.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -300,5 +301,173 @@ int gguf_dequant_row_ptrs(int type, const uint8_t *const *W, int64_t K, int64_t 
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < nblk; j++) deq(W[r] + j * nbytes, out + r * K + j * qk);
+    return 0;
+}
+
+/* ---- The fast path: integer dot products over 8-bit activations ----------------------------
+ * Each activation row is quantized once per call, in blocks of 32, to int8 with one float scale
+ * (llama.cpp's Q8_0); a weight block is unpacked to 32 unsigned bytes u with value a * u + c
+ * (Q4_0: a = d, c = -8d; Q4_1: a = d, c = m; Q8_0: u = q + 128, c = -128d; ...), so that its dot
+ * product with an activation block of scale dx and int8 values x is
+ *     a * dx * sum(u * x) + c * dx * sum(x),
+ * where sum(u * x) runs on integers: vpdpbusd adds four u8 * s8 products into each int32 lane
+ * (AVX-512 VNNI or AVX-VNNI), four times the work per instruction of float FMA, and dx * sum(x)
+ * is computed once per activation block. Builds without VNNI report the path unsupported and
+ * the callers keep the exact kernels above. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define HAVE_INT8_DOT 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, x) _mm256_dpbusd_epi32(acc, u, x)
+#else
+#define DPBUSD(acc, u, x) _mm256_dpbusd_avx_epi32(acc, u, x)
+#endif
+
+static inline __m256i nibbles(const uint8_t *qs) {  /* 16 bytes -> low nibbles, then high nibbles */
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+
+static inline __m256i fifth_bits(const uint8_t *qh) {  /* bit e of the 32-bit qh -> 0x10 in byte e */
+    uint32_t bits; memcpy(&bits, qh, 4);
+#if defined(__AVX512BW__)
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10));
+#else
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    b = _mm256_cmpeq_epi8(_mm256_and_si256(b, sel), sel);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x10));
+#endif
+}
+
+static inline __m256i unpack_q4_0(const uint8_t *b, float *a, float *c) {
+    *a = h2f(b); *c = -8.f * *a; return nibbles(b + 2);
+}
+static inline __m256i unpack_q4_1(const uint8_t *b, float *a, float *c) {
+    *a = h2f(b); *c = h2f(b + 2); return nibbles(b + 4);
+}
+static inline __m256i unpack_q5_0(const uint8_t *b, float *a, float *c) {
+    *a = h2f(b); *c = -16.f * *a; return _mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2));
+}
+static inline __m256i unpack_q5_1(const uint8_t *b, float *a, float *c) {
+    *a = h2f(b); *c = h2f(b + 2); return _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4));
+}
+static inline __m256i unpack_q8_0(const uint8_t *b, float *a, float *c) {
+    *a = h2f(b); *c = -128.f * *a;
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* xq [B, K] int8, xd [B, K/32] scales, xs [B, K/32] = xd * sum(xq) of each block. */
+static void quantize_activations(const float *X, int64_t B, int64_t K, int8_t *xq, float *xd, float *xs,
+                                 int nthreads) {
+    const int64_t nblk = K / 32;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (B * K >= 65536)
+    for (int64_t i = 0; i < B * nblk; i++) {
+        const float *v = X + i * 32;
+        float amax = 0.f;
+        for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(v[e]));
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int e = 0; e < 32; e++) {
+            const int q = (int)nearbyintf(v[e] * id);
+            xq[i * 32 + e] = (int8_t)q;
+            sum += q;
+        }
+        xd[i] = d;
+        xs[i] = d * (float)sum;
+    }
+}
+
+/* One weight row against R activation rows (R a constant after inlining: the accumulators stay
+ * in registers), each weight block unpacked once for all R. */
+#define IGEMM_FOR_TYPE(NAME, UNPACK, NBYTES)                                                        \
+    static inline __attribute__((always_inline)) void NAME##_idot(                                  \
+        const int R, const uint8_t *restrict row, int64_t nblk, const int8_t *restrict xq,           \
+        const float *restrict xd, const float *restrict xs, float *restrict Y, int64_t N, int64_t n) { \
+        __m256 acc[RB];                                                                             \
+        float corr[RB];                                                                             \
+        for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); corr[r] = 0.f; }               \
+        for (int64_t j = 0; j < nblk; j++) {                                                        \
+            float a, c;                                                                             \
+            const __m256i u = UNPACK(row + j * NBYTES, &a, &c);                                     \
+            for (int r = 0; r < R; r++) {                                                           \
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (r * nblk + j) * 32));  \
+                const __m256i p = DPBUSD(_mm256_setzero_si256(), u, x);                             \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[r * nblk + j]), acc[r]); \
+                corr[r] += c * xs[r * nblk + j];                                                    \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++) Y[r * N + n] = hsum8(acc[r]) + corr[r];                         \
+    }                                                                                               \
+    static void NAME##_igemm(const uint8_t *const *W, int64_t N, int64_t K, const int8_t *xq,      \
+                             const float *xd, const float *xs, int64_t B, float *Y, int nthreads) { \
+        const int64_t nblk = K / 32;                                                                \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
+        for (int64_t n = 0; n < N; n++) {                                                           \
+            for (int64_t b0 = 0; b0 < B; b0 += RB) {                                                \
+                const int8_t *x = xq + b0 * K;                                                      \
+                const float *d = xd + b0 * nblk, *s = xs + b0 * nblk;                               \
+                float *y = Y + b0 * N;                                                              \
+                switch (B - b0 < RB ? B - b0 : RB) {                                                \
+                case 1: NAME##_idot(1, W[n], nblk, x, d, s, y, N, n); break;                        \
+                case 2: NAME##_idot(2, W[n], nblk, x, d, s, y, N, n); break;                        \
+                case 3: NAME##_idot(3, W[n], nblk, x, d, s, y, N, n); break;                        \
+                case 4: NAME##_idot(4, W[n], nblk, x, d, s, y, N, n); break;                        \
+                case 5: NAME##_idot(5, W[n], nblk, x, d, s, y, N, n); break;                        \
+                case 6: NAME##_idot(6, W[n], nblk, x, d, s, y, N, n); break;                        \
+                case 7: NAME##_idot(7, W[n], nblk, x, d, s, y, N, n); break;                        \
+                default: NAME##_idot(8, W[n], nblk, x, d, s, y, N, n); break;                       \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+IGEMM_FOR_TYPE(q4_0, unpack_q4_0, 18)
+IGEMM_FOR_TYPE(q4_1, unpack_q4_1, 20)
+IGEMM_FOR_TYPE(q5_0, unpack_q5_0, 22)
+IGEMM_FOR_TYPE(q5_1, unpack_q5_1, 24)
+IGEMM_FOR_TYPE(q8_0, unpack_q8_0, 34)
+
+typedef void (*igemm_fn)(const uint8_t *const *, int64_t, int64_t, const int8_t *, const float *, const float *,
+                         int64_t, float *, int);
+
+static igemm_fn int8_lookup(int type) {
+    switch (type) {
+    case Q4_0: return q4_0_igemm;
+    case Q4_1: return q4_1_igemm;
+    case Q5_0: return q5_0_igemm;
+    case Q5_1: return q5_1_igemm;
+    case Q8_0: return q8_0_igemm;
+    default: return 0;
+    }
+}
+#else
+typedef void (*igemm_fn)(void);
+static igemm_fn int8_lookup(int type) { (void)type; return 0; }
+#endif
+
+int gguf_int8_supported(int type) { return int8_lookup(type) != 0; }
+
+/* Y[B, N] = X[B, K] @ W[N, K]^T on the fast path (X quantized to 8 bits per block of 32);
+ * -1 where the type or the build has no such path. */
+int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
+                   int nthreads) {
+    igemm_fn f = int8_lookup(type);
+    if (!f || K % 32) return -1;
+#ifdef HAVE_INT8_DOT
+    const int64_t nblk = K / 32;
+    int8_t *xq = malloc((size_t)(B * K));
+    float *xd = malloc((size_t)(B * nblk) * sizeof(float)), *xs = malloc((size_t)(B * nblk) * sizeof(float));
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
+    quantize_activations(X, B, K, xq, xd, xs, nthreads);
+    f(W, N, K, xq, xd, xs, B, Y, nthreads);
+    free(xq); free(xd); free(xs);
+#endif
     return 0;
 }

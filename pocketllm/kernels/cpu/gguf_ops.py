@@ -12,6 +12,12 @@ def supports(qtype: int) -> bool:
     return lib is not None and bool(lib.gguf_supported(int(qtype)))
 
 
+def supports_int8(qtype: int) -> bool:
+    """Whether the fast path (integer dot products over 8-bit activations) covers the type here."""
+    lib = load_gguf_kernels()
+    return lib is not None and bool(lib.gguf_int8_supported(int(qtype)))
+
+
 def row_pointers(parts: list[torch.Tensor]) -> torch.Tensor:
     """int64 [N]: the address of every row of the given uint8 [rows, row_bytes] parts, in order.
     The caller keeps the parts alive as long as the table is used."""
@@ -22,14 +28,16 @@ def row_pointers(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tables)
 
 
-def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int) -> torch.Tensor:
-    """x [B, K] float32 @ dequant(W).T -> [B, N] float32, W given by its row pointer table."""
+def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int, int8: bool = False) -> torch.Tensor:
+    """x [B, K] float32 @ dequant(W).T -> [B, N] float32, W given by its row pointer table;
+    with `int8`, over x quantized to 8 bits per block of 32 (see supports_int8)."""
     lib = load_gguf_kernels()
     x = x.contiguous()
     b, k = x.shape
     n = rows.numel()
     y = torch.empty(b, n, dtype=torch.float32)
-    rc = lib.gguf_gemm(int(qtype), rows.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
+    fn = lib.gguf_gemm_int8 if int8 else lib.gguf_gemm
+    rc = fn(int(qtype), rows.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
     assert rc == 0, f"gguf_gemm failed for type {qtype} with K={k}"
     return y
 

@@ -1,0 +1,48 @@
+"""GGUF matmuls on the CPU: the exact C kernels against the fast path (integer dot products over
+8-bit activations), at the default model's shapes and a 1.5B MLP's, batch 1, 8 and 64, 2 threads.
+
+    python benchmarks/bench_cpu_int8.py > benchmarks/results/cpu-int8-kernels.txt
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from pocketllm.bench.report import environment
+from pocketllm.kernels.cpu import gguf_ops
+from pocketllm.quant.quantize import quantize
+
+
+def ms(fn, reps: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    env = environment()
+    print(f"# commit {env['commit']}{' (dirty)' if env['dirty'] else ''}, {env['machine']['cpu']}, {env['date']}; 2 threads; mean of repeated calls")
+    print("type   N      K     B   exact ms  int8 ms  speed-up  int8 weight GB/s")
+    rng = np.random.default_rng(0)
+    for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        for n, k in ((1536, 576), (49152, 576), (8960, 1536)):
+            raw = torch.from_numpy(quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype,
+                                            search=False)).view(torch.uint8).reshape(n, -1).contiguous()
+            rows = gguf_ops.row_pointers([raw])
+            for b in (1, 8, 64):
+                x = torch.randn(b, k)
+                reps = 10 if n * b > 10**6 else 50
+                exact = ms(lambda: gguf_ops.gemm(x, rows, qtype), reps)
+                fast = ms(lambda: gguf_ops.gemm(x, rows, qtype, int8=True), reps)
+                print(f"{qtype.name:6} {n:<6} {k:<5} {b:<3} {exact:8.3f} {fast:8.3f} {exact / fast:8.2f}x "
+                      f"{raw.numel() / fast / 1e6:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
