@@ -97,6 +97,7 @@ class Embedding(torch.nn.Module):
         self.quantized: QuantizedTensor | None = None  # looked up row by row (on the CPU)
         self.source: QuantizedTensor | None = None  # the GGUF table, for a tied output projection
         self.dtype, self.device = dtype, torch.device(device)
+        self.dequantize_at_load = self.int8_activations = False  # for the tied output projection
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         if isinstance(tensor, QuantizedTensor) and self.device.type == "cpu":
@@ -121,9 +122,11 @@ class Embedding(torch.nn.Module):
         return F.embedding(ids, self.weight)
 
     def as_linear(self) -> Linear:
-        """The same matrix as an output projection (tied embeddings)."""
+        """The same matrix as an output projection (tied embeddings), loaded as the Linear
+        layers are (the engine sets this table's load settings as theirs)."""
         lin = Linear(self.dim, [self.num_embeddings], dtype=self.dtype, device="meta")
         lin.device = self.device
+        lin.dequantize_at_load, lin.int8_activations = self.dequantize_at_load, self.int8_activations
         if self.source is not None:  # stays quantized (CUDA: the Triton kernels)
             lin.load(self.source)
         else:
