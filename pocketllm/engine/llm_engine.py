@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -304,7 +305,7 @@ class LLMEngine:
             raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len="
                                f"{self.max_model_len}; shorten it or raise max_model_len")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in ids if not (isinstance(t, numbers.Integral) and 0 <= t < vocab)]  # numpy ints too
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         for param, values in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
@@ -443,6 +444,10 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             parent = self.outputs.parent_of[req.request_id]
             parents[parent.request_id] = parent
+        return self._emit(parents)
+
+    def _emit(self, parents: dict[str, ParentState]) -> list[RequestOutput]:
+        """The outputs of these requests; the finished ones leave the engine."""
         outs = []
         for parent in parents.values():
             outs.append(parent.output())
@@ -463,13 +468,9 @@ class LLMEngine:
         else:
             involved = [sr.request.request_id for s in self._step_scheds for sr in s.scheduled]
         try:
-            parents = self._fail_requests(involved, error)
-            outs = [p.output() for p in parents.values()]
-            for rid in parents:
-                self.outputs.pop_finished(rid)
+            return self._emit(self._fail_requests(involved, error))
         except Exception as e:  # noqa: BLE001
             raise EngineDeadError(f"the engine could not recover from a failed step: {e}") from error
-        return outs
 
     def _fail_requests(self, child_ids: list[str], error: BaseException) -> dict[str, ParentState]:
         """Finish the parents of these sequences with an error. KV blocks only they hold are

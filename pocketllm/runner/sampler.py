@@ -84,11 +84,7 @@ class Sampler:
         if rand:
             tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand])
 
-        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not lp_rows:
-            return DeviceSample(tokens, [], [])
-        counts = [reqs[i].params.logprobs for i in lp_rows]
-        return DeviceSample(tokens, lp_rows, counts, token_logprobs(raw[lp_rows], tokens[lp_rows], max(counts)))
+        return _with_logprobs(tokens, raw, reqs)
 
     def sample_each(self, logits: torch.Tensor, reqs: list[Request]) -> DeviceSample:
         """After the batch failed to sample: every row alone, so that a request whose parameters
@@ -100,12 +96,7 @@ class Sampler:
                 tokens[i] = self.sample(logits[i:i + 1], [req]).tokens[0]
             except Exception as e:  # noqa: BLE001  (reported with the row)
                 failed[i] = e
-        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None and i not in failed]
-        if not lp_rows:
-            return DeviceSample(tokens, [], [], failed=failed)
-        counts = [reqs[i].params.logprobs for i in lp_rows]
-        return DeviceSample(tokens, lp_rows, counts, token_logprobs(logits[lp_rows].float(), tokens[lp_rows], max(counts)),
-                            failed=failed)
+        return _with_logprobs(tokens, logits.float(), reqs, failed)
 
     @staticmethod
     def _apply_bias_and_bans(logits: torch.Tensor, reqs: list[Request], vocab: int) -> None:
@@ -152,6 +143,17 @@ class Sampler:
             if r.generator is not None:
                 noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(dev, non_blocking=True)
         return (probs / noise).argmax(dim=-1)
+
+
+def _with_logprobs(tokens: torch.Tensor, raw: torch.Tensor, reqs: list[Request],
+                   failed: dict[int, Exception] | None = None) -> DeviceSample:
+    """The sampled tokens, with the logprobs of the rows that ask for them (failed rows do not)."""
+    failed = failed or {}
+    rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None and i not in failed]
+    if not rows:
+        return DeviceSample(tokens, [], [], failed=failed)
+    counts = [reqs[i].params.logprobs for i in rows]
+    return DeviceSample(tokens, rows, counts, token_logprobs(raw[rows], tokens[rows], max(counts)), failed=failed)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

@@ -264,9 +264,9 @@ class OpenAIServing:
 
     @staticmethod
     def _tools(req) -> list[dict] | None:
-        if not isinstance(req, P.ChatCompletionRequest) or not req.tools:
-            return None
-        return [t.model_dump(exclude_none=True) for t in req.tools]
+        """The request's tools as the chat template takes them (chat and tokenize requests)."""
+        tools = getattr(req, "tools", None)
+        return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
     def _reply_tool_parser(self, req, tools: list[dict] | None) -> ToolParser | None:
         """The parser that finds calls in the replies: none when calls are off."""
@@ -327,19 +327,20 @@ class OpenAIServing:
         if isinstance(req, P.ChatCompletionRequest):
             return [await self._chat_prompt(req.messages, self._tools(req), req.chat_template_kwargs)]
         out = []
-        vocab = self.engine.model_config.vocab_size
         for p in req.prompt_list():
             if isinstance(p, str):
                 self._check_text_size(len(p), "prompt")
                 out.append((p, await self._off_loop_if_large(len(p), self._tokenizer().encode, p)))
-                continue
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:  # before anything decodes them
-                raise P.APIError(400, f"Invalid 'prompt': token ids out of range [0, {vocab}): {bad[:5]}",
-                                 param="prompt", code="invalid_value")
-            tok = self.engine.tokenizer
-            out.append((tok.decode(p) if tok is not None and req.echo else None, list(p)))
+            else:  # token ids: decoded for echo only once validated (_echo_texts)
+                out.append((None, list(p)))
         return out
+
+    def _echo_texts(self, prompts: list[tuple[str | None, list[int]]]) -> list[tuple[str | None, list[int]]]:
+        """Token-id prompts of an echo request with their text, decoded from validated ids."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return prompts
+        return [(tok.decode(ids) if text is None else text, ids) for text, ids in prompts]
 
     def _params(self, req, prompts, constraint: dict | None = None, constraint_param: str | None = None,
                 skip_special_tokens: bool = True) -> SamplingParams:
@@ -380,6 +381,8 @@ class OpenAIServing:
         opened = self.reasoning.prompt_state(prompts[0][0]) if kind == "chat" and self.reasoning else None
         constraint, where = self._constraint(req, tools, parser, opened)
         params = self._params(req, prompts, constraint, where, not (parser and parser.needs_special_tokens))
+        if kind == "completion" and req.echo:
+            prompts = self._echo_texts(prompts)
         if params.structured_outputs:  # compiled (and cached) here, so a bad one is a 400 before queueing
             try:
                 await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
@@ -549,8 +552,8 @@ class OpenAIServing:
             raise P.APIError(400, "Give exactly one of 'prompt' and 'messages'.", param="prompt",
                              code="invalid_value")
         if req.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            _, ids = await self._chat_prompt(req.messages, tools, req.chat_template_kwargs, req.add_generation_prompt)
+            _, ids = await self._chat_prompt(req.messages, self._tools(req), req.chat_template_kwargs,
+                                             req.add_generation_prompt)
         else:
             self._check_text_size(len(req.prompt), "prompt")
             ids = await self._off_loop_if_large(len(req.prompt), self._tokenizer().encode, req.prompt,
