@@ -1,14 +1,16 @@
 """GGUF matmuls on the CPU: the exact C kernels against the fast path (integer dot products over
-8-bit activations), at the default model's shapes and a 1.5B MLP's, batch 1, 8 and 64, 2 threads.
+8-bit activations), at the default model's shapes and a 1.5B model's, batch 1, 8 and 64, 2 threads.
 
-    python benchmarks/bench_cpu_int8.py > benchmarks/results/cpu-int8-kernels.txt
+    python benchmarks/bench_cpu_int8.py [TYPE ...] > benchmarks/results/cpu-int8-kernels.txt
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
 import torch
+import gguf
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.bench.report import environment
@@ -24,16 +26,32 @@ def ms(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+def random_weights(rng: np.random.Generator, qtype: T, n: int, k: int) -> torch.Tensor:
+    """GGUF rows [n, row bytes]: quantized gaussian weights, or for the types this package does not
+    quantize (IQ4), random codes under small fp16 scales."""
+    try:
+        q = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype, search=False)
+        return torch.from_numpy(q).view(torch.uint8).reshape(n, -1).contiguous()
+    except ValueError:
+        bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
+        blocks[:, :2] = np.full((len(blocks), 1), 0.001, np.float16).view(np.uint8)
+        return torch.from_numpy(blocks).reshape(n, -1)
+
+
 def main() -> None:
     torch.set_num_threads(2)
     env = environment()
     print(f"# commit {env['commit']}{' (dirty)' if env['dirty'] else ''}, {env['machine']['cpu']}, {env['date']}; 2 threads; mean of repeated calls")
     print("type   N      K     B   exact ms  int8 ms  speed-up  int8 weight GB/s")
     rng = np.random.default_rng(0)
-    for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
-        for n, k in ((1536, 576), (49152, 576), (8960, 1536)):
-            raw = torch.from_numpy(quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype,
-                                            search=False)).view(torch.uint8).reshape(n, -1).contiguous()
+    types = [T[name] for name in sys.argv[1:]] or [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K,
+                                                    T.IQ4_XS]
+    for qtype in types:
+        # default model: QKV, head; a 1.5B model: gate/up, down, head
+        shapes = ((1536, 576), (49152, 576)) if gguf.GGML_QUANT_SIZES[qtype][0] == 32 else ()
+        for n, k in shapes + ((17920, 1536), (1536, 8960), (151936, 1536)):
+            raw = random_weights(rng, qtype, n, k)
             rows = gguf_ops.row_pointers([raw])
             for b in (1, 8, 64):
                 x = torch.randn(b, k)

@@ -1,12 +1,15 @@
 """The CPU fast path for GGUF weights (`exact_kernels=False`): integer dot products over
-activations quantized to 8 bits per block of 32. Checked against the exact dequantized matmul
-(gguf's dequantizer) on the same activations rounded as the kernel rounds them, against the
-float result within the rounding's bound, and on the default model against the exact path."""
+activations quantized to 8 bits (per block of 32 for the 32-element types, per super-block of 256
+for the k-quants and IQ4_XS). Every type and every instruction-set build this CPU can run is
+checked against the exact dequantized matmul (gguf's dequantizer) on the same activations rounded
+as the kernel rounds them, and against the float result within the rounding's bound; on the
+default model, the whole fast path against the exact one."""
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,54 +19,82 @@ from gguf import quants
 from fixtures import default_model_gguf
 from pocketllm import LLM, SamplingParams
 from pocketllm.kernels.cpu import gguf_ops
+from pocketllm.kernels.cpu.build import _arch_flags, load_cpu_kernels
 from pocketllm.quant.quantize import quantize
 from pocketllm.quant.linear import GGUFLinear
 
-INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
-if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without VNNI keeps the exact kernels
-    pytest.skip("this CPU has no VNNI: the fast path is not built", allow_module_level=True)
+INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+SUPER_BLOCK_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}  # activations quantized per 256
+if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2 keeps the exact kernels
+    pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
+# Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
+ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
 
 
 def quantized_weights(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(raw GGUF rows [n, row bytes], gguf's dequantized weights [n, k] float64)."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    raw = torch.from_numpy(quantize(w, qtype, search=False)).view(torch.uint8).reshape(n, -1).contiguous()
+    """(raw GGUF rows [n, row bytes], gguf's dequantized weights [n, k] float64): gaussian weights
+    quantized, or for the IQ4 types (which this package does not quantize) random codes under
+    random scales."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.IQ4_NL, T.IQ4_XS):
+        bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
+        blocks[:, :2] = rng.uniform(0.0005, 0.002, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    else:
+        blocks = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype, search=False)
+    raw = torch.from_numpy(blocks).view(torch.uint8).reshape(n, -1).contiguous()
     return raw, torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(n, k).double()
 
 
-def rounded_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: per block of 32, int8 codes (round half to even) times amax / 127."""
+def activation_block(qtype) -> int:
+    return 256 if qtype in SUPER_BLOCK_TYPES else 32
+
+
+def rounded_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x as the kernel sees it: per block, int8 codes (round half to even) times amax / 127."""
     b, k = x.shape
-    blocks = x.reshape(b, k // 32, 32)
+    blocks = x.reshape(b, k // block, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv) * (amax / 127.0)).reshape(b, k)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("batch", [1, 3, 8, 19])
-@pytest.mark.parametrize("k", [64, 576])
-def test_int8_gemm_equals_the_exact_product_of_rounded_activations(qtype, batch, k):
+def test_int8_gemm_equals_the_exact_product_of_rounded_activations(isa, qtype, batch):
+    k = 512 if qtype in SUPER_BLOCK_TYPES else 576
     raw, w = quantized_weights(qtype, 40, k)
     x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch + k))
-    x[0, :32] = 0.0  # an all-zero block has scale 0
-    y = gguf_ops.gemm(x, gguf_ops.row_pointers([raw]), qtype, int8=True).double()
-    exact_on_rounded = rounded_activations(x).double() @ w.T
+    x[0, :activation_block(qtype)] = 0.0  # an all-zero block has scale 0
+    x[-1, -1] = 40.0  # an outlier: its block's other values keep few levels
+    y = gguf_ops.gemm(x, gguf_ops.row_pointers([raw]), qtype, int8=True, lib=load_cpu_kernels(isa)).double()
+    exact_on_rounded = rounded_activations(x, activation_block(qtype)).double() @ w.T
     scale = (x.abs().double() @ w.abs().T)  # what float rounding is relative to
     assert torch.all((y - exact_on_rounded).abs() <= 1e-5 * scale + 1e-6)
     # Against the float product: each activation moves by at most half a step of its block's scale.
-    step = (x.reshape(batch, -1, 32).abs().amax(-1) / 127.0).repeat_interleave(32, dim=1).double()
+    blk = activation_block(qtype)
+    step = (x.reshape(batch, -1, blk).abs().amax(-1) / 127.0).repeat_interleave(blk, dim=1).double()
     bound = (step / 2) @ w.abs().T
     assert torch.all((y - x.double() @ w.T).abs() <= bound * 1.0001 + 1e-6)
 
 
+def test_fused_parts_share_one_table():
+    """QKV-style fusion: a row-pointer table over three parts is the concatenation of their products."""
+    parts = [quantized_weights(T.Q4_K, n, 256, seed=i) for i, n in enumerate((32, 8, 8))]
+    x = torch.randn(5, 256)
+    fused = gguf_ops.gemm(x, gguf_ops.row_pointers([r for r, _ in parts]), T.Q4_K, int8=True)
+    alone = torch.cat([gguf_ops.gemm(x, gguf_ops.row_pointers([r]), T.Q4_K, int8=True) for r, _ in parts], 1)
+    assert torch.equal(fused, alone)
+
+
 def test_types_without_integer_kernels_keep_the_exact_path():
-    raw, w = quantized_weights(T.Q4_K, 16, 256)
-    fast = GGUFLinear.from_gguf(raw, T.Q4_K, 16, 256, int8_activations=True)
-    assert fast.path == "c" and not fast.int8
+    raw, w = quantized_weights(T.Q3_K, 16, 256)
+    layer = GGUFLinear.from_gguf(raw, T.Q3_K, 16, 256, int8_activations=True)
+    assert not layer.int8
     x = torch.randn(2, 256)
-    torch.testing.assert_close(fast(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
-    assert GGUFLinear.from_gguf(*quantized_weights(T.Q8_0, 16, 256)[:1], T.Q8_0, 16, 256, int8_activations=True).int8
+    torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
+    assert GGUFLinear.from_gguf(*quantized_weights(T.Q6_K, 16, 256)[:1], T.Q6_K, 16, 256, int8_activations=True).int8
 
 
 def test_the_default_model_on_the_fast_path_agrees_with_the_exact_one():

@@ -165,6 +165,13 @@ class LLMEngine:
         model.eval()
         if self.is_gguf:
             self.gguf.release()
+        if not args.exact_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
+            from pocketllm.kernels.cpu import layer_ops
+
+            if layer_ops.available():  # the fast path's fused norms, rotary and decode attention
+                for m in model.modules():
+                    if hasattr(m, "cpu_kernels"):
+                        m.cpu_kernels = True
         self.load_time = time.perf_counter() - t0
         self.weight_bytes = weight_bytes(model)  # before the runner binds the KV cache to it
 

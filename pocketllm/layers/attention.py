@@ -33,6 +33,7 @@ class AttentionMetadata:
     # torch path
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * bs] bool
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths (the CPU kernels)
     prefills: list[PrefillSpan] = field(default_factory=list)
     # kernel path: every request of the step, decodes first
     block_tables: torch.Tensor | None = None  # [R, max_blocks] int32
@@ -71,21 +72,34 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]."""
+                    window: int | None = None, softcap: float | None = None,
+                    cpu_kernels: bool = False) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]. `cpu_kernels`:
+    the CPU fast path writes the cache and attends the decode rows in C (layer_ops)."""
     if meta.block_tables is not None:
         from pocketllm.kernels.triton import attention as kernels
 
         kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, scale, window, softcap)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    n = meta.num_decodes
+    if cpu_kernels:
+        from pocketllm.kernels.cpu import layer_ops
+
+        layer_ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if not meta.prefills:
+            return layer_ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+                                              scale, window, softcap)
+    else:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nb, bs, hkv, d = k_cache.shape
     out = torch.empty_like(q)
     dec_mask, pre_masks = (meta.decode_mask, [s.mask for s in meta.prefills]) if window is None \
         else meta.windowed(window)
-    n = meta.num_decodes
-    if n:
+    if n and cpu_kernels:
+        out[:n] = layer_ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+                                             scale, window, softcap)
+    elif n:
         tables = meta.decode_block_tables
         # index_select, not k_cache[tables]: advanced indexing is far slower on large caches.
         flat = tables.reshape(-1)

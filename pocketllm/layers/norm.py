@@ -13,6 +13,7 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.offset = offset
         self._scale: torch.Tensor | None = None
+        self.cpu_kernels = False  # the CPU fast path's fused kernel (float32; residual updated in place)
 
     def load(self, tensor: torch.Tensor, shard: int = 0, kind: str = "weight") -> None:
         self.weight.data.copy_(tensor)
@@ -29,6 +30,10 @@ class RMSNorm(torch.nn.Module):
             from pocketllm.kernels.triton.fused import rms_norm
 
             return rms_norm(x, self.weight, self.eps, self.offset, residual)
+        if self.cpu_kernels:
+            from pocketllm.kernels.cpu import layer_ops
+
+            return layer_ops.rms_norm(x, self.scale(), self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

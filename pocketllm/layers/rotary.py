@@ -48,13 +48,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", freqs.sin().to(device), persistent=False)
 
         self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.cpu_kernels = False  # the CPU fast path: rotated in place by one kernel call
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D]: queries and keys of all heads at once. On CUDA x is rotated in place."""
+        """x [T, H, D]: queries and keys of all heads at once. On CUDA and on the CPU fast path x
+        is rotated in place."""
         if x.is_cuda:
             from pocketllm.kernels.triton.fused import rotary_
 
             return rotary_(x, positions, self.cos, self.sin)
+        if self.cpu_kernels:
+            from pocketllm.kernels.cpu import layer_ops
+
+            return layer_ops.rotary_(x, positions, self.cos, self.sin)
         cached = self._cached
         if cached is None or cached[0] is not positions:
             # Every layer of a step passes the same positions tensor: gather the tables once.

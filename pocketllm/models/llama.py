@@ -37,6 +37,7 @@ class Attention(torch.nn.Module):
         self.window, self.softcap = window, softcap
         self.scale = d ** -0.5 if scale is None else scale
         self.k_cache = self.v_cache = None  # bound by the runner
+        self.cpu_kernels = False  # the CPU fast path's cache write and decode attention
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, hq = x.shape[0], self.num_heads
@@ -47,7 +48,7 @@ class Attention(torch.nn.Module):
         qk = self.rotary(positions, qk)  # queries and keys rotate in one pass
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                            self.window, self.softcap)
+                            self.window, self.softcap, self.cpu_kernels)
         return self.o_proj(o.reshape(t, -1))
 
 

@@ -157,7 +157,7 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                                     dtype=torch.long, device=dev)
-            lens = torch.tensor([ctx for _, ctx, _ in step.rows[:n]], device=dev)
+            lens = meta.decode_lens = torch.tensor([ctx for _, ctx, _ in step.rows[:n]], device=dev)
             meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         q0 = n
         for ql, ctx, blocks in step.rows[n:]:

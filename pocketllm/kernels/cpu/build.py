@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 
 log = logging.getLogger("pocketllm")
-_SRC = Path(__file__).with_name("gguf_gemm.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("gguf_gemm.c", "layer_ops.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -31,14 +31,24 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _arch_flags() -> list[str]:
+# Instruction-set levels, lowest first: each adds to the one before where the CPU has it.
+ISA_LEVELS = ("none", "avx2", "avx2-vnni", "avx512")
+
+
+def _arch_flags(isa: str = "native") -> list[str]:
+    """Compiler flags for the highest level this CPU has, capped at ``isa`` (or the environment's
+    POCKETLLM_CPU_ISA): ``native`` takes all it has."""
+    cap = os.environ.get("POCKETLLM_CPU_ISA", "native") if isa == "native" else isa
+    if cap != "native" and cap not in ISA_LEVELS:
+        raise ValueError(f"unknown instruction-set level {cap!r}; known: native, {', '.join(ISA_LEVELS)}")
+    top = len(ISA_LEVELS) if cap == "native" else ISA_LEVELS.index(cap)
     have = _cpu_flags()
     flags = []
-    if {"avx2", "fma", "f16c"} <= have:
+    if top >= 1 and {"avx2", "fma", "f16c"} <= have:
         flags += ["-mavx2", "-mfma", "-mf16c"]
-        if "avx_vnni" in have:
+        if top >= 2 and "avx_vnni" in have:
             flags += ["-mavxvnni"]
-        if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= have:
+        if top >= 3 and {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= have:
             flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
             if "avx512_vnni" in have:
                 flags += ["-mavx512vnni"]
@@ -52,23 +62,25 @@ def _cache_dir() -> Path:
 
 
 @cache
-def load_gguf_kernels() -> ctypes.CDLL | None:
+def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
+    """The kernels built for this CPU (``isa`` caps the instruction set: see ISA_LEVELS), or None
+    without a C compiler."""
     if os.environ.get("POCKETLLM_DISABLE_C_KERNELS") == "1":
         return None
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        log.warning("no C compiler found: GGUF matmuls use the slower pure-torch path")
+        log.warning("no C compiler found: the CPU kernels fall back to the slower pure-torch paths")
         return None
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags()]
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"gguf_gemm-{key}.so"
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags(isa)]
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES) + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"cpu_kernels-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = Path(tmp) / lib.name
-            done = subprocess.run([cc, *flags, str(_SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
+            done = subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
             if done.returncode != 0:
-                log.warning("building the GGUF C kernels failed, using the pure-torch path:\n%s", done.stderr[-2000:])
+                log.warning("building the CPU kernels failed, using the pure-torch paths:\n%s", done.stderr[-2000:])
                 return None
             os.replace(out, lib)
     dll = ctypes.CDLL(str(lib))
@@ -79,4 +91,10 @@ def load_gguf_kernels() -> ctypes.CDLL | None:
     dll.gguf_supported.argtypes = [ctypes.c_int]
     dll.gguf_gemm_int8.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     dll.gguf_int8_supported.argtypes = [ctypes.c_int]
+    f32 = ctypes.c_float
+    dll.cpu_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
+    dll.cpu_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    dll.cpu_write_kv.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
+    dll.cpu_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, i64, f32,
+                                         ptr, ctypes.c_int]
     return dll

@@ -305,21 +305,45 @@ int gguf_dequant_row_ptrs(int type, const uint8_t *const *W, int64_t K, int64_t 
 }
 
 /* ---- The fast path: integer dot products over 8-bit activations ----------------------------
- * Each activation row is quantized once per call, in blocks of 32, to int8 with one float scale
- * (llama.cpp's Q8_0); a weight block is unpacked to 32 unsigned bytes u with value a * u + c
- * (Q4_0: a = d, c = -8d; Q4_1: a = d, c = m; Q8_0: u = q + 128, c = -128d; ...), so that its dot
- * product with an activation block of scale dx and int8 values x is
- *     a * dx * sum(u * x) + c * dx * sum(x),
- * where sum(u * x) runs on integers: vpdpbusd adds four u8 * s8 products into each int32 lane
- * (AVX-512 VNNI or AVX-VNNI), four times the work per instruction of float FMA, and dx * sum(x)
- * is computed once per activation block. Builds without VNNI report the path unsupported and
- * the callers keep the exact kernels above. */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+ * Activations are quantized once per call to int8, in the block size the weight type needs:
+ *
+ * - Types with 32-element blocks (Q4_0 .. Q8_0, IQ4_NL): blocks of 32 with one float scale each
+ *   (llama.cpp's Q8_0). A weight block is unpacked to 32 unsigned bytes u with value a * u + c
+ *   (Q4_0: a = d, c = -8d; Q4_1: a = d, c = m; Q8_0: u = q + 128, c = -128d; ...), so that its
+ *   dot product with an activation block of scale dx and int8 values x is
+ *       a * dx * sum(u * x) + c * dx * sum(x),
+ *   sum(u * x) on integers and dx * sum(x) computed once per activation block.
+ * - Super-block types (Q4_K, Q5_K, Q6_K, IQ4_XS): blocks of 256 with one float scale and the
+ *   int16 sums of every 16 values (llama.cpp's Q8_K). The sub-block scales and minimums are
+ *   small integers, so a whole super-block accumulates on integers: u8 x s8 products summed in
+ *   pairs to int16 (vpmaddubsw; no overflow: |u| <= 127 there), times the sub-block's scale and
+ *   summed in pairs to int32 (vpdpwssd), and the minimums times the activations' sums; one float
+ *   multiply-add per super-block and activation row.
+ *
+ * vpdpbusd / vpdpwssd (AVX-512 VNNI or AVX-VNNI) add four u8 x s8 products, or two s16 x s16,
+ * into each int32 lane in one instruction; plain AVX2 takes two (vpmaddubsw or vpmaddwd, then
+ * an add). Without AVX2 the callers keep the exact kernels above. */
+#if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_INT8_DOT 1
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1
 #define DPBUSD(acc, u, x) _mm256_dpbusd_epi32(acc, u, x)
-#else
+#define DPWSSD(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define VNNI 1
 #define DPBUSD(acc, u, x) _mm256_dpbusd_avx_epi32(acc, u, x)
+#define DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else
+#define VNNI 0
+/* vpmaddubsw saturates its int16 pair sums: exact for u <= 128 (|x| <= 127), so Q8_0 and
+ * IQ4_NL, whose u would reach 255, multiply |value| by x with value's sign instead. */
+#define DPBUSD(acc, u, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
+#define DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+#if defined(__AVX512VL__)
+#define IRB 8 /* activation rows per pass: 32 vector registers hold their accumulators */
+#else
+#define IRB 4 /* 16 vector registers */
 #endif
 
 static inline __m256i nibbles(const uint8_t *qs) {  /* 16 bytes -> low nibbles, then high nibbles */
@@ -329,7 +353,7 @@ static inline __m256i nibbles(const uint8_t *qs) {  /* 16 bytes -> low nibbles, 
 
 static inline __m256i fifth_bits(const uint8_t *qh) {  /* bit e of the 32-bit qh -> 0x10 in byte e */
     uint32_t bits; memcpy(&bits, qh, 4);
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
     return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10));
 #else
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
@@ -338,6 +362,10 @@ static inline __m256i fifth_bits(const uint8_t *qh) {  /* bit e of the 32-bit qh
     b = _mm256_cmpeq_epi8(_mm256_and_si256(b, sel), sel);
     return _mm256_and_si256(b, _mm256_set1_epi8(0x10));
 #endif
+}
+
+static inline __m256i iq4_table(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_iq4nl));
 }
 
 static inline __m256i unpack_q4_0(const uint8_t *b, float *a, float *c) {
@@ -352,9 +380,12 @@ static inline __m256i unpack_q5_0(const uint8_t *b, float *a, float *c) {
 static inline __m256i unpack_q5_1(const uint8_t *b, float *a, float *c) {
     *a = h2f(b); *c = h2f(b + 2); return _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4));
 }
+/* Q8_0 and IQ4_NL: signed values, a = d, c = 0 (see SIGNED below). */
 static inline __m256i unpack_q8_0(const uint8_t *b, float *a, float *c) {
-    *a = h2f(b); *c = -128.f * *a;
-    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    *a = h2f(b); *c = 0.f; return _mm256_loadu_si256((const __m256i *)(b + 2));
+}
+static inline __m256i unpack_iq4_nl(const uint8_t *b, float *a, float *c) {
+    *a = h2f(b); *c = 0.f; return _mm256_shuffle_epi8(iq4_table(), nibbles(b + 2));
 }
 
 static inline float hsum8(__m256 v) {
@@ -363,41 +394,82 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* xq [B, K] int8, xd [B, K/32] scales, xs [B, K/32] = xd * sum(xq) of each block. */
+/* int8 codes of `n` values (round half to even) with scale amax / 127; returns the scale. */
+static inline float quantize_block(const float *v, int n, int8_t *q) {
+    float amax = 0.f;
+    for (int e = 0; e < n; e++) amax = fmaxf(amax, fabsf(v[e]));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    for (int e = 0; e < n; e++) q[e] = (int8_t)nearbyintf(v[e] * id);
+    return amax / 127.f;
+}
+
+/* Blocks of 32: xq [B, K] int8, xd [B, K/32] scales, xs [B, K/32] = xd * sum(xq) of each block. */
 static void quantize_activations(const float *X, int64_t B, int64_t K, int8_t *xq, float *xd, float *xs,
                                  int nthreads) {
-    const int64_t nblk = K / 32;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (B * K >= 65536)
-    for (int64_t i = 0; i < B * nblk; i++) {
-        const float *v = X + i * 32;
-        float amax = 0.f;
-        for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(v[e]));
-        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t i = 0; i < B * (K / 32); i++) {
+        xd[i] = quantize_block(X + i * 32, 32, xq + i * 32);
         int sum = 0;
-        for (int e = 0; e < 32; e++) {
-            const int q = (int)nearbyintf(v[e] * id);
-            xq[i * 32 + e] = (int8_t)q;
-            sum += q;
-        }
-        xd[i] = d;
-        xs[i] = d * (float)sum;
+        for (int e = 0; e < 32; e++) sum += xq[i * 32 + e];
+        xs[i] = xd[i] * (float)sum;
     }
 }
 
-/* One weight row against R activation rows (R a constant after inlining: the accumulators stay
- * in registers), each weight block unpacked once for all R. */
-#define IGEMM_FOR_TYPE(NAME, UNPACK, NBYTES)                                                        \
+/* Super-blocks of 256: xq [B, K] int8, xd [B, K/256] scales, xb [B, K/16] int16 sums of xq. */
+static void quantize_activations_k(const float *X, int64_t B, int64_t K, int8_t *xq, float *xd, int16_t *xb,
+                                   int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (B * K >= 65536)
+    for (int64_t i = 0; i < B * (K / 256); i++) {
+        xd[i] = quantize_block(X + i * 256, 256, xq + i * 256);
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int e = 0; e < 16; e++) sum += xq[i * 256 + g * 16 + e];
+            xb[i * 16 + g] = (int16_t)sum;
+        }
+    }
+}
+
+/* Rows of W (a table of row pointers) split over threads; each row against all B activation
+ * rows, IRB at a time (R a constant after inlining: the accumulators stay in registers). */
+#define FOR_ROWS_AND_BATCH(ROW_DOT)                                                                 \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
+    for (int64_t n = 0; n < N; n++) {                                                               \
+        for (int64_t b0 = 0; b0 < B; b0 += IRB) {                                                   \
+            switch (B - b0 < IRB ? B - b0 : IRB) {                                                  \
+            case 1: ROW_DOT(1); break;                                                              \
+            case 2: ROW_DOT(2); break;                                                              \
+            case 3: ROW_DOT(3); break;                                                              \
+            IF_IRB8(case 4: ROW_DOT(4); break; case 5: ROW_DOT(5); break;                           \
+                    case 6: ROW_DOT(6); break; case 7: ROW_DOT(7); break;)                          \
+            default: ROW_DOT(IRB); break;                                                           \
+            }                                                                                       \
+        }                                                                                           \
+    }
+#if IRB == 8
+#define IF_IRB8(...) __VA_ARGS__
+#else
+#define IF_IRB8(...)
+#endif
+
+/* One weight row of 32-element blocks against R activation rows (xq, xd, xs at row b0).
+ * SIGNED types unpack signed values w: with VNNI, u = w + 128 and c = -128 a; without, |w|
+ * against x with w's sign (no int16 saturation). */
+#define IGEMM_FOR_TYPE(NAME, UNPACK, NBYTES, SIGNED)                                                     \
     static inline __attribute__((always_inline)) void NAME##_idot(                                  \
         const int R, const uint8_t *restrict row, int64_t nblk, const int8_t *restrict xq,           \
         const float *restrict xd, const float *restrict xs, float *restrict Y, int64_t N, int64_t n) { \
-        __m256 acc[RB];                                                                             \
-        float corr[RB];                                                                             \
+        __m256 acc[IRB];                                                                            \
+        float corr[IRB];                                                                            \
         for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); corr[r] = 0.f; }               \
         for (int64_t j = 0; j < nblk; j++) {                                                        \
             float a, c;                                                                             \
-            const __m256i u = UNPACK(row + j * NBYTES, &a, &c);                                     \
+            __m256i u = UNPACK(row + j * NBYTES, &a, &c);                                           \
+            const __m256i w = u;                                                                    \
+            if (SIGNED && VNNI) { u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); c = -128.f * a; } \
+            else if (SIGNED) u = _mm256_sign_epi8(u, u);                                            \
             for (int r = 0; r < R; r++) {                                                           \
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (r * nblk + j) * 32));  \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (r * nblk + j) * 32));        \
+                if (SIGNED && !VNNI) x = _mm256_sign_epi8(x, w);                                    \
                 const __m256i p = DPBUSD(_mm256_setzero_si256(), u, x);                             \
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[r * nblk + j]), acc[r]); \
                 corr[r] += c * xs[r * nblk + j];                                                    \
@@ -408,33 +480,184 @@ static void quantize_activations(const float *X, int64_t B, int64_t K, int8_t *x
     static void NAME##_igemm(const uint8_t *const *W, int64_t N, int64_t K, const int8_t *xq,      \
                              const float *xd, const float *xs, int64_t B, float *Y, int nthreads) { \
         const int64_t nblk = K / 32;                                                                \
-        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
-        for (int64_t n = 0; n < N; n++) {                                                           \
-            for (int64_t b0 = 0; b0 < B; b0 += RB) {                                                \
-                const int8_t *x = xq + b0 * K;                                                      \
-                const float *d = xd + b0 * nblk, *s = xs + b0 * nblk;                               \
-                float *y = Y + b0 * N;                                                              \
-                switch (B - b0 < RB ? B - b0 : RB) {                                                \
-                case 1: NAME##_idot(1, W[n], nblk, x, d, s, y, N, n); break;                        \
-                case 2: NAME##_idot(2, W[n], nblk, x, d, s, y, N, n); break;                        \
-                case 3: NAME##_idot(3, W[n], nblk, x, d, s, y, N, n); break;                        \
-                case 4: NAME##_idot(4, W[n], nblk, x, d, s, y, N, n); break;                        \
-                case 5: NAME##_idot(5, W[n], nblk, x, d, s, y, N, n); break;                        \
-                case 6: NAME##_idot(6, W[n], nblk, x, d, s, y, N, n); break;                        \
-                case 7: NAME##_idot(7, W[n], nblk, x, d, s, y, N, n); break;                        \
-                default: NAME##_idot(8, W[n], nblk, x, d, s, y, N, n); break;                       \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
+        FOR_ROWS_AND_BATCH(IDOT_##NAME)                                                             \
     }
+#define IDOT_ARGS(R) (R, W[n], nblk, xq + b0 * K, xd + b0 * nblk, xs + b0 * nblk, Y + b0 * N, N, n)
+#define IDOT_q4_0(R) q4_0_idot IDOT_ARGS(R)
+#define IDOT_q4_1(R) q4_1_idot IDOT_ARGS(R)
+#define IDOT_q5_0(R) q5_0_idot IDOT_ARGS(R)
+#define IDOT_q5_1(R) q5_1_idot IDOT_ARGS(R)
+#define IDOT_q8_0(R) q8_0_idot IDOT_ARGS(R)
+#define IDOT_iq4_nl(R) iq4_nl_idot IDOT_ARGS(R)
 
-IGEMM_FOR_TYPE(q4_0, unpack_q4_0, 18)
-IGEMM_FOR_TYPE(q4_1, unpack_q4_1, 20)
-IGEMM_FOR_TYPE(q5_0, unpack_q5_0, 22)
-IGEMM_FOR_TYPE(q5_1, unpack_q5_1, 24)
-IGEMM_FOR_TYPE(q8_0, unpack_q8_0, 34)
+IGEMM_FOR_TYPE(q4_0, unpack_q4_0, 18, 0)
+IGEMM_FOR_TYPE(q4_1, unpack_q4_1, 20, 0)
+IGEMM_FOR_TYPE(q5_0, unpack_q5_0, 22, 0)
+IGEMM_FOR_TYPE(q5_1, unpack_q5_1, 24, 0)
+IGEMM_FOR_TYPE(q8_0, unpack_q8_0, 34, 1)
+IGEMM_FOR_TYPE(iq4_nl, unpack_iq4_nl, 18, 1)
+
+/* ---- Super-block types: per 256 weights and activation row, integer sums isum (sub-block
+ * scales applied) and msum (minimums times activation sums), then
+ *     acc += d * dx * isum + dmin * dx * msum. */
+
+/* The pair sums of R activation rows (x, stride K) against 32 unsigned codes u, times an int16
+ * scale per pair, added to isum. */
+#define SUB_BLOCK(R, u, x, scale, isum)                                                             \
+    for (int r = 0; r < R; r++)                                                                     \
+        isum[r] = DPWSSD(isum[r], _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)((x) + r * K))), scale)
+
+/* The 8 six-bit scales (bytes 0-7) and minimums (bytes 8-15) of a Q4_K / Q5_K super-block's 12
+ * packed bytes (scale_min_k4 for all eight at once). */
+static inline __m128i scales_mins_k4(const uint8_t *p) {
+    uint32_t u[4];
+    memcpy(u, p, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    const uint32_t mins_lo = u[1] & m6;
+    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    u[2] = mins_lo;
+    u[0] &= m6;
+    return _mm_loadu_si128((const __m128i *)u);
+}
+
+/* int16 scale s of sub-block j, broadcast: from the scales as 16 int16 lanes (both halves alike). */
+static inline __m256i broadcast_scale(__m256i scales16, int j) {
+    const __m256i pick = _mm256_set1_epi16((short)(0x0100 + 0x0202 * j));
+    return _mm256_shuffle_epi8(scales16, pick);
+}
+
+/* Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and minimums; code bits 5 (Q5_K) in qh. */
+static inline __attribute__((always_inline)) void k45_superblock(
+    const int R, const int five, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
+    const float *restrict xd, int64_t K, __m256 *acc) {
+    const int64_t nsb = K / 256;
+    const float d = h2f(b), dmin = h2f(b + 2);
+    const __m128i sm = scales_mins_k4(b + 4);
+    const __m256i scales16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    const uint8_t *qs = b + (five ? 48 : 16);
+    __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    __m256i isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {  /* 64 values: low nibbles, then high nibbles */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if (five) {  /* bits 2j and 2j + 1 of each qh byte */
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+            hb = _mm256_srli_epi16(hb, 2);
+        }
+        SUB_BLOCK(R, lo, x + 64 * j, broadcast_scale(scales16, 2 * j), isum);
+        SUB_BLOCK(R, hi, x + 64 * j + 32, broadcast_scale(scales16, 2 * j + 1), isum);
+    }
+    /* minimums: each repeated for the two 16-sums of its sub-block */
+    const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+    for (int r = 0; r < R; r++) {
+        const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), mins);
+        const float dx = xd[r * nsb];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-dmin * dx), acc[r]);
+    }
+}
+
+/* Q6_K: 16 groups of 16 with int8 scales, codes q in [0, 64) worth q - 32. */
+static inline __attribute__((always_inline)) void q6_k_superblock(
+    const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
+    const float *restrict xd, int64_t K, __m256 *acc) {
+    const int64_t nsb = K / 256;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = h2f(b + 208);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+    __m256i isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {  /* 128 values from 64 bytes of ql and 32 of qh */
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        const __m256i qa = _mm256_loadu_si256((const __m256i *)ql), qb = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+        const __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(qa, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), two)),
+            _mm256_or_si256(_mm256_and_si256(qb, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), two)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4), _mm256_and_si256(hb, two)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), two)),
+        };
+        for (int k = 0; k < 4; k++) {
+            const int g = 8 * h + 2 * k;  /* the 16-groups of this sub-block */
+            const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+            SUB_BLOCK(R, u[k], x + 128 * h + 32 * k, scale, isum);
+        }
+    }
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    for (int r = 0; r < R; r++) {  /* the codes' offset: -32 * sum over groups of scale * x-sum */
+        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), scales);
+        isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
+    }
+}
+
+/* IQ4_XS: 8 sub-blocks of 32 with 6-bit scales (minus 32), codes through the IQ4 value table.
+ * The values are signed: |value| times x with value's sign keeps vpmaddubsw's operand unsigned. */
+static inline __attribute__((always_inline)) void iq4_xs_superblock(
+    const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
+    const float *restrict xd, int64_t K, __m256 *acc) {
+    (void)xb;
+    const int64_t nsb = K / 256;
+    const float d = h2f(b);
+    uint16_t sh; memcpy(&sh, b + 2, 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    const __m256i table = iq4_table();
+    __m256i isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+        const __m256i v = _mm256_shuffle_epi8(table, nibbles(qs + 16 * ib)), u = _mm256_sign_epi8(v, v);
+        const __m256i scale = _mm256_set1_epi16((int16_t)(ls - 32));
+        for (int r = 0; r < R; r++) {
+            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x + r * K + 32 * ib)), v);
+            isum[r] = DPWSSD(isum[r], _mm256_maddubs_epi16(u, xv), scale);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
+}
+
+#define Q4_K_SB(R, b, x, xb, xd, K, acc) k45_superblock(R, 0, b, x, xb, xd, K, acc)
+#define Q5_K_SB(R, b, x, xb, xd, K, acc) k45_superblock(R, 1, b, x, xb, xd, K, acc)
+#define Q6_K_SB(R, b, x, xb, xd, K, acc) q6_k_superblock(R, b, x, xb, xd, K, acc)
+#define IQ4_XS_SB(R, b, x, xb, xd, K, acc) iq4_xs_superblock(R, b, x, xb, xd, K, acc)
+
+/* One weight row of super-blocks against R activation rows (xq, xd, xb at row b0). */
+#define KGEMM_FOR_TYPE(NAME, SUPERBLOCK, NBYTES)                                                    \
+    static inline __attribute__((always_inline)) void NAME##_kdot(                                  \
+        const int R, const uint8_t *restrict row, int64_t K, const int8_t *restrict xq,              \
+        const float *restrict xd, const int16_t *restrict xb, float *restrict Y, int64_t N, int64_t n) { \
+        const int64_t nsb = K / 256;                                                                \
+        __m256 acc[IRB];                                                                            \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                   \
+        for (int64_t j = 0; j < nsb; j++)                                                           \
+            SUPERBLOCK(R, row + j * NBYTES, xq + j * 256, xb + j * 16, xd + j, K, acc);             \
+        for (int r = 0; r < R; r++) Y[r * N + n] = hsum8(acc[r]);                                   \
+    }                                                                                               \
+    static void NAME##_kgemm(const uint8_t *const *W, int64_t N, int64_t K, const int8_t *xq,      \
+                             const float *xd, const int16_t *xb, int64_t B, float *Y, int nthreads) { \
+        FOR_ROWS_AND_BATCH(KDOT_##NAME)                                                             \
+    }
+#define KDOT_ARGS(R) (R, W[n], K, xq + b0 * K, xd + b0 * (K / 256), xb + b0 * (K / 16), Y + b0 * N, N, n)
+#define KDOT_q4_k(R) q4_k_kdot KDOT_ARGS(R)
+#define KDOT_q5_k(R) q5_k_kdot KDOT_ARGS(R)
+#define KDOT_q6_k(R) q6_k_kdot KDOT_ARGS(R)
+#define KDOT_iq4_xs(R) iq4_xs_kdot KDOT_ARGS(R)
+
+KGEMM_FOR_TYPE(q4_k, Q4_K_SB, 144)
+KGEMM_FOR_TYPE(q5_k, Q5_K_SB, 176)
+KGEMM_FOR_TYPE(q6_k, Q6_K_SB, 210)
+KGEMM_FOR_TYPE(iq4_xs, IQ4_XS_SB, 136)
 
 typedef void (*igemm_fn)(const uint8_t *const *, int64_t, int64_t, const int8_t *, const float *, const float *,
+                         int64_t, float *, int);
+typedef void (*kgemm_fn)(const uint8_t *const *, int64_t, int64_t, const int8_t *, const float *, const int16_t *,
                          int64_t, float *, int);
 
 static igemm_fn int8_lookup(int type) {
@@ -444,30 +667,48 @@ static igemm_fn int8_lookup(int type) {
     case Q5_0: return q5_0_igemm;
     case Q5_1: return q5_1_igemm;
     case Q8_0: return q8_0_igemm;
+    case IQ4_NL: return iq4_nl_igemm;
+    default: return 0;
+    }
+}
+
+static kgemm_fn int8_k_lookup(int type) {
+    switch (type) {
+    case Q4_K: return q4_k_kgemm;
+    case Q5_K: return q5_k_kgemm;
+    case Q6_K: return q6_k_kgemm;
+    case IQ4_XS: return iq4_xs_kgemm;
     default: return 0;
     }
 }
 #else
-typedef void (*igemm_fn)(void);
-static igemm_fn int8_lookup(int type) { (void)type; return 0; }
+static void *int8_lookup(int type) { (void)type; return 0; }
+static void *int8_k_lookup(int type) { (void)type; return 0; }
 #endif
 
-int gguf_int8_supported(int type) { return int8_lookup(type) != 0; }
+int gguf_int8_supported(int type) { return int8_lookup(type) != 0 || int8_k_lookup(type) != 0; }
 
-/* Y[B, N] = X[B, K] @ W[N, K]^T on the fast path (X quantized to 8 bits per block of 32);
+/* Y[B, N] = X[B, K] @ W[N, K]^T on the fast path (X quantized to 8 bits per block, see above);
  * -1 where the type or the build has no such path. */
 int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
                    int nthreads) {
-    igemm_fn f = int8_lookup(type);
-    if (!f || K % 32) return -1;
+    if (!gguf_int8_supported(type)) return -1;
 #ifdef HAVE_INT8_DOT
-    const int64_t nblk = K / 32;
+    const int super = int8_k_lookup(type) != 0, qk = super ? 256 : 32;
+    if (K % qk) return -1;
+    const int64_t nblk = K / qk;
     int8_t *xq = malloc((size_t)(B * K));
-    float *xd = malloc((size_t)(B * nblk) * sizeof(float)), *xs = malloc((size_t)(B * nblk) * sizeof(float));
-    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
-    quantize_activations(X, B, K, xq, xd, xs, nthreads);
-    f(W, N, K, xq, xd, xs, B, Y, nthreads);
-    free(xq); free(xd); free(xs);
+    float *xd = malloc((size_t)(B * nblk) * sizeof(float));
+    void *extra = malloc(super ? (size_t)(B * K / 16) * sizeof(int16_t) : (size_t)(B * nblk) * sizeof(float));
+    if (!xq || !xd || !extra) { free(xq); free(xd); free(extra); return -2; }
+    if (super) {
+        quantize_activations_k(X, B, K, xq, xd, extra, nthreads);
+        int8_k_lookup(type)(W, N, K, xq, xd, extra, B, Y, nthreads);
+    } else {
+        quantize_activations(X, B, K, xq, xd, extra, nthreads);
+        int8_lookup(type)(W, N, K, xq, xd, extra, B, Y, nthreads);
+    }
+    free(xq); free(xd); free(extra);
 #endif
     return 0;
 }

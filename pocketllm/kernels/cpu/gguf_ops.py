@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from pocketllm.kernels.cpu.build import load_gguf_kernels
+from pocketllm.kernels.cpu.build import load_cpu_kernels
 
 
 def supports(qtype: int) -> bool:
-    lib = load_gguf_kernels()
+    lib = load_cpu_kernels()
     return lib is not None and bool(lib.gguf_supported(int(qtype)))
 
 
 def supports_int8(qtype: int) -> bool:
     """Whether the fast path (integer dot products over 8-bit activations) covers the type here."""
-    lib = load_gguf_kernels()
+    lib = load_cpu_kernels()
     return lib is not None and bool(lib.gguf_int8_supported(int(qtype)))
 
 
@@ -28,10 +28,11 @@ def row_pointers(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tables)
 
 
-def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int, int8: bool = False) -> torch.Tensor:
+def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int, int8: bool = False, lib=None) -> torch.Tensor:
     """x [B, K] float32 @ dequant(W).T -> [B, N] float32, W given by its row pointer table;
-    with `int8`, over x quantized to 8 bits per block of 32 (see supports_int8)."""
-    lib = load_gguf_kernels()
+    with `int8`, over x quantized to 8 bits per block (see supports_int8). `lib`: another build
+    of the kernels (load_cpu_kernels(isa)), for tests."""
+    lib = lib or load_cpu_kernels()
     x = x.contiguous()
     b, k = x.shape
     n = rows.numel()
@@ -44,7 +45,7 @@ def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int, int8: bool = False) ->
 
 def dequant_row_ptrs(rows: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """Dequantize the rows a pointer table names -> [len(rows), K] float32."""
-    lib = load_gguf_kernels()
+    lib = load_cpu_kernels()
     out = torch.empty(rows.numel(), k, dtype=torch.float32)
     rc = lib.gguf_dequant_row_ptrs(int(qtype), rows.data_ptr(), k, rows.numel(), out.data_ptr(),
                                    torch.get_num_threads())
@@ -54,7 +55,7 @@ def dequant_row_ptrs(rows: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 def dequant_rows(data: torch.Tensor, qtype: int, k: int, rows: torch.Tensor) -> torch.Tensor:
     """Dequantize the given rows of data [N, row_bytes] -> [len(rows), K] float32."""
-    lib = load_gguf_kernels()
+    lib = load_cpu_kernels()
     rows = rows.to(torch.int64).contiguous()
     out = torch.empty(rows.numel(), k, dtype=torch.float32)
     rc = lib.gguf_dequant_rows(int(qtype), data.data_ptr(), k, rows.data_ptr(), rows.numel(),

@@ -1,0 +1,129 @@
+/* The float32 operations between the matmuls of a decoder layer, for the CPU fast path: each is
+ * one call where torch takes several ops (and several microseconds of dispatch each), which at
+ * batch 1 costs as much as the matmuls of a small model. Not bit-identical to torch (sums run
+ * in another order), so the exact path keeps torch's ops.
+ *
+ * Reductions use `omp simd reduction`, which lets the compiler vectorize them in any order. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* y[r] = x[r] / rms(x[r]) * w, rows of `dim`. With `res`: x[r] + res[r] is normalized instead
+ * and stored in res (the new residual stream). y may be x. */
+int cpu_rms_norm(const float *x, float *res, const float *w, float *y, int64_t rows, int64_t dim, float eps,
+                 int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *src = (float *)xr;
+        if (res) {
+            src = res + r * dim;
+            #pragma omp simd
+            for (int64_t i = 0; i < dim; i++) src[i] += xr[i];
+        }
+        float ss = 0.f;
+        #pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) ss += src[i] * src[i];
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        float *yr = y + r * dim;
+        #pragma omp simd
+        for (int64_t i = 0; i < dim; i++) yr[i] = src[i] * inv * w[i];
+    }
+    return 0;
+}
+
+/* Rotary embedding (rotate-half layout), in place: heads h < H of token t start at
+ * x + t * row_stride + h * D; cos and sin are [positions, D / 2] tables. */
+int cpu_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t *pos,
+               const float *cos_t, const float *sin_t) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + pos[t] * half, *s = sin_t + pos[t] * half;
+        for (int64_t h = 0; h < H; h++) {
+            float *x1 = x + t * row_stride + h * D, *x2 = x1 + half;
+            #pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+    return 0;
+}
+
+/* K and V of T tokens (rows of `width` floats, `row_stride` apart) into cache slots; slot -1:
+ * nowhere. Caches are [slots, width]. */
+int cpu_write_kv(const float *k, const float *v, int64_t T, int64_t row_stride, int64_t width, const int64_t *slots,
+                 float *k_cache, float *v_cache) {
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        float *kd = k_cache + slots[t] * width, *vd = v_cache + slots[t] * width;
+        const float *ks = k + t * row_stride, *vs = v + t * row_stride;
+        for (int64_t i = 0; i < width; i++) { kd[i] = ks[i]; vd[i] = vs[i]; }
+    }
+    return 0;
+}
+
+/* Attention of n single-token queries over their paged context.
+ * q: [n, hq, d] rows `q_stride` apart; caches [blocks, bs, hkv, d]; tables [n, width] block ids;
+ * lens[i]: context length of query i (itself included); window > 0: only its last `window`
+ * positions; softcap > 0: scores s become softcap * tanh(s / softcap). out: [n, hq, d].
+ * One task per (query, kv head): its group of hq / hkv query heads shares each K and V row. */
+int cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, int64_t bs,
+                         int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
+                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap, float *out,
+                         int nthreads) {
+    const int64_t group = hq / hkv;
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = malloc((size_t)(max_len * group) * sizeof(float));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < n * hkv; task++) {
+            if (!scores) continue;
+            const int64_t i = task / hkv, h = task % hkv, len = lens[i];
+            const int64_t start = window > 0 && len > window ? len - window : 0, m = len - start;
+            const int64_t *table = tables + i * width;
+            const float *qi = q + i * q_stride + h * group * d;
+            for (int64_t p = start; p < len; p++) {
+                const float *kr = k_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = qi + g * d;
+                    float s = 0.f;
+                    #pragma omp simd reduction(+ : s)
+                    for (int64_t e = 0; e < d; e++) s += qg[e] * kr[e];
+                    s *= scale;
+                    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+                    scores[g * m + p - start] = s;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * m, mx = -INFINITY, sum = 0.f;
+                for (int64_t j = 0; j < m; j++) mx = sg[j] > mx ? sg[j] : mx;
+                for (int64_t j = 0; j < m; j++) { sg[j] = expf(sg[j] - mx); sum += sg[j]; }
+                const float inv = 1.f / sum;
+                for (int64_t j = 0; j < m; j++) sg[j] *= inv;
+                float *o = out + (i * hq + h * group + g) * d;
+                for (int64_t e = 0; e < d; e++) o[e] = 0.f;
+            }
+            for (int64_t p = start; p < len; p++) {
+                const float *vr = v_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
+                for (int64_t g = 0; g < group; g++) {
+                    float *o = out + (i * hq + h * group + g) * d;
+                    const float w = scores[g * m + p - start];
+                    #pragma omp simd
+                    for (int64_t e = 0; e < d; e++) o[e] += w * vr[e];
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,85 @@
+"""The CPU fast path's layer kernels (RMSNorm with the residual add, rotary embedding, the KV-cache
+write and decode attention) against the torch ops the exact path runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pocketllm.kernels.cpu import layer_ops
+from pocketllm.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
+from pocketllm.layers.rotary import RotaryEmbedding, _rotate
+
+if not layer_ops.available():
+    pytest.skip("no C compiler: the CPU kernels are not built", allow_module_level=True)
+
+gen = torch.Generator().manual_seed(0)
+
+
+def randn(*shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_with_and_without_the_residual_add(rows):
+    x, res, w = randn(rows, 576), randn(rows, 576), randn(576)
+    torch.testing.assert_close(layer_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
+    want_res = x + res
+    y, new_res = layer_ops.rms_norm(x, w, 1e-6, res)
+    assert new_res is res  # updated in place: the residual stream
+    torch.testing.assert_close(new_res, want_res)
+    torch.testing.assert_close(y, F.rms_norm(want_res, (576,), w, 1e-6))
+
+
+def test_rotary_in_place_on_a_strided_view():
+    rot = RotaryEmbedding(64, 512, 10000.0)
+    qkv = randn(5, 12 + 2 * 4, 64)  # queries and keys rotate, values stay
+    qk = qkv[:, :16]
+    pos = torch.tensor([0, 3, 100, 511, 7])
+    want = _rotate(qk, rot.cos[pos].unsqueeze(1), rot.sin[pos].unsqueeze(1))
+    values = qkv[:, 16:].clone()
+    assert layer_ops.rotary_(qk, pos, rot.cos, rot.sin) is qk
+    torch.testing.assert_close(qkv[:, :16], want)
+    assert torch.equal(qkv[:, 16:], values)
+
+
+def step_metadata(decode_lens: list[int], prefills: list[tuple[int, int]], bs: int, num_blocks: int):
+    """A step's torch-path metadata (as the runner builds it) over randomly placed blocks: decode rows
+    of the given context lengths, then prefill chunks of (query length, context length)."""
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots = [], []
+    for ctx, ql in [(c, 1) for c in decode_lens] + [(c, q) for q, c in prefills]:
+        blocks = [free.pop() for _ in range(-(-ctx // bs))]
+        tables.append(blocks)
+        slots += [blocks[p // bs] * bs + p % bs for p in range(ctx - ql, ctx)]
+    n = len(decode_lens)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=n)
+    if n:
+        width = max(len(t) for t in tables[:n])
+        meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:n]])
+        meta.decode_lens = torch.tensor(decode_lens)
+        meta.decode_mask = (torch.arange(width * bs)[None, :] < meta.decode_lens[:, None])[:, None, None, :]
+    q0 = n
+    for (ql, ctx), blocks in zip(prefills, tables[n:]):
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - ql, ctx)[:, None]
+        meta.prefills.append(PrefillSpan(q0, ql, ctx, torch.tensor(blocks), mask))
+        q0 += ql
+    return meta, q0
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
+@pytest.mark.parametrize("decodes,prefills", [([1], []), ([17, 3, 40, 16], []), ([9, 33], [(6, 20), (1, 1)]),
+                                              ([], [(12, 12)])])
+def test_cache_write_and_decode_attention_match_the_torch_path(decodes, prefills, window, softcap):
+    bs, nb, hq, hkv, d = 16, 24, 6, 2, 32
+    meta, t = step_metadata(decodes, prefills, bs, nb)
+    caches = randn(2, nb, bs, hkv, d)
+    q, k, v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
+    outs = []
+    for cpu_kernels in (False, True):
+        kc, vc = caches[0].clone(), caches[1].clone()
+        o = paged_attention(q, k, v, kc, vc, meta, 0.3, window, softcap, cpu_kernels=cpu_kernels)
+        outs.append((o, kc, vc))
+    (want, kc0, vc0), (got, kc1, vc1) = outs
+    assert torch.equal(kc0, kc1) and torch.equal(vc0, vc1)  # the same slots written, bit for bit
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
