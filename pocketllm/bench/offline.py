@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import time
 
 from pocketllm.bench.report import environment, percentile, print_table, write_json
@@ -120,5 +121,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.output_json, {**environment(), "benchmark": args.bench,
                                   "model": engine.args.model, "dtype": engine.dtype_name,
                                   "input_len": args.input_len, "output_len": args.output_len,
+                                  "weight_bytes": engine.weight_bytes,
+                                  "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                   "results": results})
     return 0

@@ -1,0 +1,164 @@
+"""PocketLLM against llama.cpp on the CPU, side by side on the same GGUF files, back to back:
+single-stream decode (llama-bench tg64), prefill of 128 and 512 tokens (pp128, pp512) and 8
+concurrent sequences (llama-batched-bench, 128 prompt + 128 generated tokens each).
+
+Files: the default model (SmolLM2-135M-Instruct Q4_1, real weights) and random-weight files of a
+Qwen2.5-1.5B's shape (`pocketllm dummy-gguf`; IQ4_XS through llama-quantize from an F16 one),
+written once into --workdir. llama.cpp is built from ../shared/peers into $LLAMACPP_DIR (default
+/tmp/llama.cpp) unless it is there already.
+
+    python benchmarks/cpu_vs_llamacpp.py [--types Q4_1 Q4_K_M ...] [--paths fast exact]
+        # -> benchmarks/results/cpu-vs-llamacpp.json and .md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+
+from pocketllm.bench.report import environment
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "peers"
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_TYPES = ["Q4_1", "Q4_K_M", "Q4_0", "Q8_0", "Q5_K_M", "Q6_K", "IQ4_XS"]
+SHAPE = "qwen2.5-1.5b"
+# goals of the CPU-kernels issue: PocketLLM / llama.cpp
+GOALS = {"tg": 1.0, "pp128": 1.0, "pp512": 1.5, "batch8": 1.5}
+
+
+def run(cmd: list[str], env: dict | None = None) -> str:
+    print("+", " ".join(map(str, cmd)), file=sys.stderr, flush=True)
+    done = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def llamacpp_bin(threads: int) -> Path:
+    bin_dir = Path(os.environ.get("LLAMACPP_DIR", "/tmp/llama.cpp")) / "build" / "bin"
+    if not (bin_dir / "llama-bench").exists() or not (bin_dir / "llama-batched-bench").exists():
+        run(["bash", PEERS / "llamacpp.sh", "build", "cpu"], env={"THREADS": str(threads)})
+    return bin_dir
+
+
+def model_file(qtype: str, workdir: Path, bin_dir: Path) -> Path:
+    """The file of a type: the default model for Q4_1, else a random-weight file of SHAPE."""
+    if qtype == "Q4_1":
+        shared = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if shared.is_file():
+            return shared
+        from pocketllm.pull import pull_default_model
+        return Path(pull_default_model())
+    from pocketllm.loaders.dummy_gguf import write_dummy_gguf
+
+    out = workdir / f"{SHAPE}-{qtype}.gguf"
+    if not out.exists():
+        if qtype.startswith("IQ"):  # no dummy blocks for IQ types: llama.cpp quantizes an F16 file
+            f16 = model_file("F16", workdir, bin_dir)
+            run([bin_dir / "llama-quantize", f16, out, qtype, "2"])
+        else:
+            write_dummy_gguf(out, SHAPE, qtype)
+    return out
+
+
+def tensor_bytes(path: Path) -> int:
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+def llamacpp(bin_dir: Path, path: Path, threads: int, reps: int) -> dict:
+    rows = json.loads(run([bin_dir / "llama-bench", "-m", path, "-p", "128,512", "-n", "64", "-fa", "1",
+                           "-ngl", "0", "-t", threads, "-r", reps, "-o", "json"]))
+    out = {}
+    for r in rows:
+        key = f"tg{r['n_gen']}" if r["n_gen"] else f"pp{r['n_prompt']}"
+        out["tg" if key.startswith("tg") else key] = r["avg_ts"]
+    table = run([bin_dir / "llama-batched-bench", "-m", path, "-c", "2200", "-b", "2048", "-ub", "512",
+                 "-npp", "128", "-ntg", "128", "-npl", "8", "-fa", "on", "-ngl", "0", "-t", threads])
+    for line in table.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[0] == "128" and cells[2] == "8":
+            out["batch8"] = float(cells[7])
+    return out
+
+
+def pocketllm(path: Path, exact: bool, reps: int) -> dict:
+    def bench(kind: str, *extra) -> dict:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            run([sys.executable, "-m", "pocketllm.cli.main", "bench", kind, path, "--max-model-len", "1024",
+                 "--exact-kernels", str(exact).lower(), "--warmup", "1", "--output-json", f.name, *extra])
+            return json.loads(Path(f.name).read_text())
+
+    short = bench("latency", "--input-len", "128", "--output-len", "64", "--num-iters", reps)
+    long = bench("latency", "--input-len", "512", "--output-len", "2", "--num-iters", reps)
+    batch = bench("throughput", "--input-len", "128", "--output-len", "128", "--num-prompts", "8",
+                  "--max-concurrency", "8")
+    r = short["results"][0]
+    step_ms = 1e3 / r["decode_tok_s"]
+    return {"tg": r["decode_tok_s"], "pp128": r["prefill_tok_s"], "pp512": long["results"][0]["prefill_tok_s"],
+            "batch8": batch["results"][0]["decode_tok_s"], "weight_bytes": short["weight_bytes"],
+            "step_overhead_share": r["overhead_ms_p50_at_max"] / step_ms}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# PocketLLM vs llama.cpp on the CPU, same files, back to back",
+             "",
+             f"{report['machine']['cpu']}, {report['threads']} threads, commit {report['commit']}"
+             f"{' (dirty)' if report['dirty'] else ''}, {report['date']}. llama.cpp built from ../shared/peers "
+             f"(AVX-512). tok/s; ratio = PocketLLM / llama.cpp; goal in brackets.",
+             f"Command: `{report['command']}`", ""]
+    for path_name in report["paths"]:
+        lines += [f"## PocketLLM {path_name} path", "",
+                  "| file | decode, 1 stream [>=1.0x] | prefill 128 [>=1.0x] | prefill 512 [>=1.5x] | "
+                  "8 sequences [>=1.5x] | weights / file |", "|---|---|---|---|---|---|"]
+        for row in report["files"]:
+            ours, peer = row[path_name], row["llama.cpp"]
+            cells = []
+            for key in ("tg", "pp128", "pp512", "batch8"):
+                ratio = ours[key] / peer[key]
+                mark = "" if ratio >= GOALS[key] else " (miss)"
+                cells.append(f"{ours[key]:.1f} vs {peer[key]:.1f} ({ratio:.2f}x){mark}")
+            lines.append(f"| {row['name']} | " + " | ".join(cells) +
+                         f" | {ours['weight_bytes'] / row['tensor_bytes']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", nargs="+", default=DEFAULT_TYPES)
+    ap.add_argument("--paths", nargs="+", default=["fast"], choices=["fast", "exact"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pocketllm-cpu-bench")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cpu-vs-llamacpp.json")
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    bin_dir = llamacpp_bin(args.threads)
+    report = {**environment(), "threads": args.threads, "command": " ".join(["python", *sys.argv]),
+              "paths": args.paths, "files": []}
+    for qtype in args.types:
+        path = model_file(qtype, args.workdir, bin_dir)
+        name = "SmolLM2-135M-Instruct Q4_1 (real)" if qtype == "Q4_1" else f"{SHAPE} {qtype} (random weights)"
+        row = {"name": name, "type": qtype, "file": str(path), "tensor_bytes": tensor_bytes(path)}
+        t0 = time.perf_counter()
+        row["llama.cpp"] = llamacpp(bin_dir, path, args.threads, args.reps)
+        for p in args.paths:  # right after llama.cpp on the same file
+            row[p] = pocketllm(path, p == "exact", args.reps)
+        print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        report["files"].append(row)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(report) + "\n")
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
