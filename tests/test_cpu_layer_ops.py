@@ -83,3 +83,34 @@ def test_cache_write_and_decode_attention_match_the_torch_path(decodes, prefills
     (want, kc0, vc0), (got, kc1, vc1) = outs
     assert torch.equal(kc0, kc1) and torch.equal(vc0, vc1)  # the same slots written, bit for bit
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, 20.0)])
+def test_fused_decode_step_rotates_writes_and_attends(window, softcap):
+    bs, nb, hq, hkv, d = 16, 24, 6, 2, 32
+    decodes = [1, 17, 40]
+    meta, t = step_metadata(decodes, [], bs, nb)
+    rot = RotaryEmbedding(d, 64, 10000.0)
+    pos = torch.tensor(decodes) - 1
+    qkv = randn(t, hq + 2 * hkv, d)
+    caches = randn(2, nb, bs, hkv, d)
+    kc, vc = caches[0].clone(), caches[1].clone()
+    qk = rot(pos, qkv[:, :hq + hkv])  # the torch path: rotate, then write and attend
+    want = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:], kc, vc, meta, 0.3, window, softcap)
+    fused = qkv.clone()
+    fkc, fvc = caches[0].clone(), caches[1].clone()
+    got = layer_ops.fused_decode_attention(fused, hq, fkc, fvc, meta.slot_mapping, meta.decode_block_tables,
+                                           meta.decode_lens, 0.3, window, softcap, (pos, rot.cos, rot.sin))
+    torch.testing.assert_close(fused[:, :hq + hkv], qk)  # rotated in place
+    torch.testing.assert_close(fkc, kc)
+    assert torch.equal(fvc, vc)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act,ref", [(0, F.silu), (1, lambda g: F.gelu(g, approximate="tanh"))])
+def test_gated_activations(act, ref):
+    gate_up = randn(3, 2 * 700) * 4
+    gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.5, 89.0, 1e-8])
+    gate, up = gate_up.chunk(2, dim=-1)
+    # within a few float32 ulp of torch's (which rounds a tail like -20's to 0 exactly)
+    torch.testing.assert_close(layer_ops.gated_act(gate_up, act), ref(gate) * up, rtol=4e-6, atol=2e-6)

@@ -79,3 +79,19 @@ def test_async_scheduling_gives_the_same_tokens(reference):
     assert outs[0].outputs[0].finish_reason == "stop"
     assert outs[1].outputs[0].token_ids == expected[3][:5]
     llm.engine.check_no_leaks()
+
+
+def test_cpu_fast_path_layer_kernels_match_transformers(reference):
+    """exact_kernels=False on float32 weights: no integer matmuls, only the fused C layer kernels
+    (norms, rotary, cache write and decode attention, gated activation), which differ from
+    torch's ops by float rounding alone: the same greedy tokens, through chunked prefill and
+    preemption (mixed decode and prefill steps) as well."""
+    path, prompts, expected, _ = reference
+    got, _, llm = run(path, prompts, exact_kernels=False)
+    norms = [m for m in llm.engine.runner.model.modules() if hasattr(m, "cpu_kernels")]
+    assert norms and all(m.cpu_kernels for m in norms)
+    assert got == expected
+    tight, outs, _ = run(path, prompts, exact_kernels=False, num_kv_blocks=9, max_model_len=128,
+                         max_num_batched_tokens=8)
+    assert tight == expected
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0

@@ -30,7 +30,7 @@ class RMSNorm(torch.nn.Module):
             from pocketllm.kernels.triton.fused import rms_norm
 
             return rms_norm(x, self.weight, self.eps, self.offset, residual)
-        if self.cpu_kernels:
+        if self.cpu_kernels and x.is_contiguous():
             from pocketllm.kernels.cpu import layer_ops
 
             return layer_ops.rms_norm(x, self.scale(), self.eps, residual)

@@ -45,6 +45,16 @@ class Attention(torch.nn.Module):
         qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+        if self.cpu_kernels and not meta.prefills:  # a decode-only step: rotary, cache write, attention
+            from pocketllm.kernels.cpu import layer_ops
+
+            if self.q_norm is not None:
+                qkv[:, :hq + self.num_kv_heads] = qk
+            rot = self.rotary
+            o = layer_ops.fused_decode_attention(qkv, hq, self.k_cache, self.v_cache, meta.slot_mapping,
+                                                 meta.decode_block_tables, meta.decode_lens, self.scale,
+                                                 self.window, self.softcap, (positions, rot.cos, rot.sin))
+            return self.o_proj(o.reshape(t, -1))
         qk = self.rotary(positions, qk)  # queries and keys rotate in one pass
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
@@ -60,6 +70,7 @@ class MLP(torch.nn.Module):
         self.down_proj = Linear(i, [h], cfg.mlp_bias, dtype, device)
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.act_code = _KERNEL_ACTIVATIONS[cfg.hidden_act]
+        self.cpu_kernels = False  # the CPU fast path's fused gated activation (where it has this one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -67,6 +78,10 @@ class MLP(torch.nn.Module):
             from pocketllm.kernels.triton.fused import gated_act
 
             return self.down_proj(gated_act(gate_up, self.act_code))
+        if self.cpu_kernels and self.act_code in (0, 1):
+            from pocketllm.kernels.cpu import layer_ops
+
+            return self.down_proj(layer_ops.gated_act(gate_up, self.act_code))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -501,11 +501,51 @@ IGEMM_FOR_TYPE(iq4_nl, unpack_iq4_nl, 18, 1)
  * scales applied) and msum (minimums times activation sums), then
  *     acc += d * dx * isum + dmin * dx * msum. */
 
-/* The pair sums of R activation rows (x, stride K) against 32 unsigned codes u, times an int16
- * scale per pair, added to isum. */
+/* Two adjacent sub-blocks of 32 (64 activations from x, for R rows at stride K): the pair sums of
+ * the unsigned codes ulo, uhi times the activations, times an int16 scale per pair (slo, shi),
+ * added to isum. With AVX-512 BW and VNNI both sub-blocks take one 512-bit instruction of each
+ * kind (CPUs that split 512-bit operations run the same work as two). */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+typedef __m512i isum_t;
+#define ISUM_ZERO() _mm512_setzero_si512()
+#define ISUM_NARROW(v) _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
+#define WIDEN(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+#define SUB_BLOCK_PAIR(R, ulo, uhi, x, slo, shi, isum)                                              \
+    do {                                                                                            \
+        const __m512i u_ = WIDEN(ulo, uhi), s_ = WIDEN(slo, shi);                                   \
+        for (int r = 0; r < R; r++)                                                                 \
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, _mm512_loadu_si512((x) + r * K)), s_); \
+    } while (0)
+/* signed values v: |v| against x with v's sign */
+#define SIGNED_SUB_BLOCK_PAIR(R, vlo, vhi, x, slo, shi, isum)                                       \
+    do {                                                                                            \
+        const __m512i v_ = WIDEN(vlo, vhi), u_ = _mm512_abs_epi8(v_), s_ = WIDEN(slo, shi);        \
+        const __mmask64 neg_ = _mm512_movepi8_mask(v_);                                             \
+        for (int r = 0; r < R; r++) {                                                               \
+            const __m512i x_ = _mm512_loadu_si512((x) + r * K);                                     \
+            const __m512i sx_ = _mm512_mask_sub_epi8(x_, neg_, _mm512_setzero_si512(), x_);         \
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, sx_), s_);             \
+        }                                                                                           \
+    } while (0)
+#else
+typedef __m256i isum_t;
+#define ISUM_ZERO() _mm256_setzero_si256()
+#define ISUM_NARROW(v) (v)
 #define SUB_BLOCK(R, u, x, scale, isum)                                                             \
     for (int r = 0; r < R; r++)                                                                     \
         isum[r] = DPWSSD(isum[r], _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)((x) + r * K))), scale)
+#define SUB_BLOCK_PAIR(R, ulo, uhi, x, slo, shi, isum)                                              \
+    do { SUB_BLOCK(R, ulo, x, slo, isum); SUB_BLOCK(R, uhi, (x) + 32, shi, isum); } while (0)
+#define SIGNED_SUB_BLOCK_PAIR(R, vlo, vhi, x, slo, shi, isum)                                       \
+    do {                                                                                            \
+        const __m256i ulo_ = _mm256_sign_epi8(vlo, vlo), uhi_ = _mm256_sign_epi8(vhi, vhi);         \
+        for (int r = 0; r < R; r++) {                                                               \
+            const __m256i *x_ = (const __m256i *)((x) + r * K);                                     \
+            isum[r] = DPWSSD(isum[r], _mm256_maddubs_epi16(ulo_, _mm256_sign_epi8(_mm256_loadu_si256(x_), vlo)), slo); \
+            isum[r] = DPWSSD(isum[r], _mm256_maddubs_epi16(uhi_, _mm256_sign_epi8(_mm256_loadu_si256(x_ + 1), vhi)), shi); \
+        }                                                                                           \
+    } while (0)
+#endif
 
 /* The 8 six-bit scales (bytes 0-7) and minimums (bytes 8-15) of a Q4_K / Q5_K super-block's 12
  * packed bytes (scale_min_k4 for all eight at once). */
@@ -538,8 +578,8 @@ static inline __attribute__((always_inline)) void k45_superblock(
     const uint8_t *qs = b + (five ? 48 : 16);
     __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-    __m256i isum[IRB];
-    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    isum_t isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int j = 0; j < 4; j++) {  /* 64 values: low nibbles, then high nibbles */
         const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
         __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
@@ -548,8 +588,8 @@ static inline __attribute__((always_inline)) void k45_superblock(
             hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
             hb = _mm256_srli_epi16(hb, 2);
         }
-        SUB_BLOCK(R, lo, x + 64 * j, broadcast_scale(scales16, 2 * j), isum);
-        SUB_BLOCK(R, hi, x + 64 * j + 32, broadcast_scale(scales16, 2 * j + 1), isum);
+        SUB_BLOCK_PAIR(R, lo, hi, x + 64 * j, broadcast_scale(scales16, 2 * j), broadcast_scale(scales16, 2 * j + 1),
+                       isum);
     }
     /* minimums: each repeated for the two 16-sums of its sub-block */
     const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
@@ -557,7 +597,7 @@ static inline __attribute__((always_inline)) void k45_superblock(
     for (int r = 0; r < R; r++) {
         const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), mins);
         const float dx = xd[r * nsb];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * dx), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-dmin * dx), acc[r]);
     }
 }
@@ -570,8 +610,8 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = h2f(b + 208);
     const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
-    __m256i isum[IRB];
-    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    isum_t isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int h = 0; h < 2; h++) {  /* 128 values from 64 bytes of ql and 32 of qh */
         const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
         const __m256i qa = _mm256_loadu_si256((const __m256i *)ql), qb = _mm256_loadu_si256((const __m256i *)(ql + 32));
@@ -583,22 +623,23 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), two)),
         };
-        for (int k = 0; k < 4; k++) {
-            const int g = 8 * h + 2 * k;  /* the 16-groups of this sub-block */
-            const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
-            SUB_BLOCK(R, u[k], x + 128 * h + 32 * k, scale, isum);
-        }
+        __m256i scale[4];  /* per sub-block: the scales of its two 16-groups */
+        for (int k = 0; k < 4; k++)
+            scale[k] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]), _mm_set1_epi16(sc[8 * h + 2 * k]));
+        SUB_BLOCK_PAIR(R, u[0], u[1], x + 128 * h, scale[0], scale[1], isum);
+        SUB_BLOCK_PAIR(R, u[2], u[3], x + 128 * h + 64, scale[2], scale[3], isum);
     }
     const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
     for (int r = 0; r < R; r++) {  /* the codes' offset: -32 * sum over groups of scale * x-sum */
         const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), scales);
-        isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
+        const __m256i total = _mm256_sub_epi32(ISUM_NARROW(isum[r]), _mm256_slli_epi32(off, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
     }
 }
 
 /* IQ4_XS: 8 sub-blocks of 32 with 6-bit scales (minus 32), codes through the IQ4 value table.
- * The values are signed: |value| times x with value's sign keeps vpmaddubsw's operand unsigned. */
+ * The values are signed: |value| times x with value's sign keeps vpmaddubsw's operand unsigned
+ * and its pair sums within int16. */
 static inline __attribute__((always_inline)) void iq4_xs_superblock(
     const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
     const float *restrict xd, int64_t K, __m256 *acc) {
@@ -608,19 +649,19 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
     uint16_t sh; memcpy(&sh, b + 2, 2);
     const uint8_t *sl = b + 4, *qs = b + 8;
     const __m256i table = iq4_table();
-    __m256i isum[IRB];
-    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ib++) {
-        const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
-        const __m256i v = _mm256_shuffle_epi8(table, nibbles(qs + 16 * ib)), u = _mm256_sign_epi8(v, v);
-        const __m256i scale = _mm256_set1_epi16((int16_t)(ls - 32));
-        for (int r = 0; r < R; r++) {
-            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x + r * K + 32 * ib)), v);
-            isum[r] = DPWSSD(isum[r], _mm256_maddubs_epi16(u, xv), scale);
+    isum_t isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
+    for (int ib = 0; ib < 8; ib += 2) {
+        __m256i v[2], scale[2];
+        for (int k = 0; k < 2; k++) {
+            const int b = ib + k, ls = ((sl[b / 2] >> (4 * (b % 2))) & 0xF) | (((sh >> (2 * b)) & 3) << 4);
+            v[k] = _mm256_shuffle_epi8(table, nibbles(qs + 16 * b));
+            scale[k] = _mm256_set1_epi16((int16_t)(ls - 32));
         }
+        SIGNED_SUB_BLOCK_PAIR(R, v[0], v[1], x + 32 * ib, scale[0], scale[1], isum);
     }
     for (int r = 0; r < R; r++)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
 }
 
 #define Q4_K_SB(R, b, x, xb, xd, K, acc) k45_superblock(R, 0, b, x, xb, xd, K, acc)

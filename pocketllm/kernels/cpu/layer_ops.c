@@ -32,47 +32,54 @@ int cpu_rms_norm(const float *x, float *res, const float *w, float *y, int64_t r
     return 0;
 }
 
+/* One head of D values rotated in place by the table rows c, s (D / 2 each). */
+static inline void rotate_head(float *x1, int64_t D, const float *c, const float *s) {
+    const int64_t half = D / 2;
+    float *x2 = x1 + half;
+    #pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x1[i], b = x2[i];
+        x1[i] = a * c[i] - b * s[i];
+        x2[i] = b * c[i] + a * s[i];
+    }
+}
+
 /* Rotary embedding (rotate-half layout), in place: heads h < H of token t start at
  * x + t * row_stride + h * D; cos and sin are [positions, D / 2] tables. */
 int cpu_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t *pos,
                const float *cos_t, const float *sin_t) {
-    const int64_t half = D / 2;
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_t + pos[t] * half, *s = sin_t + pos[t] * half;
-        for (int64_t h = 0; h < H; h++) {
-            float *x1 = x + t * row_stride + h * D, *x2 = x1 + half;
-            #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-        }
-    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++)
+            rotate_head(x + t * row_stride + h * D, D, cos_t + pos[t] * (D / 2), sin_t + pos[t] * (D / 2));
     return 0;
 }
 
-/* K and V of T tokens (rows of `width` floats, `row_stride` apart) into cache slots; slot -1:
- * nowhere. Caches are [slots, width]. */
-int cpu_write_kv(const float *k, const float *v, int64_t T, int64_t row_stride, int64_t width, const int64_t *slots,
-                 float *k_cache, float *v_cache) {
+/* K and V of T tokens (rows of `width` floats, k_stride and v_stride apart) into cache slots;
+ * slot -1: nowhere. Caches are [slots, width]. */
+int cpu_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T, int64_t width,
+                 const int64_t *slots, float *k_cache, float *v_cache) {
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
         float *kd = k_cache + slots[t] * width, *vd = v_cache + slots[t] * width;
-        const float *ks = k + t * row_stride, *vs = v + t * row_stride;
+        const float *ks = k + t * k_stride, *vs = v + t * v_stride;
         for (int64_t i = 0; i < width; i++) { kd[i] = ks[i]; vd[i] = vs[i]; }
     }
     return 0;
 }
 
 /* Attention of n single-token queries over their paged context.
- * q: [n, hq, d] rows `q_stride` apart; caches [blocks, bs, hkv, d]; tables [n, width] block ids;
- * lens[i]: context length of query i (itself included); window > 0: only its last `window`
- * positions; softcap > 0: scores s become softcap * tanh(s / softcap). out: [n, hq, d].
+ * qkv: [n, hq + 2 hkv, d] rows `q_stride` apart (queries, keys, values); caches [blocks, bs, hkv,
+ * d]; tables [n, width] block ids; lens[i]: context length of query i (itself included);
+ * window > 0: only its last `window` positions; softcap > 0: scores s become
+ * softcap * tanh(s / softcap). out: [n, hq, d].
+ * With `slots` (a decode-only step), each task first rotates its query and key heads (cos/sin
+ * tables at `pos`, unless cos_t is NULL) and writes its key and value into the cache; without,
+ * the caller has done both.
  * One task per (query, kv head): its group of hq / hkv query heads shares each K and V row. */
-int cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, int64_t bs,
+int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
                          int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
                          const int64_t *lens, int64_t n, float scale, int64_t window, float softcap, float *out,
+                         const int64_t *slots, const int64_t *pos, const float *cos_t, const float *sin_t,
                          int nthreads) {
     const int64_t group = hq / hkv;
     int64_t max_len = 0;
@@ -91,7 +98,17 @@ int cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
             const int64_t i = task / hkv, h = task % hkv, len = lens[i];
             const int64_t start = window > 0 && len > window ? len - window : 0, m = len - start;
             const int64_t *table = tables + i * width;
-            const float *qi = q + i * q_stride + h * group * d;
+            float *qi = qkv + i * q_stride + h * group * d;
+            if (slots) {
+                float *k = qkv + i * q_stride + (hq + h) * d, *v = k + hkv * d;
+                if (cos_t) {
+                    const float *c = cos_t + pos[i] * (d / 2), *s = sin_t + pos[i] * (d / 2);
+                    rotate_head(k, d, c, s);
+                    for (int64_t g = 0; g < group; g++) rotate_head(qi + g * d, d, c, s);
+                }
+                float *kd = k_cache + (slots[i] * hkv + h) * d, *vd = v_cache + (slots[i] * hkv + h) * d;
+                for (int64_t e = 0; e < d; e++) { kd[e] = k[e]; vd[e] = v[e]; }
+            }
             for (int64_t p = start; p < len; p++) {
                 const float *kr = k_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
                 for (int64_t g = 0; g < group; g++) {
@@ -126,4 +143,44 @@ int cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
         free(scores);
     }
     return failed ? -2 : 0;
+}
+
+/* exp(x) in float32 to within a few ulp, branch-free so that `omp simd` loops vectorize it:
+ * x = n ln2 + r (|r| <= ln2 / 2), exp(r) by its degree-6 Taylor polynomial, 2^n in the exponent. */
+#pragma omp declare simd
+static inline float exp_approx(float x) {
+    x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;
+    const float n = nearbyintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union { float f; int32_t i; } u = {p};
+    u.i += (int32_t)n << 23;
+    return u.f;
+}
+
+/* out[t, i] = act(gate[t, i]) * up[t, i] with gate_up [T, 2 I] (gate first); act 0: SiLU,
+ * 1: GELU with the tanh approximation. */
+int cpu_gated_act(const float *gate_up, int64_t T, int64_t I, int act, float *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        if (act == 0) {
+            #pragma omp simd
+            for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+        } else {
+            #pragma omp simd
+            for (int64_t i = 0; i < I; i++) {
+                const float x = g[i], y = 0.7978845608f * (x + 0.044715f * x * x * x);
+                o[i] = x / (1.f + exp_approx(-2.f * y)) * u[i];  /* 0.5 x (1 + tanh y) */
+            }
+        }
+    }
+    return 0;
 }

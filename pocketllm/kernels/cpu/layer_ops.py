@@ -1,6 +1,7 @@
 """torch-facing wrappers of the float32 layer operations in layer_ops.c (the CPU fast path):
-RMSNorm with the residual add, rotary embedding in place, the KV-cache write and decode
-attention over the paged cache. Callers check `available` once."""
+RMSNorm with the residual add, rotary embedding in place, the KV-cache write, decode attention
+over the paged cache (with the rotary and the write fused in on decode-only steps) and gated
+activations. Callers check `available` once."""
 from __future__ import annotations
 
 import torch
@@ -39,25 +40,56 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] (rows at any stride, the same for both) into the caches' slots."""
+    """k, v [T, Hkv, D] (rows at any stride) into the caches' slots."""
     t, h, d = k.shape
-    assert k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == d and k.dtype == torch.float32
+    for x in (k, v):
+        assert x.stride(2) == 1 and x.stride(1) == d and x.dtype == torch.float32
     assert k_cache.dtype == torch.float32 and slots.dtype == torch.int64 and slots.is_contiguous()
-    load_cpu_kernels().cpu_write_kv(k.data_ptr(), v.data_ptr(), t, k.stride(0), h * d, slots.data_ptr(),
-                                    k_cache.data_ptr(), v_cache.data_ptr())
+    load_cpu_kernels().cpu_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, h * d,
+                                    slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """q [n, Hq, D] (one token per request) over caches [blocks, bs, Hkv, D] -> [n, Hq, D]."""
-    n, hq, d = q.shape
+    """q [n, Hq, D] (one token per request, already in the cache) over caches [blocks, bs, Hkv, D]
+    -> [n, Hq, D]."""
+    return _decode_attention(q, q.shape[1], k_cache, v_cache, tables, lens, scale, window, softcap)
+
+
+def fused_decode_attention(qkv: torch.Tensor, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                           window: int | None, softcap: float | None,
+                           rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A decode-only step in one call: qkv [n, Hq + 2 Hkv, D] has its queries and keys rotated in
+    place (`rotary` = (positions, cos, sin) tables, if given), keys and values written to `slots`,
+    then each query attends its paged context -> [n, Hq, D]."""
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == qkv.shape[0]
+    if rotary is not None:
+        assert rotary[0].dtype == torch.int64 and rotary[0].is_contiguous()
+    return _decode_attention(qkv, num_heads, k_cache, v_cache, tables, lens, scale, window, softcap, slots, rotary)
+
+
+def _decode_attention(qkv, hq, k_cache, v_cache, tables, lens, scale, window, softcap, slots=None, rotary=None):
+    n, _, d = qkv.shape
     _, bs, hkv, _ = k_cache.shape
-    assert q.stride(2) == 1 and q.stride(1) == d and q.dtype == k_cache.dtype == torch.float32
+    assert qkv.stride(2) == 1 and qkv.stride(1) == d and qkv.dtype == k_cache.dtype == torch.float32
     assert tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
     out = torch.empty(n, hq, d)
+    pos, cos, sin = (p.data_ptr() for p in rotary) if rotary is not None else (0, 0, 0)
     rc = load_cpu_kernels().cpu_decode_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bs, hkv, d, hq, tables.data_ptr(),
+        qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bs, hkv, d, hq, tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), n, scale, window or 0, softcap or 0.0, out.data_ptr(),
-        torch.get_num_threads())
+        0 if slots is None else slots.data_ptr(), pos, cos, sin, torch.get_num_threads())
     assert rc == 0, "decode attention: out of memory"
+    return out
+
+
+def gated_act(gate_up: torch.Tensor, act: int) -> torch.Tensor:
+    """act(gate) * up of gate_up [.., 2 I] (gate first) -> [.., I]; `act` 0: SiLU, 1: GELU with the
+    tanh approximation (the Triton kernels' codes)."""
+    assert gate_up.dtype == torch.float32 and gate_up.is_contiguous()
+    i = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], i)
+    load_cpu_kernels().cpu_gated_act(gate_up.data_ptr(), gate_up.numel() // (2 * i), i, act, out.data_ptr(),
+                                     torch.get_num_threads())
     return out
