@@ -42,8 +42,9 @@ def prompt_logits(model: str, ids: list[int], exact: bool) -> torch.Tensor:
     original, captured = rt.compute_logits, []
     rt.compute_logits = lambda hidden: captured.append(original(hidden)) or captured[-1]
     llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
-    full = max(captured, key=lambda t: t.shape[0])  # the prompt's rows (the sampled row is another call)
-    assert full.shape[0] >= len(ids) - 1, full.shape
+    # the prompt's rows come in chunks, in order; the one sampled row is a call of its own
+    full = torch.cat([t for t in captured if t.shape[0] > 1])
+    assert full.shape[0] == len(ids) - 1, full.shape
     return torch.log_softmax(full[:len(ids) - 1].double(), dim=-1)
 
 

@@ -35,10 +35,11 @@ class EngineArgs:
     # CPU (where the host is the device, so nothing overlaps). See benchmarks/NOTES.md.
     async_scheduling: bool | None = None
     dequantize_at_load: bool = False  # GGUF: trade memory for speed
-    # GGUF on CPU: True multiplies exactly dequantized weights in float32 (token-identical to
-    # transformers on the same weights); False takes integer dot products over activations
-    # quantized to 8 bits where a type has them (faster, not exact).
-    exact_kernels: bool = True
+    # CPU: False (the fast path) takes integer dot products over activations quantized to 8 bits
+    # for GGUF weights and fused C kernels between the matmuls (float32; not bit-identical to
+    # torch's ops); True multiplies exactly dequantized weights in float32 with torch's ops
+    # between (token-identical to transformers on the same weights).
+    exact_kernels: bool = False
     load_format: str = "auto"  # auto | dummy (random weights; `model` may name a shape, e.g. llama3-8b)
     tokenizer: str | None = None  # defaults to the model's own
     num_threads: int | None = None  # CPU threads for torch; None = torch's default

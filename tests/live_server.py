@@ -19,7 +19,8 @@ from fixtures import default_model_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small context and KV cache keep memory low.
-ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory", str(160 << 20)]
+# The exact CPU kernels: the servers' token ids are pinned (and compared with the offline engine's).
+ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory", str(160 << 20), "--exact-kernels"]
 
 
 def free_port() -> int:

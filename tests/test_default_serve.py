@@ -43,7 +43,7 @@ def test_serve_with_no_arguments_serves_the_default_model(tmp_path):
         model = client.models.list().data[0].id
         assert "SmolLM2" in model
         reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            model=model, messages=[{"role": "user", "content": "What is the capital city of France? Answer in one word."}],
             max_tokens=12, temperature=0)
         assert "Paris" in reply.choices[0].message.content
     finally:

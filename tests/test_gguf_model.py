@@ -26,7 +26,7 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def llm(gguf_path):
-    return LLM(str(gguf_path))
+    return LLM(str(gguf_path), exact_kernels=True)  # compared with transformers
 
 
 @pytest.fixture(scope="module")

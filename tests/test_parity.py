@@ -19,6 +19,7 @@ def reference(tiny):
 
 
 def run(path, prompts, **engine_args):
+    engine_args = {"exact_kernels": True, **engine_args}  # the exact path unless a test says otherwise
     llm = LLM(str(path), dtype="float32", **engine_args)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -34,7 +35,7 @@ def test_greedy_tokens_match_transformers(reference):
 
 def test_last_position_logits_match_transformers(reference):
     path, prompts, _, model = reference
-    llm = LLM(str(path), dtype="float32")
+    llm = LLM(str(path), dtype="float32", exact_kernels=True)
     with captured_logits(llm) as captured:
         llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
     # One step: the 1-token prompt is a query-length-1 row (placed first), then the others in
@@ -69,7 +70,7 @@ def test_async_scheduling_gives_the_same_tokens(reference):
     assert tight == expected
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the small cache should force preemption"
 
-    llm = LLM(str(path), dtype="float32", async_scheduling=True)
+    llm = LLM(str(path), dtype="float32", async_scheduling=True, exact_kernels=True)
     stop_at = expected[2][6]
     params = [SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, stop_token_ids=[stop_at]),
               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]

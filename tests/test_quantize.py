@@ -274,6 +274,7 @@ def test_f32_file_loads_back_exactly(tiny_models, tmp_path):
 
 
 def engine_run(path, prompts, max_tokens, **kw):
+    kw = {"exact_kernels": True, **kw}  # compared with transformers
     llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64, **kw)  # a small cache: quick to set up
     with captured_logits(llm) as captured:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -23,7 +23,7 @@ from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.server.api_server import ServerConfig, create_app
 from pocketllm.server.async_llm import AsyncLLM, EngineClosedError, QueueFullError
 
-ENGINE_KWARGS = dict(max_model_len=2048, kv_cache_memory=160 << 20)
+ENGINE_KWARGS = dict(max_model_len=2048, kv_cache_memory=160 << 20, exact_kernels=True)  # as ENGINE_FLAGS
 MAX_REQUEST_BYTES = 256 << 10
 API_KEY = "sk-test-key"
 ORIGIN = "http://example.com"

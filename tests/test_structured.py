@@ -66,7 +66,9 @@ MAX_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(default_model_gguf()), max_model_len=1024, kv_cache_memory=512 << 20, max_num_seqs=128)
+    # the exact kernels: a preempted request's recomputed KV is then bit-identical to its decoded KV
+    return LLM(str(default_model_gguf()), max_model_len=1024, kv_cache_memory=512 << 20, max_num_seqs=128,
+               exact_kernels=True)
 
 
 def chat_prompt(llm, text: str) -> dict:

@@ -221,7 +221,7 @@ def test_engine_runs_the_triton_path_under_the_interpreter(tmp_path, monkeypatch
     runs = {}
     for devices in ({"cuda"}, {"cuda", "cpu"}):
         monkeypatch.setattr(qlinear, "TRITON_DEVICES", devices)
-        llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+        llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, exact_kernels=True)
         paths = {m.path for m in llm.engine.runner.model.modules() if isinstance(m, qlinear.GGUFLinear)}
         assert paths == ({"triton"} if "cpu" in devices else {"c"})
         with captured_logits(llm) as logits:

@@ -28,8 +28,9 @@ _HELP = {
     "enforce_eager": "CUDA: run every step eagerly, without CUDA graphs (default: off)",
     "async_scheduling": "launch each step while the GPU runs the one before (default: on for CUDA, off on CPU)",
     "dequantize_at_load": "GGUF: dequantize the weights when loading, trading memory for speed (default: off)",
-    "exact_kernels": "GGUF on CPU: exactly dequantized weights in float32 (default: on); off: integer dot "
-                     "products over 8-bit activations for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (faster, not exact)",
+    "exact_kernels": "CPU: exactly dequantized GGUF weights in float32 and torch's ops between the matmuls, "
+                     "token-identical to transformers (default: off: integer dot products over 8-bit "
+                     "activations and fused C kernels, faster, within the activations' rounding)",
     "load_format": "auto | dummy (random weights; MODEL may then name a shape such as llama3-8b)",
     "tokenizer": "a model directory with tokenizer.json, or a GGUF file (default: the model's own)",
     "num_threads": "CPU threads for torch (default: torch's choice)",

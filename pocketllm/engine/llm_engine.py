@@ -157,7 +157,7 @@ class LLMEngine:
             for m in model.modules():
                 if hasattr(m, "dequantize_at_load"):
                     m.dequantize_at_load = args.dequantize_at_load
-                    m.int8_activations = not args.exact_kernels
+                    m.int8_activations = int(not args.exact_kernels)
             model.load_weights(self.gguf.iter_weights(self.dtype, self.device))
         else:
             from pocketllm.loaders.safetensors_loader import iter_safetensors

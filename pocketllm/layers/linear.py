@@ -33,7 +33,7 @@ class Linear(torch.nn.Module):
         self.quantized: torch.nn.Module | None = None
         self._quant_parts: dict[int, QuantizedTensor] = {}
         self.dequantize_at_load = False
-        self.int8_activations = False  # CPU fast path: see GGUFLinear
+        self.int8_activations = 0  # CPU fast path: passes of 8-bit activations (see GGUFLinear)
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         lo = sum(self.out_sizes[:shard])
@@ -97,7 +97,7 @@ class Embedding(torch.nn.Module):
         self.quantized: QuantizedTensor | None = None  # looked up row by row (on the CPU)
         self.source: QuantizedTensor | None = None  # the GGUF table, for a tied output projection
         self.dtype, self.device = dtype, torch.device(device)
-        self.dequantize_at_load = self.int8_activations = False  # for the tied output projection
+        self.dequantize_at_load, self.int8_activations = False, 0  # for the tied output projection
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         if isinstance(tensor, QuantizedTensor) and self.device.type == "cpu":

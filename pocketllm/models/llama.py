@@ -45,7 +45,7 @@ class Attention(torch.nn.Module):
         qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
-        if self.cpu_kernels and not meta.prefills:  # a decode-only step: rotary, cache write, attention
+        if self.cpu_kernels and meta.decode_lens is not None and not meta.prefills:  # decode only: one call
             from pocketllm.kernels.cpu import layer_ops
 
             if self.q_norm is not None:

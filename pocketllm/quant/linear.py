@@ -9,9 +9,11 @@ Compute paths (``GGUFLinear.path``):
   ``C_GEMM_ROWS`` activation rows the block is multiplied in the same pass
   (weights read once); larger batches dequantize row chunks into scratch for BLAS.
   With ``int8_activations`` (the engine's ``exact_kernels=False``) the types with integer
-  kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, on CPUs with VNNI) take the fast variant: the
-  activations are quantized to 8 bits per block of 32 and each block's dot product runs on
-  integers (not exact: within 8-bit activation rounding of the exact result).
+  kernels (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL per block of 32, Q4_K Q5_K Q6_K IQ4_XS per
+  super-block of 256; CPUs with AVX2) take the fast variant: the activations are quantized to
+  8 bits per block and each block's dot product runs on integers (not exact: within the
+  activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
+  pass over the first one's rounding error (the output layer).
 * ``"dense"``  F32 weights as-is; F16/BF16 widened to float32 at load (2x their
   file size, exact, BLAS speed); any type with ``dequantize_at_load=True``.
 * ``"planes"`` default for the affine types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K).
@@ -238,7 +240,7 @@ class GGUFLinear(torch.nn.Module):
         self.path = "dense"
         self.bias: torch.Tensor | None = None
         self._store = None  # dense weight, raw bytes, _Planes or _Int4, by path
-        self.int8 = False  # the "c" path multiplies over 8-bit activations
+        self.int8 = 0  # the "c" path multiplies over 8-bit activations, in this many passes
 
     @classmethod
     def from_gguf(
@@ -252,7 +254,7 @@ class GGUFLinear(torch.nn.Module):
         path: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
-        int8_activations: bool = False,
+        int8_activations: int = 0,
     ) -> "GGUFLinear":
         """Wrap raw GGUF bytes of an ``[out_features, in_features]`` weight.
 
@@ -316,7 +318,7 @@ class GGUFLinear(torch.nn.Module):
         if path == "c":
             self._store = [p.view(-1, row_nbytes(qtype, k)).contiguous() for p in parts]  # views: no copy
             self._rows = gguf_ops.row_pointers(self._store)
-            self.int8 = int8_activations and gguf_ops.supports_int8(qtype)
+            self.int8 = int(int8_activations) if gguf_ops.supports_int8(qtype) else 0
             return self
         rows = raw.view(n, -1)
         if path == "dense":
@@ -355,7 +357,7 @@ class GGUFLinear(torch.nn.Module):
         x2 = x2.to(self._store.dtype if self.path == "dense" else torch.float32)
         if self.path == "c":
             if self.int8:
-                y = gguf_ops.gemm(x2, self._rows, self.qtype, int8=True)
+                y = gguf_ops.gemm(x2, self._rows, self.qtype, int8=self.int8)
             elif x2.shape[0] <= C_GEMM_ROWS:
                 y = gguf_ops.gemm(x2, self._rows, self.qtype)
             else:

@@ -730,24 +730,41 @@ static void *int8_k_lookup(int type) { (void)type; return 0; }
 int gguf_int8_supported(int type) { return int8_lookup(type) != 0 || int8_k_lookup(type) != 0; }
 
 /* Y[B, N] = X[B, K] @ W[N, K]^T on the fast path (X quantized to 8 bits per block, see above);
- * -1 where the type or the build has no such path. */
+ * -1 where the type or the build has no such path. passes = 2 adds a second 8-bit pass over
+ * what the first left (X minus its rounding), as further activation rows of the same kernel:
+ * about 15-bit activations, for the output layer, whose top logits decide the sampled token. */
 int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
-                   int nthreads) {
-    if (!gguf_int8_supported(type)) return -1;
+                   int passes, int nthreads) {
+    if (!gguf_int8_supported(type) || passes < 1 || passes > 2) return -1;
 #ifdef HAVE_INT8_DOT
     const int super = int8_k_lookup(type) != 0, qk = super ? 256 : 32;
     if (K % qk) return -1;
-    const int64_t nblk = K / qk;
-    int8_t *xq = malloc((size_t)(B * K));
-    float *xd = malloc((size_t)(B * nblk) * sizeof(float));
-    void *extra = malloc(super ? (size_t)(B * K / 16) * sizeof(int16_t) : (size_t)(B * nblk) * sizeof(float));
-    if (!xq || !xd || !extra) { free(xq); free(xd); free(extra); return -2; }
-    if (super) {
-        quantize_activations_k(X, B, K, xq, xd, extra, nthreads);
-        int8_k_lookup(type)(W, N, K, xq, xd, extra, B, Y, nthreads);
-    } else {
-        quantize_activations(X, B, K, xq, xd, extra, nthreads);
-        int8_lookup(type)(W, N, K, xq, xd, extra, B, Y, nthreads);
+    const int64_t nblk = K / qk, rows = B * passes;
+    int8_t *xq = malloc((size_t)(rows * K));
+    float *xd = malloc((size_t)(rows * nblk) * sizeof(float));
+    char *extra = malloc(super ? (size_t)(rows * K / 16) * sizeof(int16_t) : (size_t)(rows * nblk) * sizeof(float));
+    float *rest = passes == 2 ? malloc((size_t)(B * K) * sizeof(float)) : 0;
+    float *Yall = passes == 2 ? malloc((size_t)(rows * N) * sizeof(float)) : Y;
+    if (!xq || !xd || !extra || (passes == 2 && (!rest || !Yall))) {
+        free(xq); free(xd); free(extra); free(rest); if (Yall != Y) free(Yall);
+        return -2;
+    }
+    const size_t extra_row = super ? (size_t)(K / 16) * sizeof(int16_t) : (size_t)nblk * sizeof(float);
+    for (int pass = 0; pass < passes; pass++) {
+        const float *src = pass ? rest : X;
+        int8_t *q = xq + pass * B * K;
+        float *d = xd + pass * B * nblk;
+        void *e = extra + pass * B * extra_row;
+        if (super) quantize_activations_k(src, B, K, q, d, e, nthreads);
+        else quantize_activations(src, B, K, q, d, e, nthreads);
+        if (pass == 0 && passes == 2)
+            for (int64_t i = 0; i < B * K; i++) rest[i] = X[i] - (float)xq[i] * xd[i / qk];
+    }
+    if (super) int8_k_lookup(type)(W, N, K, xq, xd, (const int16_t *)extra, rows, Yall, nthreads);
+    else int8_lookup(type)(W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
+    if (passes == 2) {
+        for (int64_t i = 0; i < B * N; i++) Y[i] = Yall[i] + Yall[B * N + i];
+        free(rest); free(Yall);
     }
     free(xq); free(xd); free(extra);
 #endif

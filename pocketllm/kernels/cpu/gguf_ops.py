@@ -28,17 +28,20 @@ def row_pointers(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tables)
 
 
-def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int, int8: bool = False, lib=None) -> torch.Tensor:
+def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int, int8: int = 0, lib=None) -> torch.Tensor:
     """x [B, K] float32 @ dequant(W).T -> [B, N] float32, W given by its row pointer table;
-    with `int8`, over x quantized to 8 bits per block (see supports_int8). `lib`: another build
-    of the kernels (load_cpu_kernels(isa)), for tests."""
+    with `int8` (1 or 2 passes), over x quantized to 8 bits per block (see supports_int8 and
+    gguf_gemm_int8). `lib`: another build of the kernels (load_cpu_kernels(isa)), for tests."""
     lib = lib or load_cpu_kernels()
     x = x.contiguous()
     b, k = x.shape
     n = rows.numel()
     y = torch.empty(b, n, dtype=torch.float32)
-    fn = lib.gguf_gemm_int8 if int8 else lib.gguf_gemm
-    rc = fn(int(qtype), rows.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
+    args = (int(qtype), rows.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr())
+    if int8:
+        rc = lib.gguf_gemm_int8(*args, int(int8), torch.get_num_threads())
+    else:
+        rc = lib.gguf_gemm(*args, torch.get_num_threads())
     assert rc == 0, f"gguf_gemm failed for type {qtype} with K={k}"
     return y
 
