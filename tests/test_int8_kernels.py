@@ -21,6 +21,7 @@ from pocketllm import LLM, SamplingParams
 from pocketllm.kernels.cpu import gguf_ops
 from pocketllm.kernels.cpu.build import _arch_flags, load_cpu_kernels
 from pocketllm.quant.quantize import quantize
+from pocketllm.quant.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.quant.linear import GGUFLinear
 
 INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
@@ -59,24 +60,72 @@ def rounded_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     return (torch.round(blocks * inv) * (amax / 127.0)).reshape(b, k)
 
 
+def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qtype) -> None:
+    """y (the kernel's x @ w.T) is the exact product of x rounded as the kernel rounds it (up to
+    float rounding), and within that rounding's bound of the float product."""
+    blk = activation_block(qtype)
+    exact_on_rounded = rounded_activations(x, blk).double() @ w.T
+    scale = (x.abs().double() @ w.abs().T)  # what float rounding is relative to
+    assert torch.all((y - exact_on_rounded).abs() <= 1e-5 * scale + 1e-6)
+    # Against the float product: each activation moves by at most half a step of its block's scale.
+    step = (x.reshape(x.shape[0], -1, blk).abs().amax(-1) / 127.0).repeat_interleave(blk, dim=1).double()
+    bound = (step / 2) @ w.abs().T
+    assert torch.all((y - x.double() @ w.T).abs() <= bound * 1.0001 + 1e-6)
+
+
+def activations(batch: int, k: int, qtype) -> torch.Tensor:
+    x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch + k))
+    x[0, :activation_block(qtype)] = 0.0  # an all-zero block has scale 0
+    x[-1, -1] = 40.0  # an outlier: its block's other values keep few levels
+    return x
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("batch", [1, 3, 8, 19])
 def test_int8_gemm_equals_the_exact_product_of_rounded_activations(isa, qtype, batch):
     k = 512 if qtype in SUPER_BLOCK_TYPES else 576
     raw, w = quantized_weights(qtype, 40, k)
-    x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch + k))
-    x[0, :activation_block(qtype)] = 0.0  # an all-zero block has scale 0
-    x[-1, -1] = 40.0  # an outlier: its block's other values keep few levels
+    x = activations(batch, k, qtype)
     y = gguf_ops.gemm(x, gguf_ops.row_pointers([raw]), qtype, int8=True, lib=load_cpu_kernels(isa)).double()
-    exact_on_rounded = rounded_activations(x, activation_block(qtype)).double() @ w.T
-    scale = (x.abs().double() @ w.abs().T)  # what float rounding is relative to
-    assert torch.all((y - exact_on_rounded).abs() <= 1e-5 * scale + 1e-6)
-    # Against the float product: each activation moves by at most half a step of its block's scale.
-    blk = activation_block(qtype)
-    step = (x.reshape(batch, -1, blk).abs().amax(-1) / 127.0).repeat_interleave(blk, dim=1).double()
-    bound = (step / 2) @ w.abs().T
-    assert torch.all((y - x.double() @ w.T).abs() <= bound * 1.0001 + 1e-6)
+    assert_within_rounding(y, x, w, qtype)
+
+
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL]  # interleaved eight rows at a time where AVX-512 VNNI is
+HAVE_X8 = all(load_cpu_kernels().gguf_x8_supported(int(t)) for t in X8_TYPES)
+
+
+@pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("batch", [1, 3, 8, 19])
+def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(qtype, batch):
+    """Repacked at load (eight rows' blocks side by side): the same products as the per-row
+    kernels, over the same bytes (the repacked matrix is the file's size)."""
+    raw, w = quantized_weights(qtype, 48, 576)
+    x = activations(batch, 576, qtype)
+    rows = gguf_ops.row_pointers([raw])
+    packed = gguf_ops.repack_x8(rows, qtype, 576)
+    assert packed.numel() == raw.numel() and torch.equal(packed.sort().values, raw.reshape(-1).sort().values)
+    y = gguf_ops.gemm_x8(x, packed, 48, qtype).double()
+    assert_within_rounding(y, x, w, qtype)
+    torch.testing.assert_close(y, gguf_ops.gemm(x, rows, qtype, int8=1).double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
+def test_layers_repack_where_the_kernels_cover_them():
+    """A fast-path layer of a covered type repacks (its file rows are no longer held); rows not a
+    multiple of 8, other types and the two-pass output layer keep the file's rows."""
+    def layer(qtype, n, passes=1):
+        raw, w = quantized_weights(qtype, n, 256)
+        return GGUFLinear.from_gguf(raw, qtype, n, 256, int8_activations=passes), w
+    x = torch.randn(3, 256)
+    for qtype, n, passes, repacked in [(T.Q4_0, 24, 1, True), (T.Q8_0, 20, 1, False), (T.Q4_K, 24, 1, False),
+                                       (T.Q8_0, 24, 2, False)]:
+        lin, w = layer(qtype, n, passes)
+        assert (lin._rows is None) == repacked, (qtype, n, passes)
+        assert lin.nbytes() == n * raw_row_bytes(qtype, 256)
+        if passes == 1:
+            assert_within_rounding(lin(x).double(), x, w, qtype)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)

@@ -13,7 +13,10 @@ Compute paths (``GGUFLinear.path``):
   super-block of 256; CPUs with AVX2) take the fast variant: the activations are quantized to
   8 bits per block and each block's dot product runs on integers (not exact: within the
   activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
-  pass over the first one's rounding error (the output layer).
+  pass over the first one's rounding error (the output layer). With AVX-512 VNNI, Q4_0 Q4_1
+  Q8_0 and IQ4_NL matrices on the fast path (one pass, rows a multiple of 8) are repacked at
+  load with eight rows' blocks interleaved (the same bytes, reordered; not a view of the
+  file any more), which shares each block's float work among four rows.
 * ``"dense"``  F32 weights as-is; F16/BF16 widened to float32 at load (2x their
   file size, exact, BLAS speed); any type with ``dequantize_at_load=True``.
 * ``"planes"`` default for the affine types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K).
@@ -241,6 +244,7 @@ class GGUFLinear(torch.nn.Module):
         self.bias: torch.Tensor | None = None
         self._store = None  # dense weight, raw bytes, _Planes or _Int4, by path
         self.int8 = 0  # the "c" path multiplies over 8-bit activations, in this many passes
+        self._rows: torch.Tensor | None = None  # the "c" path's row pointers; None: interleaved rows
 
     @classmethod
     def from_gguf(
@@ -319,6 +323,9 @@ class GGUFLinear(torch.nn.Module):
             self._store = [p.view(-1, row_nbytes(qtype, k)).contiguous() for p in parts]  # views: no copy
             self._rows = gguf_ops.row_pointers(self._store)
             self.int8 = int(int8_activations) if gguf_ops.supports_int8(qtype) else 0
+            packed = gguf_ops.repack_x8(self._rows, qtype, k) if self.int8 == 1 else None
+            if packed is not None:
+                self._store, self._rows = [packed], None
             return self
         rows = raw.view(n, -1)
         if path == "dense":
@@ -356,7 +363,9 @@ class GGUFLinear(torch.nn.Module):
             return y.reshape(*lead, self.out_features)
         x2 = x2.to(self._store.dtype if self.path == "dense" else torch.float32)
         if self.path == "c":
-            if self.int8:
+            if self._rows is None:  # interleaved rows (repack_x8)
+                y = gguf_ops.gemm_x8(x2, self._store[0], self.out_features, self.qtype)
+            elif self.int8:
                 y = gguf_ops.gemm(x2, self._rows, self.qtype, int8=self.int8)
             elif x2.shape[0] <= C_GEMM_ROWS:
                 y = gguf_ops.gemm(x2, self._rows, self.qtype)

@@ -770,3 +770,177 @@ int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, cons
 #endif
     return 0;
 }
+
+/* ---- Interleaved rows (AVX-512 VNNI): Q4_0, Q4_1, Q8_0 and IQ4_NL repacked at load ----------
+ * The per-row kernels above spend most of a 32-element block on float work (convert, scale,
+ * horizontal sums) and on unpacking 16 bytes at a time. Repacked so that one block of eight
+ * rows is contiguous (the same bytes as the file's, reordered: memory stays the file's), a
+ * 512-bit register holds one block of four rows and that work is shared by the four:
+ *
+ *   for each group of 8 rows and each block column j:
+ *     the 8 rows' fp16 scales d; Q4_1: then their 8 fp16 minimums m;
+ *     4-bit types: each row's 16 bytes of codes, rows 0..7;
+ *     Q8_0: rows 0-3's first 16 values, rows 0-3's last 16, then rows 4-7 likewise.
+ *
+ * The integer dot products stay in the 4 lanes of each row's 128-bit chunk, are scaled per lane
+ * by the row's d times the activation block's scale and are summed across lanes once per row.
+ * The constant part of each value (c = -8d, m, or -128d for the signed types, whose codes go in
+ * as w + 128) is a second loop over the scales alone: c times the activation block's sum. */
+static int x8_layout(int type, int *scale_bytes, int *block_bytes) {
+    switch (type) {
+    case Q4_0: *scale_bytes = 16; *block_bytes = 18; return 1;
+    case IQ4_NL: *scale_bytes = 16; *block_bytes = 18; return 1;
+    case Q4_1: *scale_bytes = 32; *block_bytes = 20; return 1;
+    case Q8_0: *scale_bytes = 16; *block_bytes = 34; return 1;
+    default: return 0;
+    }
+}
+
+#if defined(HAVE_INT8_DOT) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_X8 1
+int gguf_x8_supported(int type) { int s, b; return x8_layout(type, &s, &b); }
+#else
+int gguf_x8_supported(int type) { (void)type; return 0; }
+#endif
+
+/* W (a row pointer table, N % 8 == 0) -> out, N * row bytes, in the layout above. */
+int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint8_t *out) {
+    int sb, nb;
+    if (!gguf_x8_supported(type) || N % 8 || K % 32) return -1;
+    x8_layout(type, &sb, &nb);
+    const int64_t nblk = K / 32;
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t j = 0; j < nblk; j++) {
+            uint8_t *o = out + (g * nblk + j) * 8 * nb;
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *b = W[g * 8 + r] + j * nb;
+                memcpy(o + 2 * r, b, 2);
+                if (type == Q4_1) {
+                    memcpy(o + 16 + 2 * r, b + 2, 2);
+                    memcpy(o + sb + 16 * r, b + 4, 16);
+                } else if (type == Q8_0) {
+                    for (int h = 0; h < 2; h++)
+                        memcpy(o + sb + (r / 4) * 128 + h * 64 + (r % 4) * 16, b + 2 + 16 * h, 16);
+                } else {
+                    memcpy(o + sb + 16 * r, b + 2, 16);
+                }
+            }
+        }
+    return 0;
+}
+
+#ifdef HAVE_X8
+/* Rows n0..n0+7 (group g, `nblk` blocks of gb bytes) against R activation rows. */
+static inline __attribute__((always_inline)) void x8_group(
+    const int R, const int type, const uint8_t *restrict g, int64_t nblk, int64_t K, const int8_t *restrict xq,
+    const float *restrict xd, const float *restrict xs, float *restrict Y, int64_t N) {
+    int sb, nb;
+    x8_layout(type, &sb, &nb);
+    const int64_t gb = 8 * nb;
+    const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i lane0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(4));
+    /* IQ4_NL's values + 128: unsigned codes for vpdpbusd */
+    const __m512i table = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues_iq4nl)), flip);
+    __m512 acc[IRB][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nblk; j++) {
+        const uint8_t *b = g + j * gb, *q = b + sb;
+        const __m512 d = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
+        const __m512 s0 = _mm512_permutexvar_ps(lane0, d), s1 = _mm512_permutexvar_ps(lane1, d);
+        __m512i lo0, hi0, lo1, hi1;  /* values 0-15 and 16-31 of rows 0-3 (0) and 4-7 (1) */
+        if (type == Q8_0) {
+            lo0 = _mm512_xor_si512(_mm512_loadu_si512(q), flip);
+            hi0 = _mm512_xor_si512(_mm512_loadu_si512(q + 64), flip);
+            lo1 = _mm512_xor_si512(_mm512_loadu_si512(q + 128), flip);
+            hi1 = _mm512_xor_si512(_mm512_loadu_si512(q + 192), flip);
+        } else {
+            const __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
+            lo0 = _mm512_and_si512(v0, nib); hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib);
+            lo1 = _mm512_and_si512(v1, nib); hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib);
+            if (type == IQ4_NL) {
+                lo0 = _mm512_shuffle_epi8(table, lo0); hi0 = _mm512_shuffle_epi8(table, hi0);
+                lo1 = _mm512_shuffle_epi8(table, lo1); hi1 = _mm512_shuffle_epi8(table, hi1);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq + r * K + j * 32;
+            const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
+            const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16)));
+            const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, xlo), hi0, xhi);
+            const __m512i p1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo1, xlo), hi1, xhi);
+            const __m512 sx = _mm512_set1_ps(xd[r * nblk + j]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p0), sx), s0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p1), sx), s1, acc[r][1]);
+        }
+    }
+    /* the constant parts: c of each row and block times the activation block's dx * sum(x) */
+    const __m256 cf = _mm256_set1_ps(type == Q4_0 ? -8.f : type == Q4_1 ? 1.f : -128.f);
+    const int coff = type == Q4_1 ? 16 : 0;
+    __m256 corr[IRB];
+    for (int r = 0; r < R; r++) corr[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nblk; j++) {
+        const __m256 c = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + j * gb + coff))), cf);
+        for (int r = 0; r < R; r++) corr[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[r * nblk + j]), corr[r]);
+    }
+    /* the 4 lanes of each row summed: [r0 r0 r2 r2 | r1 r1 r3 r3] then [r0 r2 r4 r6 | r1 r3 r5 r7] */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int r = 0; r < R; r++) {
+        const __m256 h0 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1));
+        const __m256 h1 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][1]), _mm512_extractf32x8_ps(acc[r][1], 1));
+        const __m256 y = _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), order);
+        _mm256_storeu_ps(Y + r * N, _mm256_add_ps(y, corr[r]));
+    }
+}
+
+#define X8_GROUP(R) x8_group(R, type, Wp + g * nblk * 8 * nb, nblk, K, xq + b0 * K, xd + b0 * nblk, xs + b0 * nblk, \
+                             Y + b0 * N + g * 8, N)
+#define X8_GEMM_FOR_TYPE(NAME, TYPE)                                                                \
+    static void NAME##_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *xq, const float *xd, \
+                               const float *xs, int64_t B, float *Y, int nthreads) {                \
+        const int type = TYPE;                                                                      \
+        int sb, nb;                                                                                 \
+        x8_layout(type, &sb, &nb);                                                                  \
+        const int64_t nblk = K / 32;                                                                \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
+        for (int64_t g = 0; g < N / 8; g++)                                                         \
+            for (int64_t b0 = 0; b0 < B; b0 += IRB) {                                               \
+                switch (B - b0 < IRB ? B - b0 : IRB) {                                              \
+                case 1: X8_GROUP(1); break;                                                         \
+                case 2: X8_GROUP(2); break;                                                         \
+                case 3: X8_GROUP(3); break;                                                         \
+                case 4: X8_GROUP(4); break;                                                         \
+                case 5: X8_GROUP(5); break;                                                         \
+                case 6: X8_GROUP(6); break;                                                         \
+                case 7: X8_GROUP(7); break;                                                         \
+                default: X8_GROUP(IRB); break;                                                      \
+                }                                                                                   \
+            }                                                                                       \
+    }
+X8_GEMM_FOR_TYPE(q4_0, Q4_0)
+X8_GEMM_FOR_TYPE(q4_1, Q4_1)
+X8_GEMM_FOR_TYPE(q8_0, Q8_0)
+X8_GEMM_FOR_TYPE(iq4_nl, IQ4_NL)
+#endif
+
+/* Y[B, N] = X[B, K] @ W[N, K]^T, W repacked by gguf_repack_x8; X quantized to 8 bits per block
+ * of 32 as on the fast path above (one pass). -1 where the build has no such kernel. */
+int gguf_gemm_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
+                 int nthreads) {
+    if (!gguf_x8_supported(type) || N % 8 || K % 32) return -1;
+#ifdef HAVE_X8
+    const int64_t nblk = K / 32;
+    int8_t *xq = malloc((size_t)(B * K));
+    float *xd = malloc((size_t)(B * nblk) * sizeof(float)), *xs = malloc((size_t)(B * nblk) * sizeof(float));
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
+    quantize_activations(X, B, K, xq, xd, xs, nthreads);
+    switch (type) {
+    case Q4_0: q4_0_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
+    case Q4_1: q4_1_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
+    case Q8_0: q8_0_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
+    case IQ4_NL: iq4_nl_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
+    }
+    free(xq); free(xd); free(xs);
+#endif
+    return 0;
+}

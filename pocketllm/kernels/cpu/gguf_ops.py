@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pocketllm.kernels.cpu.build import load_cpu_kernels
+from pocketllm.quant.gguf_types import row_nbytes
 
 
 def supports(qtype: int) -> bool:
@@ -43,6 +44,30 @@ def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int, int8: int = 0, lib=Non
     else:
         rc = lib.gguf_gemm(*args, torch.get_num_threads())
     assert rc == 0, f"gguf_gemm failed for type {qtype} with K={k}"
+    return y
+
+
+def repack_x8(rows: torch.Tensor, qtype: int, k: int, lib=None) -> torch.Tensor | None:
+    """The rows a pointer table names, interleaved eight at a time for gemm_x8 (the same bytes,
+    reordered); None where this build or the shape has no such kernel (see gguf_repack_x8)."""
+    lib = lib or load_cpu_kernels()
+    n = rows.numel()
+    if lib is None or not lib.gguf_x8_supported(int(qtype)) or n % 8 or k % 32:
+        return None
+    out = torch.empty(n * row_nbytes(qtype, k), dtype=torch.uint8)
+    assert lib.gguf_repack_x8(int(qtype), rows.data_ptr(), n, k, out.data_ptr()) == 0
+    return out
+
+
+def gemm_x8(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, lib=None) -> torch.Tensor:
+    """x [B, K] float32 @ dequant(W).T -> [B, N] float32 over 8-bit activations, W repacked by
+    repack_x8 (with the same `lib`)."""
+    lib = lib or load_cpu_kernels()
+    x = x.contiguous()
+    b, k = x.shape
+    y = torch.empty(b, n, dtype=torch.float32)
+    rc = lib.gguf_gemm_x8(int(qtype), packed.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
+    assert rc == 0, f"gguf_gemm_x8 failed for type {qtype} with K={k}"
     return y
 
 
