@@ -63,8 +63,10 @@ def servers(tiny_chat, tmp_path_factory):
                        model=tiny_chat, engine_flags=TINY_FLAGS),
         # 48 blocks of 16 tokens: a few long requests fill the cache and the rest wait
         "pressure": Server("--max-queue-time", "2", "--served-model-name", MODEL, model=tiny_chat,
-                           engine_flags=["--max-model-len", "512", "--num-kv-blocks", "48"]),
-        "drain": Server("--shutdown-timeout", "3", model=tiny_chat, engine_flags=TINY_FLAGS),
+                           engine_flags=["--max-model-len", "768", "--num-kv-blocks", "48"]),
+        # a context long enough that the long request outlasts the shutdown timeout on any machine
+        "drain": Server("--shutdown-timeout", "2", model=tiny_chat,
+                        engine_flags=["--max-model-len", "4096", "--num-kv-blocks", "520", "--served-model-name", MODEL]),
         "slow": Server("--request-body-timeout", "1", "--max-connections", "8", model=tiny_chat,
                        engine_flags=TINY_FLAGS),
     }
@@ -317,7 +319,8 @@ def test_a_huge_prompt_does_not_stall_other_streams(main):
 
 # -- bounded waiting -------------------------------------------------------------------------------
 def test_waiting_is_bounded_under_kv_pressure(servers):
-    """13 streams of ~300-token prompts on a 48-block cache (two prompts fill it) with
+    """13 streams of ~300-token prompts and 400 tokens out on a 48-block cache (one request nearly
+    fills it: the queue outlasts 2 s on any machine) with
     --max-queue-time 2: each either runs to the end or, if it could not start within 2 s, gets an
     error event and [DONE] by then; nobody waits in silence."""
     url = servers["pressure"].url
@@ -326,7 +329,7 @@ def test_waiting_is_bounded_under_kv_pressure(servers):
     def stream(i: int) -> tuple[str, float]:
         start, first, events = time.monotonic(), None, []
         with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
-                **COMPLETION, "prompt": f"{i} {long_prompt}", "max_tokens": 150, "ignore_eos": True,
+                **COMPLETION, "prompt": f"{i} {long_prompt}", "max_tokens": 400, "ignore_eos": True,
                 "stream": True}) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
@@ -350,7 +353,7 @@ def test_waiting_is_bounded_under_kv_pressure(servers):
     # Non-streamed: a 503 with Retry-After.
     with ThreadPoolExecutor(13) as pool:
         responses = list(pool.map(lambda i: post(url, "/v1/completions", {
-            **COMPLETION, "prompt": f"{i} {long_prompt}", "max_tokens": 150, "ignore_eos": True}, timeout=120),
+            **COMPLETION, "prompt": f"{i} {long_prompt}", "max_tokens": 400, "ignore_eos": True}, timeout=120),
             range(13)))
     statuses = sorted(r.status_code for r in responses)
     assert 200 in statuses and 503 in statuses, statuses
@@ -420,8 +423,8 @@ def test_sigterm_drains(servers):
             started.wait()
             events[name] += [line[6:] for line in lines if line.startswith("data: ")]
 
-    threads = [threading.Thread(target=stream, args=("short", 200)),
-               threading.Thread(target=stream, args=("long", 2000))]
+    threads = [threading.Thread(target=stream, args=("short", 100)),
+               threading.Thread(target=stream, args=("long", 4000))]
     for t in threads:
         t.start()
     started.wait()
@@ -436,7 +439,7 @@ def test_sigterm_drains(servers):
     for t in threads:
         t.join(timeout=30)
     assert server.proc.wait(timeout=30) == 0
-    assert time.monotonic() - t0 < 3 + 8
+    assert time.monotonic() - t0 < 2 + 8
     short, long = events["short"], events["long"]
     assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
     assert long[-1] == "[DONE]" and json.loads(long[-2])["error"]["type"] == "server_error"

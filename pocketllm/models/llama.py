@@ -129,11 +129,28 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = rotary
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device)
+        self.cpu_kernels = False  # the CPU fast path: decode-only steps' layers in one C call
+        self._cpu_decoder = None  # built at the first such step (the KV cache is bound by then)
 
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(positions, x, residual, meta)
+        decoder = self._decoder() if self.cpu_kernels and meta.decode_lens is not None and not meta.prefills else None
+        if decoder is not None:
+            x, residual = decoder(x, positions, meta)
+        else:
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(positions, x, residual, meta)
         x, _ = self.model.norm(x, residual)
         return x
+
+    def bind_kv_cache(self, k_caches, v_caches) -> None:
+        super().bind_kv_cache(k_caches, v_caches)
+        self._cpu_decoder = None  # it points at the caches
+
+    def _decoder(self):
+        if self._cpu_decoder is None:
+            from pocketllm.kernels.cpu.llama_decode import LlamaDecoder
+
+            self._cpu_decoder = LlamaDecoder.build(self) or False  # False: not covered, the modules run
+        return self._cpu_decoder or None

@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 
 log = logging.getLogger("pocketllm")
-_SOURCES = [Path(__file__).with_name(n) for n in ("gguf_gemm.c", "layer_ops.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("gguf_gemm.c", "layer_ops.c", "llama_decode.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -101,4 +101,5 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     dll.cpu_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, i64, f32,
                                          ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     dll.cpu_gated_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
+    dll.llama_decode.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     return dll

@@ -1,0 +1,121 @@
+/* A decode-only step of the Llama family's decoder layers in one call, for the CPU fast path.
+ *
+ * At batch 1 a small model's matmuls take a few microseconds each, and the Python around them
+ * (module calls, argument checks, one ctypes call per op) costs as much again: SmolLM2-135M
+ * spent 3 of its 7 ms a token outside the matmuls. Here the layers run the same kernels as the
+ * modules do on this path (gguf_gemm*.c, layer_ops.c), in the modules' order, without leaving C:
+ *
+ *   residual = x (layer 0) or x + residual; h = rms_norm(residual)
+ *   qkv = h Wqkv (+ b); rotary, cache write and attention (cpu_decode_attention); x = o Wo (+ b)
+ *   residual = x + residual; h = rms_norm(residual)
+ *   x = act(h Wgate) * (h Wup), then x Wdown (+ b)
+ *
+ * The model's final norm and the output layer stay with the caller. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int gguf_gemm(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
+              int nthreads);
+int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
+                   int passes, int nthreads);
+int gguf_gemm_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
+                 int nthreads);
+int cpu_rms_norm(const float *x, float *res, const float *w, float *y, int64_t rows, int64_t dim, float eps,
+                 int nthreads);
+int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
+                         int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
+                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap, float *out,
+                         const int64_t *slots, const int64_t *pos, const float *cos_t, const float *sin_t,
+                         int nthreads);
+int cpu_gated_act(const float *gate_up, int64_t T, int64_t I, int act, float *out, int nthreads);
+
+/* The structures mirror llama_decode.py's ctypes ones. */
+typedef struct {
+    int32_t type, passes, interleaved; /* passes: 8-bit activation passes; interleaved: gguf_repack_x8 */
+    const void *w;                     /* the row pointer table, or the interleaved bytes */
+    const float *bias;                 /* [n] or NULL */
+    int64_t n;                         /* output columns of this part */
+} ld_part;
+
+typedef struct {
+    int64_t nparts, n, k; /* parts side by side: n = their sum */
+    ld_part part[3];
+} ld_proj;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* RMSNorm scales */
+    ld_proj qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+    int64_t window;
+    float softcap;
+} ld_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    int32_t act; /* 0: SiLU, 1: GELU (tanh) */
+    const float *cos, *sin;
+    const ld_layer *layers;
+} ld_model;
+
+static int run_part(const ld_part *p, int64_t k, const float *x, int64_t t, float *y, int nthreads) {
+    int rc;
+    if (p->interleaved) rc = gguf_gemm_x8(p->type, p->w, p->n, k, x, t, y, nthreads);
+    else if (p->passes) rc = gguf_gemm_int8(p->type, p->w, p->n, k, x, t, y, p->passes, nthreads);
+    else rc = gguf_gemm(p->type, p->w, p->n, k, x, t, y, nthreads);
+    if (rc == 0 && p->bias)
+        for (int64_t r = 0; r < t; r++)
+            for (int64_t i = 0; i < p->n; i++) y[r * p->n + i] += p->bias[i];
+    return rc;
+}
+
+/* y [t, n] = x [t, k] through the projection's parts; `tmp` holds a part's [t, n_part] where
+ * it cannot be written in place (several parts and several tokens). */
+static int project(const ld_proj *p, const float *x, int64_t t, float *y, float *tmp, int nthreads) {
+    if (p->nparts == 1) return run_part(&p->part[0], p->k, x, t, y, nthreads);
+    int64_t col = 0;
+    for (int64_t i = 0; i < p->nparts; i++) {
+        const ld_part *q = &p->part[i];
+        int rc = run_part(q, p->k, x, t, t == 1 ? y + col : tmp, nthreads);
+        if (rc) return rc;
+        if (t > 1)
+            for (int64_t r = 0; r < t; r++) memcpy(y + r * p->n + col, tmp + r * q->n, (size_t)q->n * sizeof(float));
+        col += q->n;
+    }
+    return 0;
+}
+
+/* x [t, hidden]: the embedded tokens in, the last layer's output out; residual [t, hidden]: the
+ * residual stream out. pos, slots, lens [t]; tables [t, width] (the decode rows' block tables). */
+int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const int64_t *pos, const int64_t *slots,
+                 const int64_t *tables, int64_t width, const int64_t *lens, int nthreads) {
+    const int64_t h = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads, inter = m->intermediate;
+    const int64_t qkv_w = (hq + 2 * hkv) * d;
+    int64_t widest = qkv_w > 2 * inter ? qkv_w : 2 * inter;
+    float *normed = malloc((size_t)(t * h) * sizeof(float)), *qkv = malloc((size_t)(t * qkv_w) * sizeof(float));
+    float *attn = malloc((size_t)(t * hq * d) * sizeof(float)), *gate_up = malloc((size_t)(t * 2 * inter) * sizeof(float));
+    float *act = malloc((size_t)(t * inter) * sizeof(float)), *tmp = malloc((size_t)(t * widest) * sizeof(float));
+    int rc = normed && qkv && attn && gate_up && act && tmp ? 0 : -2;
+    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+        const ld_layer *L = &m->layers[l];
+        if (l == 0) {
+            memcpy(residual, x, (size_t)(t * h) * sizeof(float));
+            cpu_rms_norm(residual, NULL, L->in_norm, normed, t, h, m->eps, nthreads);
+        } else {
+            cpu_rms_norm(x, residual, L->in_norm, normed, t, h, m->eps, nthreads);
+        }
+        if ((rc = project(&L->qkv, normed, t, qkv, tmp, nthreads))) break;
+        if ((rc = cpu_decode_attention(qkv, qkv_w, L->k_cache, L->v_cache, m->block_size, hkv, d, hq, tables,
+                                       width, lens, t, m->scale, L->window, L->softcap, attn, slots, pos,
+                                       m->cos, m->sin, nthreads)))
+            break;
+        if ((rc = project(&L->o, attn, t, x, tmp, nthreads))) break;
+        cpu_rms_norm(x, residual, L->post_norm, normed, t, h, m->eps, nthreads);
+        if ((rc = project(&L->gate_up, normed, t, gate_up, tmp, nthreads))) break;
+        cpu_gated_act(gate_up, t, inter, m->act, act, nthreads);
+        rc = project(&L->down, act, t, x, tmp, nthreads);
+    }
+    free(normed); free(qkv); free(attn); free(gate_up); free(act); free(tmp);
+    return rc;
+}

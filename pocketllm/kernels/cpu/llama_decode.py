@@ -1,0 +1,106 @@
+"""A decode-only step of a Llama-family model's layers in one C call (llama_decode.c), for the
+CPU fast path: the layers' weights, norms and caches described once, in ctypes structures."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pocketllm.kernels.cpu.build import load_cpu_kernels
+
+_i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("type", _i32), ("passes", _i32), ("interleaved", _i32), ("w", _ptr), ("bias", _ptr), ("n", _i64)]
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("nparts", _i64), ("n", _i64), ("k", _i64), ("part", _Part * 3)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj),
+                ("down", _Proj), ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64), ("softcap", _f32)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("intermediate", _i64), ("block_size", _i64), ("eps", _f32), ("scale", _f32), ("act", _i32),
+                ("cos", _ptr), ("sin", _ptr), ("layers", ctypes.POINTER(_Layer))]
+
+
+def _f32_ptr(t: torch.Tensor, keep: list) -> int:
+    assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _proj(linear, keep: list) -> _Proj | None:
+    """A Linear layer's GGUF parts, if every one is on the fast path's kernels."""
+    from pocketllm.layers.linear import ConcatLinear
+    from pocketllm.quant.linear import GGUFLinear
+
+    q = linear.quantized
+    parts = list(q.parts) if isinstance(q, ConcatLinear) else [q]
+    if len(parts) > 3 or not all(isinstance(p, GGUFLinear) and p.path == "c" and p.int8 for p in parts):
+        return None
+    proj = _Proj(nparts=len(parts), n=sum(p.out_features for p in parts), k=parts[0].in_features)
+    for i, p in enumerate(parts):
+        interleaved = p._rows is None
+        w = p._store[0] if interleaved else p._rows
+        keep.append(w)
+        proj.part[i] = _Part(type=int(p.qtype), passes=p.int8, interleaved=int(interleaved), w=w.data_ptr(),
+                             bias=None if p.bias is None else _f32_ptr(p.bias, keep), n=p.out_features)
+    return proj
+
+
+class LlamaDecoder:
+    """Runs all decoder layers of a decode-only step; build() returns None for a model it does not
+    cover (projections off the fast path's kernels, q/k norms, activations other than SiLU and
+    tanh GELU), which then keeps its module-by-module forward."""
+
+    def __init__(self, spec: _Model, layers, keep: list):
+        self._spec, self._layers, self._keep = spec, layers, keep
+        self._lib = load_cpu_kernels()
+
+    @classmethod
+    def build(cls, model) -> "LlamaDecoder | None":
+        lib = load_cpu_kernels()
+        layers = model.model.layers
+        if lib is None or not len(layers):
+            return None
+        keep: list = []
+        specs = []
+        a0 = layers[0].self_attn
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.q_norm is not None or mlp.act_code not in (0, 1) or attn.scale != a0.scale:
+                return None
+            projs = [_proj(x, keep) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(p is None for p in projs):
+                return None
+            specs.append(_Layer(_f32_ptr(layer.input_layernorm.scale(), keep),
+                                _f32_ptr(layer.post_attention_layernorm.scale(), keep), *projs,
+                                _f32_ptr(attn.k_cache, keep), _f32_ptr(attn.v_cache, keep),
+                                attn.window or 0, attn.softcap or 0.0))
+        array = (_Layer * len(specs))(*specs)
+        rot = model.rotary
+        spec = _Model(len(specs), layers[0].input_layernorm.weight.numel(), a0.num_heads, a0.num_kv_heads,
+                      a0.head_dim, layers[0].mlp.down_proj.in_features, a0.k_cache.shape[1],
+                      layers[0].input_layernorm.eps, a0.scale, layers[0].mlp.act_code,
+                      _f32_ptr(rot.cos, keep), _f32_ptr(rot.sin, keep), array)
+        return cls(spec, array, keep)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [t, hidden] (the embedded tokens; overwritten) -> (last layer's output, residual)."""
+        assert x.dtype == torch.float32 and x.is_contiguous()
+        tables, lens, slots = meta.decode_block_tables, meta.decode_lens, meta.slot_mapping
+        for t in (positions, tables, lens, slots):
+            assert t.dtype == torch.int64 and t.is_contiguous()
+        residual = torch.empty_like(x)
+        rc = self._lib.llama_decode(ctypes.byref(self._spec), x.data_ptr(), residual.data_ptr(), x.shape[0],
+                                    positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                    lens.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"llama_decode failed ({rc})"
+        return x, residual

@@ -1,0 +1,79 @@
+"""Decode-only steps of the Llama family on the CPU fast path run all decoder layers in one C call
+(kernels/cpu/llama_decode.c). The module-by-module forward on the same path is the reference: the
+same kernels in the same order, so the same greedy tokens and the same logits up to float rounding
+(the exact path is compared with transformers elsewhere)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import prompts_of
+from reference import captured_logits
+from tiny_models import make_llama256
+
+from pocketllm import LLM, SamplingParams
+from pocketllm.kernels.cpu import layer_ops
+from pocketllm.layers.linear import ConcatLinear
+from pocketllm.loaders.gguf_writer import write_gguf
+
+if not layer_ops.available():
+    pytest.skip("no C compiler: the CPU kernels are not built", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def files(tiny_models, tmp_path_factory):
+    """qwen2 with random q/k/v biases (transformers initializes them to 0) in Q8_0 and Q4_0; a llama
+    with rows of 256 in Q4_K_M (Q4_K q/k with a Q6_K v: a fused projection of two types); qwen3
+    (q/k norms, which the one-call step does not cover)."""
+    root = tmp_path_factory.mktemp("decode")
+    qwen2 = copy.deepcopy(tiny_models["qwen2"][0])
+    with torch.no_grad():
+        for name, p in qwen2.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    qwen2.save_pretrained(root / "qwen2", safe_serialization=True)
+    return {
+        "qwen2-Q8_0": write_gguf(root / "qwen2", root / "qwen2.Q8_0.gguf", "Q8_0").path,
+        "qwen2-Q4_0": write_gguf(root / "qwen2", root / "qwen2.Q4_0.gguf", "Q4_0", pure=True).path,
+        "llama256-Q4_K_M": write_gguf(make_llama256(root, num_layers=3)[1], root / "llama256.Q4_K_M.gguf",
+                                      "Q4_K_M").path,
+        "qwen3-Q8_0": write_gguf(tiny_models["qwen3"][1], root / "qwen3.Q8_0.gguf", "Q8_0").path,
+    }
+
+
+def generate(llm: LLM, prompts: list[list[int]], one_call: bool):
+    model = llm.engine.runner.model
+    model._cpu_decoder = None if one_call else False  # None: built at the first decode-only step
+    with captured_logits(llm) as logits:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs], logits, model._cpu_decoder
+
+
+@pytest.mark.parametrize("kind", ["qwen2-Q8_0", "qwen2-Q4_0", "llama256-Q4_K_M"])
+@pytest.mark.parametrize("lengths", [[9], [1, 7, 30, 65]], ids=["one", "four"])
+def test_one_call_decode_equals_the_module_forward(files, kind, lengths):
+    llm = LLM(str(files[kind]), max_model_len=128, num_kv_blocks=64, enable_prefix_caching=False)  # same steps twice
+    prompts = prompts_of(lengths, seed=len(kind))
+    tokens, logits, decoder = generate(llm, prompts, one_call=True)
+    assert decoder, "the one-call step covers this model"
+    want_tokens, want_logits, _ = generate(llm, prompts, one_call=False)
+    assert tokens == want_tokens
+    assert len(logits) == len(want_logits)
+    for got, want in zip(logits, want_logits):
+        assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    if kind == "llama256-Q4_K_M":  # the case of a projection with parts of two types
+        layers = llm.engine.runner.model.model.layers
+        assert any(isinstance(layer.self_attn.qkv_proj.quantized, ConcatLinear) for layer in layers)
+
+
+def test_models_it_does_not_cover_keep_the_module_forward(files):
+    """q/k norms (Qwen3) and the exact path: no one-call step, the same tokens as ever."""
+    prompts = prompts_of([5, 12])
+    fast = LLM(str(files["qwen3-Q8_0"]), max_model_len=128, num_kv_blocks=64)
+    tokens, _, decoder = generate(fast, prompts, one_call=True)
+    assert decoder is False
+    assert tokens == generate(fast, prompts, one_call=False)[0]
+    exact = LLM(str(files["qwen2-Q8_0"]), max_model_len=128, num_kv_blocks=64, exact_kernels=True)
+    assert generate(exact, prompts, one_call=True)[2] is None  # never built: not the fast path
