@@ -1,5 +1,6 @@
 """GGUF matmuls on the CPU: the exact C kernels against the fast path (integer dot products over
-8-bit activations), at the default model's shapes and a 1.5B model's, batch 1, 8 and 64, 2 threads.
+8-bit activations; per row, and with eight rows interleaved where the build has that layout for the
+type), at the default model's shapes and a 1.5B model's, batch 1, 8 and 64, 2 threads.
 
     python benchmarks/bench_cpu_int8.py [TYPE ...] > benchmarks/results/cpu-int8-kernels.txt
 """
@@ -43,7 +44,7 @@ def main() -> None:
     torch.set_num_threads(2)
     env = environment()
     print(f"# commit {env['commit']}{' (dirty)' if env['dirty'] else ''}, {env['machine']['cpu']}, {env['date']}; 2 threads; mean of repeated calls")
-    print("type   N      K     B   exact ms  int8 ms  speed-up  int8 weight GB/s")
+    print("type   N      K     B   exact ms  int8 ms  x8 ms  fast/exact  fast weight GB/s")
     rng = np.random.default_rng(0)
     types = [T[name] for name in sys.argv[1:]] or [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K,
                                                     T.IQ4_XS]
@@ -53,13 +54,16 @@ def main() -> None:
         for n, k in shapes + ((17920, 1536), (1536, 8960), (151936, 1536)):
             raw = random_weights(rng, qtype, n, k)
             rows = gguf_ops.row_pointers([raw])
+            packed = gguf_ops.repack_x8(rows, qtype, k)
             for b in (1, 8, 64):
                 x = torch.randn(b, k)
                 reps = 10 if n * b > 10**6 else 50
                 exact = ms(lambda: gguf_ops.gemm(x, rows, qtype), reps)
-                fast = ms(lambda: gguf_ops.gemm(x, rows, qtype, int8=True), reps)
-                print(f"{qtype.name:6} {n:<6} {k:<5} {b:<3} {exact:8.3f} {fast:8.3f} {exact / fast:8.2f}x "
-                      f"{raw.numel() / fast / 1e6:10.1f}")
+                int8 = ms(lambda: gguf_ops.gemm(x, rows, qtype, int8=True), reps)
+                x8 = ms(lambda: gguf_ops.gemm_x8(x, packed, n, qtype), reps) if packed is not None else None
+                fast = min(int8, x8 or int8)
+                print(f"{qtype.name:6} {n:<6} {k:<5} {b:<3} {exact:8.3f} {int8:8.3f} "
+                      f"{'-' if x8 is None else f'{x8:.3f}':>6} {exact / fast:8.2f}x {raw.numel() / fast / 1e6:12.1f}")
 
 
 if __name__ == "__main__":
