@@ -1,6 +1,7 @@
-"""Where a single-stream CPU decode step's time goes: the whole step, the step with every GGUF
-matmul replaced by an empty result of its shape (what is left: norms, attention, activations,
-Python and bookkeeping), and each matmul shape's time per call (timed around the layer call).
+"""Where a single-stream CPU decode step's time goes: the whole step with the layers in one C call
+(where the model's runtime has it) and module by module; module by module with every GGUF matmul
+replaced by an empty result of its shape (what is left: norms, attention, activations, Python and
+bookkeeping); and each matmul shape's time per call (timed around the layer call).
 
     python benchmarks/profile_cpu_step.py MODEL.gguf [--exact-kernels] >> benchmarks/results/cpu-fast-path-profile.txt
 """
@@ -38,7 +39,12 @@ def main() -> None:
     print(f"# {args.model}, exact_kernels={args.exact_kernels}; commit {env['commit']}"
           f"{' (dirty)' if env['dirty'] else ''}, {env['machine']['cpu']}, {env['machine']['torch_threads']} "
           f"threads, {env['date']}; 16-token prompt, {TOKENS} tokens")
+    model = llm.engine.runner.model
     full = ms_per_token(llm)
+    one_call = None
+    if getattr(model, "_cpu_decoder", None):  # built: that was one C call
+        one_call, model._cpu_decoder = full, False  # module by module from here: matmuls timed, stubbed
+        full = ms_per_token(llm)
 
     times, calls = collections.defaultdict(float), collections.Counter()
     forward = qlinear.GGUFLinear.forward
@@ -67,7 +73,9 @@ def main() -> None:
     finally:
         gguf_ops.gemm, gguf_ops.gemm_x8 = gemm, gemm_x8
     per_step = sum(times.values()) * 1e3 / steps
-    print(f"step {full:.2f} ms; without the matmuls {no_matmul:.2f} ms ({no_matmul / full:.0%}); "
+    if one_call is not None:
+        print(f"step with the layers in one C call {one_call:.2f} ms")
+    print(f"step module by module {full:.2f} ms; without the matmuls {no_matmul:.2f} ms ({no_matmul / full:.0%}); "
           f"matmul layer calls {per_step:.2f} ms per step (timed, {with_timers:.2f} ms/token with timers)")
     print("  type    N       K      us/call  calls/step  GB/s of weights")
     for key, t in sorted(times.items(), key=lambda kv: -kv[1]):

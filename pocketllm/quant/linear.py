@@ -347,6 +347,13 @@ class GGUFLinear(torch.nn.Module):
             held.append(self.bias)
         return sum(t.numel() * t.element_size() for t in held)
 
+    def fast_path_weights(self) -> tuple[torch.Tensor, bool] | None:
+        """For callers of the fast path's C kernels (the one-call decode step): (the row pointer
+        table, False) or (the interleaved bytes, True); None where this layer is not on that path."""
+        if self.path != "c" or not self.int8:
+            return None
+        return (self._store[0], True) if self._rows is None else (self._rows, False)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"qtype={self.qtype.name}, path={self.path}")

@@ -429,12 +429,15 @@ static void quantize_activations_k(const float *X, int64_t B, int64_t K, int8_t 
     }
 }
 
-/* Rows of W (a table of row pointers) split over threads; each row against all B activation
- * rows, IRB at a time (R a constant after inlining: the accumulators stay in registers). */
+/* Rows of W (a table of row pointers) split over threads, in blocks of NB; each block against
+ * all B activation rows, IRB at a time (R a constant after inlining: the accumulators stay in
+ * registers), so that IRB activation rows are read from L1 for the whole block. */
+#define NB 16
 #define FOR_ROWS_AND_BATCH(ROW_DOT)                                                                 \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t n = 0; n < N; n++) {                                                               \
-        for (int64_t b0 = 0; b0 < B; b0 += IRB) {                                                   \
+    for (int64_t nb = 0; nb < N; nb += NB)                                                          \
+    for (int64_t b0 = 0; b0 < B; b0 += IRB) {                                                       \
+        for (int64_t n = nb; n < (N - nb < NB ? N : nb + NB); n++) {                                \
             switch (B - b0 < IRB ? B - b0 : IRB) {                                                  \
             case 1: ROW_DOT(1); break;                                                              \
             case 2: ROW_DOT(2); break;                                                              \
@@ -902,9 +905,11 @@ static inline __attribute__((always_inline)) void x8_group(
         int sb, nb;                                                                                 \
         x8_layout(type, &sb, &nb);                                                                  \
         const int64_t nblk = K / 32;                                                                \
+        const int64_t groups = N / 8;                                                               \
         _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
-        for (int64_t g = 0; g < N / 8; g++)                                                         \
-            for (int64_t b0 = 0; b0 < B; b0 += IRB) {                                               \
+        for (int64_t gb = 0; gb < groups; gb += NB / 8)  /* blocks of NB rows, as above */          \
+            for (int64_t b0 = 0; b0 < B; b0 += IRB)                                                 \
+            for (int64_t g = gb; g < (groups - gb < NB / 8 ? groups : gb + NB / 8); g++) {          \
                 switch (B - b0 < IRB ? B - b0 : IRB) {                                              \
                 case 1: X8_GROUP(1); break;                                                         \
                 case 2: X8_GROUP(2); break;                                                         \

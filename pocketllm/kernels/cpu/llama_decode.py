@@ -43,12 +43,11 @@ def _proj(linear, keep: list) -> _Proj | None:
 
     q = linear.quantized
     parts = list(q.parts) if isinstance(q, ConcatLinear) else [q]
-    if len(parts) > 3 or not all(isinstance(p, GGUFLinear) and p.path == "c" and p.int8 for p in parts):
+    weights = [p.fast_path_weights() if isinstance(p, GGUFLinear) else None for p in parts]
+    if len(parts) > 3 or any(w is None for w in weights):
         return None
     proj = _Proj(nparts=len(parts), n=sum(p.out_features for p in parts), k=parts[0].in_features)
-    for i, p in enumerate(parts):
-        interleaved = p._rows is None
-        w = p._store[0] if interleaved else p._rows
+    for i, (p, (w, interleaved)) in enumerate(zip(parts, weights)):
         keep.append(w)
         proj.part[i] = _Part(type=int(p.qtype), passes=p.int8, interleaved=int(interleaved), w=w.data_ptr(),
                              bias=None if p.bias is None else _f32_ptr(p.bias, keep), n=p.out_features)
