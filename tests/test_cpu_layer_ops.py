@@ -85,6 +85,25 @@ def test_cache_write_and_decode_attention_match_the_torch_path(decodes, prefills
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (200, None), (None, 30.0)])
+@pytest.mark.parametrize("decodes", [[300], [1, 290], [64, 64, 64]])
+def test_long_contexts_split_among_threads(decodes, window, softcap):
+    """Fewer queries than threads: each query's context is split in chunks whose partial softmax
+    results are merged (4 threads here; chunks of at least 64 positions)."""
+    bs, nb, hq, hkv, d = 16, 48, 6, 2, 32
+    meta, t = step_metadata(decodes, [], bs, nb)
+    caches = randn(2, nb, bs, hkv, d)
+    q, k, v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        outs = [paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), meta, 0.3, window, softcap,
+                                cpu_kernels=cpu_kernels) for cpu_kernels in (False, True)]
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, 20.0)])
 def test_fused_decode_step_rotates_writes_and_attends(window, softcap):
     bs, nb, hq, hkv, d = 16, 24, 6, 2, 32

@@ -30,6 +30,8 @@ if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2
     pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
 ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL]  # interleaved eight rows at a time where AVX-512 VNNI is
+HAVE_X8 = all(load_cpu_kernels().gguf_x8_supported(int(t)) for t in X8_TYPES)
 
 
 def quantized_weights(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +93,6 @@ def test_int8_gemm_equals_the_exact_product_of_rounded_activations(isa, qtype, b
     assert_within_rounding(y, x, w, qtype)
 
 
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL]  # interleaved eight rows at a time where AVX-512 VNNI is
-HAVE_X8 = all(load_cpu_kernels().gguf_x8_supported(int(t)) for t in X8_TYPES)
 
 
 @pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
@@ -113,14 +113,14 @@ def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(qtype, 
 
 @pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
 def test_layers_repack_where_the_kernels_cover_them():
-    """A fast-path layer of a covered type repacks (its file rows are no longer held); rows not a
-    multiple of 8, other types and the two-pass output layer keep the file's rows."""
+    """A fast-path layer of a covered type repacks (its file rows are no longer held), the two-pass
+    output layer too; rows not a multiple of 8 and other types keep the file's rows."""
     def layer(qtype, n, passes=1):
         raw, w = quantized_weights(qtype, n, 256)
         return GGUFLinear.from_gguf(raw, qtype, n, 256, int8_activations=passes), w
     x = torch.randn(3, 256)
     for qtype, n, passes, repacked in [(T.Q4_0, 24, 1, True), (T.Q8_0, 20, 1, False), (T.Q4_K, 24, 1, False),
-                                       (T.Q8_0, 24, 2, False)]:
+                                       (T.Q8_0, 24, 2, True)]:
         lin, w = layer(qtype, n, passes)
         assert lin.fast_path_weights()[1] == repacked, (qtype, n, passes)
         assert lin.nbytes() == n * raw_row_bytes(qtype, 256)
@@ -128,22 +128,44 @@ def test_layers_repack_where_the_kernels_cover_them():
             assert_within_rounding(lin(x).double(), x, w, qtype)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_a_second_pass_over_the_rounding_error(qtype):
+@pytest.mark.parametrize("qtype,interleaved", [(T.Q4_1, False), (T.Q8_0, False), (T.Q4_K, False), (T.Q6_K, False),
+                                               (T.Q4_1, True), (T.Q8_0, True)], ids=str)
+def test_a_second_pass_over_the_rounding_error(qtype, interleaved):
     """int8=2 (the output layer): the activations' rounding error is quantized too and multiplied
     as further rows: the exact product of x's two-pass rounding, and 100x closer to the float one."""
+    if interleaved and not HAVE_X8:
+        pytest.skip("interleaved rows need AVX-512 BW and VNNI")
     k = 512
     raw, w = quantized_weights(qtype, 40, k)
+    rows = gguf_ops.row_pointers([raw])
+    packed = gguf_ops.repack_x8(rows, qtype, k) if interleaved else None
+
+    def gemm(x, passes):
+        return (gguf_ops.gemm_x8(x, packed, 40, qtype, passes) if interleaved
+                else gguf_ops.gemm(x, rows, qtype, int8=passes)).double()
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
     blk = activation_block(qtype)
     first = rounded_activations(x, blk)
     second = first + rounded_activations(x - first, blk)
-    y = gguf_ops.gemm(x, gguf_ops.row_pointers([raw]), qtype, int8=2).double()
+    y = gemm(x, 2)
     exact = x.double() @ w.T
     scale = x.abs().double() @ w.abs().T
     assert torch.all((y - second.double() @ w.T).abs() <= 1e-5 * scale + 1e-6)
-    one_pass = gguf_ops.gemm(x, gguf_ops.row_pointers([raw]), qtype, int8=1).double()
-    assert (y - exact).abs().max() * 100 < (one_pass - exact).abs().max()
+    assert (y - exact).abs().max() * 100 < (gemm(x, 1) - exact).abs().max()
+
+
+@pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
+def test_embedding_rows_read_from_the_interleaved_layout(qtype):
+    """A tied embedding table whose output layer repacked it: rows come back as gguf dequantizes
+    them from the file's layout, bit for bit; ids out of range are refused."""
+    raw, w = quantized_weights(qtype, 48, 256)
+    lin = GGUFLinear.from_gguf(raw, qtype, 48, 256, int8_activations=2)
+    assert lin.fast_path_weights()[1]
+    ids = torch.tensor([[0, 47, 9], [8, 8, 31]])
+    assert torch.equal(lin.embedding_rows(ids).double(), w[ids])
+    with pytest.raises(IndexError):
+        lin.embedding_rows(torch.tensor([48]))
 
 
 def test_fused_parts_share_one_table():
@@ -180,6 +202,8 @@ def test_the_default_model_on_the_fast_path_agrees_with_the_exact_one():
         # every matmul on the fast path, the (tied) output layer with its second pass
         assert {m.int8 for m in layers if m is not model.lm_head.quantized} == {0 if exact else 1}
         assert model.lm_head.quantized.int8 == (0 if exact else 2)
+        # where the head is repacked, the tied table is read from it: one copy of its bytes
+        assert (model.model.embed_tokens.tied is model.lm_head.quantized) == (not exact and HAVE_X8)
         runs[exact] = llm.generate(text, params)[0].prompt_logprobs[1:]
         del llm
     exact, fast = runs[True], runs[False]

@@ -96,6 +96,7 @@ class Embedding(torch.nn.Module):
                                          requires_grad=False)
         self.quantized: QuantizedTensor | None = None  # looked up row by row (on the CPU)
         self.source: QuantizedTensor | None = None  # the GGUF table, for a tied output projection
+        self.tied = None  # the tied output projection's GGUFLinear, where the table's rows are read
         self.dtype, self.device = dtype, torch.device(device)
         self.dequantize_at_load, self.int8_activations = False, 0  # for the tied output projection
 
@@ -114,6 +115,8 @@ class Embedding(torch.nn.Module):
             self.weight.data.copy_(tensor)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tied is not None:
+            return self.tied.embedding_rows(ids).to(self.dtype)
         if self.quantized is not None:
             from pocketllm.quant.linear import gguf_embedding_lookup
 
@@ -129,6 +132,11 @@ class Embedding(torch.nn.Module):
         lin.dequantize_at_load, lin.int8_activations = self.dequantize_at_load, self.int8_activations
         if self.source is not None:  # stays quantized (CUDA: the Triton kernels)
             lin.load(self.source)
+            held = lin.quantized.fast_path_weights() if hasattr(lin.quantized, "fast_path_weights") else None
+            if self.quantized is not None and held is not None and held[1]:
+                # repacked for the fast path's kernels: the table is read from there, one copy
+                self.quantized = self.source = None
+                self.tied = lin.quantized
         else:
             lin.weight = self.weight
         return lin

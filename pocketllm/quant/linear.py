@@ -14,9 +14,10 @@ Compute paths (``GGUFLinear.path``):
   8 bits per block and each block's dot product runs on integers (not exact: within the
   activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
   pass over the first one's rounding error (the output layer). With AVX-512 VNNI, Q4_0 Q4_1
-  Q8_0 and IQ4_NL matrices on the fast path (one pass, rows a multiple of 8) are repacked at
-  load with eight rows' blocks interleaved (the same bytes, reordered; not a view of the
-  file any more), which shares each block's float work among four rows.
+  Q8_0 and IQ4_NL matrices on the fast path (rows a multiple of 8) are repacked at load with
+  eight rows' blocks interleaved (the same bytes, reordered; not a view of the file any
+  more), which shares each block's float work among four rows; a tied embedding table then
+  reads its rows from there (``embedding_rows``).
 * ``"dense"``  F32 weights as-is; F16/BF16 widened to float32 at load (2x their
   file size, exact, BLAS speed); any type with ``dequantize_at_load=True``.
 * ``"planes"`` default for the affine types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K).
@@ -323,7 +324,7 @@ class GGUFLinear(torch.nn.Module):
             self._store = [p.view(-1, row_nbytes(qtype, k)).contiguous() for p in parts]  # views: no copy
             self._rows = gguf_ops.row_pointers(self._store)
             self.int8 = int(int8_activations) if gguf_ops.supports_int8(qtype) else 0
-            packed = gguf_ops.repack_x8(self._rows, qtype, k) if self.int8 == 1 else None
+            packed = gguf_ops.repack_x8(self._rows, qtype, k) if self.int8 else None
             if packed is not None:
                 self._store, self._rows = [packed], None
             return self
@@ -346,6 +347,15 @@ class GGUFLinear(torch.nn.Module):
         if self.bias is not None:
             held.append(self.bias)
         return sum(t.numel() * t.element_size() for t in held)
+
+    def embedding_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``token_ids`` of W dequantized to float32, exactly: the lookup of an embedding table
+        tied to this output layer (on the C path, which keeps one part)."""
+        if self._rows is not None:
+            return gguf_embedding_lookup(self._store[0], self.qtype, self.out_features, self.in_features, token_ids)
+        ids, flat = _checked_ids(token_ids, self.out_features)
+        out = gguf_ops.dequant_rows_x8(self._store[0], self.qtype, self.out_features, self.in_features, flat)
+        return out.reshape(*ids.shape, self.in_features)
 
     def fast_path_weights(self) -> tuple[torch.Tensor, bool] | None:
         """For callers of the fast path's C kernels (the one-call decode step): (the row pointer
@@ -371,7 +381,7 @@ class GGUFLinear(torch.nn.Module):
         x2 = x2.to(self._store.dtype if self.path == "dense" else torch.float32)
         if self.path == "c":
             if self._rows is None:  # interleaved rows (repack_x8)
-                y = gguf_ops.gemm_x8(x2, self._store[0], self.out_features, self.qtype)
+                y = gguf_ops.gemm_x8(x2, self._store[0], self.out_features, self.qtype, self.int8)
             elif self.int8:
                 y = gguf_ops.gemm(x2, self._rows, self.qtype, int8=self.int8)
             elif x2.shape[0] <= C_GEMM_ROWS:
@@ -428,6 +438,16 @@ def _dequantize_rows(rows: torch.Tensor, qtype: GGMLQuantizationType, k: int, de
     return out
 
 
+def _checked_ids(token_ids, num_embeddings: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids as a tensor, flattened to int64), every id in [0, num_embeddings)."""
+    ids = torch.as_tensor(token_ids)
+    flat = ids.reshape(-1).long()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_embeddings):
+        raise IndexError(f"token ids must be in [0, {num_embeddings}), "
+                         f"got {int(flat.min())}..{int(flat.max())}")
+    return ids, flat
+
+
 def gguf_embedding_lookup(
     data_uint8: torch.Tensor,
     qtype: GGMLQuantizationType,
@@ -442,11 +462,7 @@ def gguf_embedding_lookup(
     """
     qtype = check_supported(qtype)
     table = as_bytes(data_uint8).view(int(num_embeddings), row_nbytes(qtype, int(dim)))
-    ids = torch.as_tensor(token_ids)
-    flat = ids.reshape(-1).long()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_embeddings):
-        raise IndexError(f"token ids must be in [0, {num_embeddings}), "
-                         f"got {int(flat.min())}..{int(flat.max())}")
+    ids, flat = _checked_ids(token_ids, num_embeddings)
     if gguf_ops.supports(qtype):
         out = gguf_ops.dequant_rows(table.contiguous(), qtype, int(dim), flat)
     else:

@@ -736,44 +736,6 @@ int gguf_int8_supported(int type) { return int8_lookup(type) != 0 || int8_k_look
  * -1 where the type or the build has no such path. passes = 2 adds a second 8-bit pass over
  * what the first left (X minus its rounding), as further activation rows of the same kernel:
  * about 15-bit activations, for the output layer, whose top logits decide the sampled token. */
-int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
-                   int passes, int nthreads) {
-    if (!gguf_int8_supported(type) || passes < 1 || passes > 2) return -1;
-#ifdef HAVE_INT8_DOT
-    const int super = int8_k_lookup(type) != 0, qk = super ? 256 : 32;
-    if (K % qk) return -1;
-    const int64_t nblk = K / qk, rows = B * passes;
-    int8_t *xq = malloc((size_t)(rows * K));
-    float *xd = malloc((size_t)(rows * nblk) * sizeof(float));
-    char *extra = malloc(super ? (size_t)(rows * K / 16) * sizeof(int16_t) : (size_t)(rows * nblk) * sizeof(float));
-    float *rest = passes == 2 ? malloc((size_t)(B * K) * sizeof(float)) : 0;
-    float *Yall = passes == 2 ? malloc((size_t)(rows * N) * sizeof(float)) : Y;
-    if (!xq || !xd || !extra || (passes == 2 && (!rest || !Yall))) {
-        free(xq); free(xd); free(extra); free(rest); if (Yall != Y) free(Yall);
-        return -2;
-    }
-    const size_t extra_row = super ? (size_t)(K / 16) * sizeof(int16_t) : (size_t)nblk * sizeof(float);
-    for (int pass = 0; pass < passes; pass++) {
-        const float *src = pass ? rest : X;
-        int8_t *q = xq + pass * B * K;
-        float *d = xd + pass * B * nblk;
-        void *e = extra + pass * B * extra_row;
-        if (super) quantize_activations_k(src, B, K, q, d, e, nthreads);
-        else quantize_activations(src, B, K, q, d, e, nthreads);
-        if (pass == 0 && passes == 2)
-            for (int64_t i = 0; i < B * K; i++) rest[i] = X[i] - (float)xq[i] * xd[i / qk];
-    }
-    if (super) int8_k_lookup(type)(W, N, K, xq, xd, (const int16_t *)extra, rows, Yall, nthreads);
-    else int8_lookup(type)(W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
-    if (passes == 2) {
-        for (int64_t i = 0; i < B * N; i++) Y[i] = Yall[i] + Yall[B * N + i];
-        free(rest); free(Yall);
-    }
-    free(xq); free(xd); free(extra);
-#endif
-    return 0;
-}
-
 /* ---- Interleaved rows (AVX-512 VNNI): Q4_0, Q4_1, Q8_0 and IQ4_NL repacked at load ----------
  * The per-row kernels above spend most of a 32-element block on float work (convert, scale,
  * horizontal sums) and on unpacking 16 bytes at a time. Repacked so that one block of eight
@@ -806,6 +768,22 @@ int gguf_x8_supported(int type) { int s, b; return x8_layout(type, &s, &b); }
 int gguf_x8_supported(int type) { (void)type; return 0; }
 #endif
 
+/* Row r's block between its file form b and its place in the group's block column o (the layout
+ * above): b -> o with to_group, else o -> b. */
+static void x8_move(int type, int sb, uint8_t *o, uint8_t *b, int r, int to_group) {
+#define X8_MOVE(at_o, at_b, len) (to_group ? memcpy(o + (at_o), b + (at_b), len) : memcpy(b + (at_b), o + (at_o), len))
+    X8_MOVE(2 * r, 0, 2);
+    if (type == Q4_1) {
+        X8_MOVE(16 + 2 * r, 2, 2);
+        X8_MOVE(sb + 16 * r, 4, 16);
+    } else if (type == Q8_0) {
+        for (int h = 0; h < 2; h++) X8_MOVE(sb + (r / 4) * 128 + h * 64 + (r % 4) * 16, 2 + 16 * h, 16);
+    } else {
+        X8_MOVE(sb + 16 * r, 2, 16);
+    }
+#undef X8_MOVE
+}
+
 /* W (a row pointer table, N % 8 == 0) -> out, N * row bytes, in the layout above. */
 int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint8_t *out) {
     int sb, nb;
@@ -813,22 +791,9 @@ int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint
     x8_layout(type, &sb, &nb);
     const int64_t nblk = K / 32;
     for (int64_t g = 0; g < N / 8; g++)
-        for (int64_t j = 0; j < nblk; j++) {
-            uint8_t *o = out + (g * nblk + j) * 8 * nb;
-            for (int r = 0; r < 8; r++) {
-                const uint8_t *b = W[g * 8 + r] + j * nb;
-                memcpy(o + 2 * r, b, 2);
-                if (type == Q4_1) {
-                    memcpy(o + 16 + 2 * r, b + 2, 2);
-                    memcpy(o + sb + 16 * r, b + 4, 16);
-                } else if (type == Q8_0) {
-                    for (int h = 0; h < 2; h++)
-                        memcpy(o + sb + (r / 4) * 128 + h * 64 + (r % 4) * 16, b + 2 + 16 * h, 16);
-                } else {
-                    memcpy(o + sb + 16 * r, b + 2, 16);
-                }
-            }
-        }
+        for (int64_t j = 0; j < nblk; j++)
+            for (int r = 0; r < 8; r++)
+                x8_move(type, sb, out + (g * nblk + j) * 8 * nb, (uint8_t *)(W[g * 8 + r] + j * nb), r, 1);
     return 0;
 }
 
@@ -928,24 +893,94 @@ X8_GEMM_FOR_TYPE(q8_0, Q8_0)
 X8_GEMM_FOR_TYPE(iq4_nl, IQ4_NL)
 #endif
 
-/* Y[B, N] = X[B, K] @ W[N, K]^T, W repacked by gguf_repack_x8; X quantized to 8 bits per block
- * of 32 as on the fast path above (one pass). -1 where the build has no such kernel. */
-int gguf_gemm_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
-                 int nthreads) {
-    if (!gguf_x8_supported(type) || N % 8 || K % 32) return -1;
 #ifdef HAVE_X8
-    const int64_t nblk = K / 32;
-    int8_t *xq = malloc((size_t)(B * K));
-    float *xd = malloc((size_t)(B * nblk) * sizeof(float)), *xs = malloc((size_t)(B * nblk) * sizeof(float));
-    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
-    quantize_activations(X, B, K, xq, xd, xs, nthreads);
+static void x8_gemm(int type, const uint8_t *Wp, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                    const float *xs, int64_t B, float *Y, int nthreads) {
     switch (type) {
     case Q4_0: q4_0_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
     case Q4_1: q4_1_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
     case Q8_0: q8_0_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
     case IQ4_NL: iq4_nl_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
     }
-    free(xq); free(xd); free(xs);
+}
 #endif
+
+/* Y[B, N] = X[B, K] @ W[N, K]^T on the fast path (X quantized to 8 bits per block, see above):
+ * W a table of row pointers, or with `interleaved` the bytes gguf_repack_x8 wrote; -1 where the
+ * type or the build has no such path. passes = 2 adds a second 8-bit pass over what the first
+ * left (X minus its rounding), as further activation rows of the same kernel: about 15-bit
+ * activations, for the output layer, whose top logits decide the sampled token. */
+static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_t K, const float *X, int64_t B,
+                     float *Y, int passes, int nthreads) {
+    if (passes < 1 || passes > 2) return -1;
+    if (interleaved ? !gguf_x8_supported(type) || N % 8 : !gguf_int8_supported(type)) return -1;
+#ifdef HAVE_INT8_DOT
+    const int super = int8_k_lookup(type) != 0, qk = super ? 256 : 32;
+    if (K % qk) return -1;
+    const int64_t nblk = K / qk, rows = B * passes;
+    int8_t *xq = malloc((size_t)(rows * K));
+    float *xd = malloc((size_t)(rows * nblk) * sizeof(float));
+    char *extra = malloc(super ? (size_t)(rows * K / 16) * sizeof(int16_t) : (size_t)(rows * nblk) * sizeof(float));
+    float *rest = passes == 2 ? malloc((size_t)(B * K) * sizeof(float)) : 0;
+    float *Yall = passes == 2 ? malloc((size_t)(rows * N) * sizeof(float)) : Y;
+    if (!xq || !xd || !extra || (passes == 2 && (!rest || !Yall))) {
+        free(xq); free(xd); free(extra); free(rest); if (Yall != Y) free(Yall);
+        return -2;
+    }
+    const size_t extra_row = super ? (size_t)(K / 16) * sizeof(int16_t) : (size_t)nblk * sizeof(float);
+    for (int pass = 0; pass < passes; pass++) {
+        const float *src = pass ? rest : X;
+        int8_t *q = xq + pass * B * K;
+        float *d = xd + pass * B * nblk;
+        void *e = extra + pass * B * extra_row;
+        if (super) quantize_activations_k(src, B, K, q, d, e, nthreads);
+        else quantize_activations(src, B, K, q, d, e, nthreads);
+        if (pass == 0 && passes == 2)
+            for (int64_t i = 0; i < B * K; i++) rest[i] = X[i] - (float)xq[i] * xd[i / qk];
+    }
+#ifdef HAVE_X8
+    if (interleaved) x8_gemm(type, W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
+    else
+#endif
+    if (super) int8_k_lookup(type)(W, N, K, xq, xd, (const int16_t *)extra, rows, Yall, nthreads);
+    else int8_lookup(type)(W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
+    if (passes == 2) {
+        for (int64_t i = 0; i < B * N; i++) Y[i] = Yall[i] + Yall[B * N + i];
+        free(rest); free(Yall);
+    }
+    free(xq); free(xd); free(extra);
+#endif
+    return 0;
+}
+
+int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
+                   int passes, int nthreads) {
+    return int8_gemm(type, W, 0, N, K, X, B, Y, passes, nthreads);
+}
+
+/* The same over W repacked by gguf_repack_x8. */
+int gguf_gemm_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
+                 int passes, int nthreads) {
+    return int8_gemm(type, Wp, 1, N, K, X, B, Y, passes, nthreads);
+}
+
+/* Rows `ids` of a matrix repacked by gguf_repack_x8, dequantized exactly -> out [rows, K]
+ * (an embedding table that is also the output layer). */
+int gguf_dequant_rows_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, const int64_t *ids, int64_t rows,
+                         float *out, int nthreads) {
+    int sb, nb, qk, nbytes;
+    const deq_fn deq = lookup(type, &qk, &nbytes);
+    if (!gguf_x8_supported(type) || !deq || N % 8 || K % 32) return -1;
+    x8_layout(type, &sb, &nb);
+    const int64_t nblk = K / 32;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * K >= 65536)
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t g = ids[i] / 8, r = ids[i] % 8;
+        uint8_t block[34];  /* the row's block as the file has it */
+        for (int64_t j = 0; j < nblk; j++) {
+            x8_move(type, sb, (uint8_t *)Wp + (g * nblk + j) * 8 * nb, block, (int)r, 0);
+            deq(block, out + i * K + j * 32);
+        }
+    }
     return 0;
 }

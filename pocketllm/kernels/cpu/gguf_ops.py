@@ -59,16 +59,28 @@ def repack_x8(rows: torch.Tensor, qtype: int, k: int, lib=None) -> torch.Tensor 
     return out
 
 
-def gemm_x8(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, lib=None) -> torch.Tensor:
-    """x [B, K] float32 @ dequant(W).T -> [B, N] float32 over 8-bit activations, W repacked by
-    repack_x8 (with the same `lib`)."""
+def gemm_x8(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, passes: int = 1, lib=None) -> torch.Tensor:
+    """x [B, K] float32 @ dequant(W).T -> [B, N] float32 over 8-bit activations (1 or 2 passes, as
+    gemm's int8), W repacked by repack_x8 (with the same `lib`)."""
     lib = lib or load_cpu_kernels()
     x = x.contiguous()
     b, k = x.shape
     y = torch.empty(b, n, dtype=torch.float32)
-    rc = lib.gguf_gemm_x8(int(qtype), packed.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr(), torch.get_num_threads())
+    rc = lib.gguf_gemm_x8(int(qtype), packed.data_ptr(), n, k, x.data_ptr(), b, y.data_ptr(), int(passes),
+                          torch.get_num_threads())
     assert rc == 0, f"gguf_gemm_x8 failed for type {qtype} with K={k}"
     return y
+
+
+def dequant_rows_x8(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64) of a matrix repacked by repack_x8, dequantized exactly -> [len(rows), K]."""
+    lib = load_cpu_kernels()
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty(rows.numel(), k, dtype=torch.float32)
+    rc = lib.gguf_dequant_rows_x8(int(qtype), packed.data_ptr(), n, k, rows.data_ptr(), rows.numel(),
+                                  out.data_ptr(), torch.get_num_threads())
+    assert rc == 0, f"gguf_dequant_rows_x8 failed for type {qtype} with K={k}"
+    return out
 
 
 def dequant_row_ptrs(rows: torch.Tensor, qtype: int, k: int) -> torch.Tensor:

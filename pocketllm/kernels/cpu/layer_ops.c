@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* y[r] = x[r] / rms(x[r]) * w, rows of `dim`. With `res`: x[r] + res[r] is normalized instead
  * and stored in res (the new residual stream). y may be x. */
@@ -67,84 +68,6 @@ int cpu_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
     return 0;
 }
 
-/* Attention of n single-token queries over their paged context.
- * qkv: [n, hq + 2 hkv, d] rows `q_stride` apart (queries, keys, values); caches [blocks, bs, hkv,
- * d]; tables [n, width] block ids; lens[i]: context length of query i (itself included);
- * window > 0: only its last `window` positions; softcap > 0: scores s become
- * softcap * tanh(s / softcap). out: [n, hq, d].
- * With `slots` (a decode-only step), each task first rotates its query and key heads (cos/sin
- * tables at `pos`, unless cos_t is NULL) and writes its key and value into the cache; without,
- * the caller has done both.
- * One task per (query, kv head): its group of hq / hkv query heads shares each K and V row. */
-int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
-                         int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
-                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap, float *out,
-                         const int64_t *slots, const int64_t *pos, const float *cos_t, const float *sin_t,
-                         int nthreads) {
-    const int64_t group = hq / hkv;
-    int64_t max_len = 0;
-    for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
-    int failed = 0;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        float *scores = malloc((size_t)(max_len * group) * sizeof(float));
-        if (!scores) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < n * hkv; task++) {
-            if (!scores) continue;
-            const int64_t i = task / hkv, h = task % hkv, len = lens[i];
-            const int64_t start = window > 0 && len > window ? len - window : 0, m = len - start;
-            const int64_t *table = tables + i * width;
-            float *qi = qkv + i * q_stride + h * group * d;
-            if (slots) {
-                float *k = qkv + i * q_stride + (hq + h) * d, *v = k + hkv * d;
-                if (cos_t) {
-                    const float *c = cos_t + pos[i] * (d / 2), *s = sin_t + pos[i] * (d / 2);
-                    rotate_head(k, d, c, s);
-                    for (int64_t g = 0; g < group; g++) rotate_head(qi + g * d, d, c, s);
-                }
-                float *kd = k_cache + (slots[i] * hkv + h) * d, *vd = v_cache + (slots[i] * hkv + h) * d;
-                for (int64_t e = 0; e < d; e++) { kd[e] = k[e]; vd[e] = v[e]; }
-            }
-            for (int64_t p = start; p < len; p++) {
-                const float *kr = k_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qi + g * d;
-                    float s = 0.f;
-                    #pragma omp simd reduction(+ : s)
-                    for (int64_t e = 0; e < d; e++) s += qg[e] * kr[e];
-                    s *= scale;
-                    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-                    scores[g * m + p - start] = s;
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * m, mx = -INFINITY, sum = 0.f;
-                for (int64_t j = 0; j < m; j++) mx = sg[j] > mx ? sg[j] : mx;
-                for (int64_t j = 0; j < m; j++) { sg[j] = expf(sg[j] - mx); sum += sg[j]; }
-                const float inv = 1.f / sum;
-                for (int64_t j = 0; j < m; j++) sg[j] *= inv;
-                float *o = out + (i * hq + h * group + g) * d;
-                for (int64_t e = 0; e < d; e++) o[e] = 0.f;
-            }
-            for (int64_t p = start; p < len; p++) {
-                const float *vr = v_cache + ((table[p / bs] * bs + p % bs) * hkv + h) * d;
-                for (int64_t g = 0; g < group; g++) {
-                    float *o = out + (i * hq + h * group + g) * d;
-                    const float w = scores[g * m + p - start];
-                    #pragma omp simd
-                    for (int64_t e = 0; e < d; e++) o[e] += w * vr[e];
-                }
-            }
-        }
-        free(scores);
-    }
-    return failed ? -2 : 0;
-}
-
 /* exp(x) in float32 to within a few ulp, branch-free so that `omp simd` loops vectorize it:
  * x = n ln2 + r (|r| <= ln2 / 2), exp(r) by its degree-6 Taylor polynomial, 2^n in the exponent. */
 #pragma omp declare simd
@@ -162,6 +85,130 @@ static inline float exp_approx(float x) {
     union { float f; int32_t i; } u = {p};
     u.i += (int32_t)n << 23;
     return u.f;
+}
+
+/* Attention of n single-token queries over their paged context.
+ * qkv: [n, hq + 2 hkv, d] rows `q_stride` apart (queries, keys, values); caches [blocks, bs, hkv,
+ * d]; tables [n, width] block ids; lens[i]: context length of query i (itself included);
+ * window > 0: only its last `window` positions; softcap > 0: scores s become
+ * softcap * tanh(s / softcap). out: [n, hq, d].
+ * With `slots` (a decode-only step), the queries and keys are first rotated (cos/sin tables at
+ * `pos`, unless cos_t is NULL) and the keys and values written into the cache; without, the
+ * caller has done both.
+ * Tasks are (query, chunk of its context) with all heads: a task reads whole cache rows (every
+ * head of a position is adjacent), in order, which the prefetchers stream; one query's context is
+ * split where there are fewer queries than threads. Each chunk keeps its unnormalized output,
+ * maximum and sum per head, merged at the end (flash decoding's split). Weights below e^-80 of
+ * the maximum count as 0: no denormal arithmetic. */
+#define MIN_CHUNK 64
+static inline const float *cache_row(const float *cache, const int64_t *table, int64_t p, int64_t bs, int64_t row) {
+    return cache + (table[p / bs] * bs + p % bs) * row;
+}
+
+int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
+                         int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
+                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap, float *out,
+                         const int64_t *slots, const int64_t *pos, const float *cos_t, const float *sin_t,
+                         int nthreads) {
+    const int64_t group = hq / hkv, row = hkv * d;
+    if (slots)
+        for (int64_t i = 0; i < n; i++) {
+            float *q = qkv + i * q_stride, *k = q + hq * d, *v = k + hkv * d;
+            if (cos_t) {
+                const float *c = cos_t + pos[i] * (d / 2), *s = sin_t + pos[i] * (d / 2);
+                for (int64_t h = 0; h < hq + hkv; h++) rotate_head(q + h * d, d, c, s);
+            }
+            memcpy(k_cache + slots[i] * row, k, (size_t)row * sizeof(float));
+            memcpy(v_cache + slots[i] * row, v, (size_t)row * sizeof(float));
+        }
+    int64_t max_m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t m = window > 0 && lens[i] > window ? window : lens[i];
+        max_m = m > max_m ? m : max_m;
+    }
+    int64_t chunks = n >= nthreads ? 1 : (nthreads + n - 1) / n;
+    if (chunks > max_m / MIN_CHUNK) chunks = max_m / MIN_CHUNK > 1 ? max_m / MIN_CHUNK : 1;
+    const int64_t most = (max_m + chunks - 1) / chunks, tasks = n * chunks;
+    float *part = malloc((size_t)(tasks * hq * (d + 2)) * sizeof(float));  /* per task: [hq, d] out, max, sum */
+    if (!part) return -2;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = malloc((size_t)(most * hq) * sizeof(float));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t i = task / chunks, c = task % chunks, len = lens[i];
+            const int64_t start = window > 0 && len > window ? len - window : 0;
+            const int64_t cl = (len - start + chunks - 1) / chunks, c0 = start + c * cl;
+            const int64_t c1 = c0 + cl < len ? c0 + cl : len, L = c1 > c0 ? c1 - c0 : 0;
+            const int64_t *table = tables + i * width;
+            const float *q = qkv + i * q_stride;
+            float *o = part + task * hq * (d + 2), *mx = o + hq * d, *sum = mx + hq;
+            memset(o, 0, (size_t)(hq * d) * sizeof(float));
+            for (int64_t hh = 0; hh < hq; hh++) { mx[hh] = -INFINITY; sum[hh] = 0.f; }
+            if (!scores || L == 0) continue;
+            for (int64_t j = 0; j < L; j++) {
+                const float *kr = cache_row(k_cache, table, c0 + j, bs, row);
+                for (int64_t hh = 0; hh < hq; hh++) {
+                    const float *qh = q + hh * d, *kh = kr + (hh / group) * d;
+                    float s = 0.f;
+                    #pragma omp simd reduction(+ : s)
+                    for (int64_t e = 0; e < d; e++) s += qh[e] * kh[e];
+                    s *= scale;
+                    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+                    scores[hh * L + j] = s;
+                }
+            }
+            for (int64_t hh = 0; hh < hq; hh++) {
+                float *sh = scores + hh * L, m = -INFINITY, total = 0.f;
+                for (int64_t j = 0; j < L; j++) m = sh[j] > m ? sh[j] : m;
+                #pragma omp simd reduction(+ : total)
+                for (int64_t j = 0; j < L; j++) {
+                    const float x = sh[j] - m;
+                    sh[j] = x < -80.f ? 0.f : exp_approx(x);
+                    total += sh[j];
+                }
+                mx[hh] = m; sum[hh] = total;
+            }
+            for (int64_t j = 0; j < L; j++) {
+                const float *vr = cache_row(v_cache, table, c0 + j, bs, row);
+                for (int64_t hh = 0; hh < hq; hh++) {
+                    const float w = scores[hh * L + j], *vh = vr + (hh / group) * d;
+                    float *oh = o + hh * d;
+                    if (w == 0.f) continue;
+                    #pragma omp simd
+                    for (int64_t e = 0; e < d; e++) oh[e] += w * vh[e];
+                }
+            }
+        }
+        free(scores);
+    }
+    /* merge the chunks: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c */
+    for (int64_t i = 0; i < n && !failed; i++)
+        for (int64_t hh = 0; hh < hq; hh++) {
+            float M = -INFINITY, den = 0.f;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float m = part[(i * chunks + c) * hq * (d + 2) + hq * d + hh];
+                M = m > M ? m : M;
+            }
+            float *dst = out + (i * hq + hh) * d;
+            memset(dst, 0, (size_t)d * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *pc = part + (i * chunks + c) * hq * (d + 2);
+                if (pc[hq * d + hh] == -INFINITY) continue;  /* an empty chunk */
+                const float f = expf(pc[hq * d + hh] - M);
+                den += f * pc[hq * d + hq + hh];
+                for (int64_t e = 0; e < d; e++) dst[e] += f * pc[hh * d + e];
+            }
+            const float inv = 1.f / den;
+            for (int64_t e = 0; e < d; e++) dst[e] *= inv;
+        }
+    free(part);
+    return failed ? -2 : 0;
 }
 
 /* out[t, i] = act(gate[t, i]) * up[t, i] with gate_up [T, 2 I] (gate first); act 0: SiLU,

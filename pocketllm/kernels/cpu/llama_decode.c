@@ -20,7 +20,7 @@ int gguf_gemm(int type, const uint8_t *const *W, int64_t N, int64_t K, const flo
 int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
                    int passes, int nthreads);
 int gguf_gemm_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
-                 int nthreads);
+                 int passes, int nthreads);
 int cpu_rms_norm(const float *x, float *res, const float *w, float *y, int64_t rows, int64_t dim, float eps,
                  int nthreads);
 int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
@@ -61,7 +61,7 @@ typedef struct {
 
 static int run_part(const ld_part *p, int64_t k, const float *x, int64_t t, float *y, int nthreads) {
     int rc;
-    if (p->interleaved) rc = gguf_gemm_x8(p->type, p->w, p->n, k, x, t, y, nthreads);
+    if (p->interleaved) rc = gguf_gemm_x8(p->type, p->w, p->n, k, x, t, y, p->passes, nthreads);
     else if (p->passes) rc = gguf_gemm_int8(p->type, p->w, p->n, k, x, t, y, p->passes, nthreads);
     else rc = gguf_gemm(p->type, p->w, p->n, k, x, t, y, nthreads);
     if (rc == 0 && p->bias)
