@@ -30,7 +30,7 @@ if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2
     pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
 ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL]  # interleaved eight rows at a time where AVX-512 VNNI is
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K]  # interleaved eight rows at a time where AVX-512 VNNI is
 HAVE_X8 = all(load_cpu_kernels().gguf_x8_supported(int(t)) for t in X8_TYPES)
 
 
@@ -100,12 +100,17 @@ def test_int8_gemm_equals_the_exact_product_of_rounded_activations(isa, qtype, b
 @pytest.mark.parametrize("batch", [1, 3, 8, 19])
 def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(qtype, batch):
     """Repacked at load (eight rows' blocks side by side): the same products as the per-row
-    kernels, over the same bytes (the repacked matrix is the file's size)."""
-    raw, w = quantized_weights(qtype, 48, 576)
-    x = activations(batch, 576, qtype)
+    kernels, over the same bytes (the 32-element types: the file's size; Q4_K: 148 bytes a row
+    and super-block for 144, its 6-bit scales and minimums unpacked to bytes)."""
+    k = 512 if qtype in SUPER_BLOCK_TYPES else 576
+    raw, w = quantized_weights(qtype, 48, k)
+    x = activations(batch, k, qtype)
     rows = gguf_ops.row_pointers([raw])
-    packed = gguf_ops.repack_x8(rows, qtype, 576)
-    assert packed.numel() == raw.numel() and torch.equal(packed.sort().values, raw.reshape(-1).sort().values)
+    packed = gguf_ops.repack_x8(rows, qtype, k)
+    if qtype == T.Q4_K:
+        assert packed.numel() == 48 * (k // 256) * 148
+    else:
+        assert packed.numel() == raw.numel() and torch.equal(packed.sort().values, raw.reshape(-1).sort().values)
     y = gguf_ops.gemm_x8(x, packed, 48, qtype).double()
     assert_within_rounding(y, x, w, qtype)
     torch.testing.assert_close(y, gguf_ops.gemm(x, rows, qtype, int8=1).double(), rtol=1e-5, atol=1e-5)
@@ -119,11 +124,11 @@ def test_layers_repack_where_the_kernels_cover_them():
         raw, w = quantized_weights(qtype, n, 256)
         return GGUFLinear.from_gguf(raw, qtype, n, 256, int8_activations=passes), w
     x = torch.randn(3, 256)
-    for qtype, n, passes, repacked in [(T.Q4_0, 24, 1, True), (T.Q8_0, 20, 1, False), (T.Q4_K, 24, 1, False),
-                                       (T.Q8_0, 24, 2, True)]:
+    for qtype, n, passes, repacked in [(T.Q4_0, 24, 1, True), (T.Q8_0, 20, 1, False), (T.Q6_K, 24, 1, False),
+                                       (T.Q8_0, 24, 2, True), (T.Q4_K, 24, 1, True)]:
         lin, w = layer(qtype, n, passes)
         assert lin.fast_path_weights()[1] == repacked, (qtype, n, passes)
-        assert lin.nbytes() == n * raw_row_bytes(qtype, 256)
+        assert lin.nbytes() == n * (148 if qtype == T.Q4_K else raw_row_bytes(qtype, 256))
         if passes == 1:
             assert_within_rounding(lin(x).double(), x, w, qtype)
 

@@ -14,10 +14,11 @@ Compute paths (``GGUFLinear.path``):
   8 bits per block and each block's dot product runs on integers (not exact: within the
   activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
   pass over the first one's rounding error (the output layer). With AVX-512 VNNI, Q4_0 Q4_1
-  Q8_0 and IQ4_NL matrices on the fast path (rows a multiple of 8) are repacked at load with
-  eight rows' blocks interleaved (the same bytes, reordered; not a view of the file any
-  more), which shares each block's float work among four rows; a tied embedding table then
-  reads its rows from there (``embedding_rows``).
+  Q8_0 IQ4_NL and Q4_K matrices on the fast path (rows a multiple of 8) are repacked at load
+  with eight rows' blocks interleaved (the same bytes, reordered, Q4_K's 6-bit scales unpacked
+  to bytes: +2.8%; not a view of the file any more), which shares each block's unpacking and
+  float work among four rows; a tied embedding table then reads its rows from there
+  (``embedding_rows``).
 * ``"dense"``  F32 weights as-is; F16/BF16 widened to float32 at load (2x their
   file size, exact, BLAS speed); any type with ``dequantize_at_load=True``.
 * ``"planes"`` default for the affine types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K).

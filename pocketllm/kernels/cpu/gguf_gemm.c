@@ -763,7 +763,7 @@ static int x8_layout(int type, int *scale_bytes, int *block_bytes) {
 
 #if defined(HAVE_INT8_DOT) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_X8 1
-int gguf_x8_supported(int type) { int s, b; return x8_layout(type, &s, &b); }
+int gguf_x8_supported(int type) { int s, b; return type == Q4_K || x8_layout(type, &s, &b); }
 #else
 int gguf_x8_supported(int type) { (void)type; return 0; }
 #endif
@@ -784,10 +784,25 @@ static void x8_move(int type, int sb, uint8_t *o, uint8_t *b, int r, int to_grou
 #undef X8_MOVE
 }
 
-/* W (a row pointer table, N % 8 == 0) -> out, N * row bytes, in the layout above. */
+/* Bytes of an [N, K] matrix in the interleaved layout (Q4_K's below: 148 a row and super-block). */
+int64_t gguf_x8_nbytes(int type, int64_t N, int64_t K) {
+    int sb, nb;
+    if (type == Q4_K) return N * (K / 256) * 148;
+    return x8_layout(type, &sb, &nb) ? N * (K / 32) * nb : -1;
+}
+
+static void q4k_x8_move(uint8_t *o, const uint8_t *b, int r);
+
+/* W (a row pointer table, N % 8 == 0) -> out, gguf_x8_nbytes, in the layout above (or Q4_K's). */
 int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint8_t *out) {
     int sb, nb;
-    if (!gguf_x8_supported(type) || N % 8 || K % 32) return -1;
+    if (!gguf_x8_supported(type) || N % 8 || K % (type == Q4_K ? 256 : 32)) return -1;
+    if (type == Q4_K) {
+        for (int64_t g = 0; g < N / 8; g++)
+            for (int64_t j = 0; j < K / 256; j++)
+                for (int r = 0; r < 8; r++) q4k_x8_move(out + (g * (K / 256) + j) * 1184, W[g * 8 + r] + j * 144, r);
+        return 0;
+    }
     x8_layout(type, &sb, &nb);
     const int64_t nblk = K / 32;
     for (int64_t g = 0; g < N / 8; g++)
@@ -893,6 +908,133 @@ X8_GEMM_FOR_TYPE(q8_0, Q8_0)
 X8_GEMM_FOR_TYPE(iq4_nl, IQ4_NL)
 #endif
 
+/* ---- Q4_K interleaved (AVX-512 VNNI) ---------------------------------------------------------
+ * For each group of 8 rows and each super-block column j, 1184 bytes (8 x 148; the file's 8 x 144
+ * plus the 6-bit scales and minimums unpacked to bytes):
+ *   d[8], dmin[8] (fp16); sc[8 sub-blocks][8 rows], mn[8 rows][8 sub-blocks] (uint8);
+ *   for each pair p of sub-blocks (2p in the low nibbles, 2p + 1 in the high): rows 0-3's bytes
+ *   0-15, rows 0-3's bytes 16-31, then rows 4-7 likewise (4 x 64 bytes).
+ * A sub-block of four rows is two 512-bit registers; its u8 x s8 products are summed in pairs
+ * (vpmaddubsw) and times the rows' scales into int32 (vpdpwssd), over the whole super-block; the
+ * minimums times the activations' sums per 32 go through one vpdpwssd per four rows. */
+#define Q4K_X8_BYTES 1184
+
+static void q4k_x8_move(uint8_t *o, const uint8_t *b, int r) {
+    memcpy(o + 2 * r, b, 2);
+    memcpy(o + 16 + 2 * r, b + 2, 2);
+    for (int s = 0; s < 8; s++) {
+        int sc, m;
+        scale_min_k4(s, b + 4, &sc, &m);
+        o[32 + 8 * s + r] = (uint8_t)sc;
+        o[96 + 8 * r + s] = (uint8_t)m;
+    }
+    for (int p = 0; p < 4; p++)
+        for (int h = 0; h < 2; h++)
+            memcpy(o + 160 + p * 256 + (r / 4) * 128 + h * 64 + (r % 4) * 16, b + 16 + 32 * p + 16 * h, 16);
+}
+
+/* Row r of a group's super-block column o, dequantized as deq_q4_k does from the file's block. */
+static void q4k_x8_deq(const uint8_t *o, int r, float *w) {
+    const float d = h2f(o + 2 * r), dmin = h2f(o + 16 + 2 * r);
+    for (int s = 0; s < 8; s++) {
+        const float ds = d * (float)o[32 + 8 * s + r], dm = dmin * (float)o[96 + 8 * r + s];
+        const uint8_t *q = o + 160 + (s / 2) * 256 + (r / 4) * 128 + (r % 4) * 16;
+        for (int l = 0; l < 32; l++) {
+            const uint8_t byte = q[(l / 16) * 64 + l % 16];
+            w[32 * s + l] = ds * (float)((s & 1) ? byte >> 4 : byte & 0xF) - dm;
+        }
+    }
+}
+
+#ifdef HAVE_X8
+/* Rows of group g (nsb super-blocks) against R activation rows: xq [R, K], xd [R, nsb] scales,
+ * x32 [R, K / 32] sums per 32. */
+static inline __attribute__((always_inline)) void q4k_x8_group(
+    const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const int8_t *restrict xq,
+    const float *restrict xd, const int16_t *restrict x32, float *restrict Y, int64_t N) {
+    static const int16_t word_row[64] = {
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7};
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i rows0 = _mm512_loadu_si512(word_row), rows1 = _mm512_loadu_si512(word_row + 32);
+    const __m512i lane0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(4));
+    __m512 acc[IRB][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nsb; j++) {
+        const uint8_t *b = g + j * Q4K_X8_BYTES;
+        __m512i isum[IRB][2];
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *q = b + 160 + (s / 2) * 256;
+            __m512i a0 = _mm512_loadu_si512(q), b0 = _mm512_loadu_si512(q + 64);
+            __m512i a1 = _mm512_loadu_si512(q + 128), b1 = _mm512_loadu_si512(q + 192);
+            if (s & 1) {
+                a0 = _mm512_srli_epi16(a0, 4); b0 = _mm512_srli_epi16(b0, 4);
+                a1 = _mm512_srli_epi16(a1, 4); b1 = _mm512_srli_epi16(b1, 4);
+            }
+            a0 = _mm512_and_si512(a0, nib); b0 = _mm512_and_si512(b0, nib);
+            a1 = _mm512_and_si512(a1, nib); b1 = _mm512_and_si512(b1, nib);
+            const __m512i sc = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 32 + 8 * s))));
+            const __m512i s0 = _mm512_permutexvar_epi16(rows0, sc), s1 = _mm512_permutexvar_epi16(rows1, sc);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + r * K + j * 256 + s * 32;
+                const __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
+                const __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16)));
+                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(a0, xa), s0);
+                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(b0, xb), s0);
+                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(a1, xa), s1);
+                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(b1, xb), s1);
+            }
+        }
+        const __m512 dv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
+        const __m512 mv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16))));
+        const __m512 d0 = _mm512_permutexvar_ps(lane0, dv), d1 = _mm512_permutexvar_ps(lane1, dv);
+        const __m512 m0 = _mm512_permutexvar_ps(lane0, mv), m1 = _mm512_permutexvar_ps(lane1, mv);
+        const __m512i mn0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 96)));
+        const __m512i mn1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128)));
+        for (int r = 0; r < R; r++) {
+            const __m512 sx = _mm512_set1_ps(xd[r * nsb + j]);
+            const __m512i xs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x32 + r * (K / 32) + j * 8)));
+            const __m512 min0 = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), mn0, xs));
+            const __m512 min1 = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), mn1, xs));
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(d0, sx), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(d1, sx), acc[r][1]);
+            acc[r][0] = _mm512_fnmadd_ps(min0, _mm512_mul_ps(m0, sx), acc[r][0]);
+            acc[r][1] = _mm512_fnmadd_ps(min1, _mm512_mul_ps(m1, sx), acc[r][1]);
+        }
+    }
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int r = 0; r < R; r++) {
+        const __m256 h0 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1));
+        const __m256 h1 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][1]), _mm512_extractf32x8_ps(acc[r][1], 1));
+        _mm256_storeu_ps(Y + r * N, _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), order));
+    }
+}
+
+#define Q4K_X8_GROUP(R) q4k_x8_group(R, Wp + g * nsb * Q4K_X8_BYTES, nsb, K, xq + b0 * K, xd + b0 * nsb, \
+                                     x32 + b0 * (K / 32), Y + b0 * N + g * 8, N)
+static void q4_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                         const int16_t *x32, int64_t B, float *Y, int nthreads) {
+    const int64_t nsb = K / 256, groups = N / 8;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t gb = 0; gb < groups; gb += NB / 8)
+        for (int64_t b0 = 0; b0 < B; b0 += IRB)
+            for (int64_t g = gb; g < (groups - gb < NB / 8 ? groups : gb + NB / 8); g++) {
+                switch (B - b0 < IRB ? B - b0 : IRB) {
+                case 1: Q4K_X8_GROUP(1); break;
+                case 2: Q4K_X8_GROUP(2); break;
+                case 3: Q4K_X8_GROUP(3); break;
+                case 4: Q4K_X8_GROUP(4); break;
+                case 5: Q4K_X8_GROUP(5); break;
+                case 6: Q4K_X8_GROUP(6); break;
+                case 7: Q4K_X8_GROUP(7); break;
+                default: Q4K_X8_GROUP(IRB); break;
+                }
+            }
+}
+#endif
+
 #ifdef HAVE_X8
 static void x8_gemm(int type, const uint8_t *Wp, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                     const float *xs, int64_t B, float *Y, int nthreads) {
@@ -939,7 +1081,14 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
             for (int64_t i = 0; i < B * K; i++) rest[i] = X[i] - (float)xq[i] * xd[i / qk];
     }
 #ifdef HAVE_X8
-    if (interleaved) x8_gemm(type, W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
+    if (interleaved && type == Q4_K) {
+        const int16_t *xb = (const int16_t *)extra;
+        int16_t *x32 = malloc((size_t)(rows * K / 32) * sizeof(int16_t));
+        if (!x32) { free(xq); free(xd); free(extra); free(rest); if (Yall != Y) free(Yall); return -2; }
+        for (int64_t i = 0; i < rows * K / 32; i++) x32[i] = (int16_t)(xb[2 * i] + xb[2 * i + 1]);
+        q4_k_x8_gemm(W, N, K, xq, xd, x32, rows, Yall, nthreads);
+        free(x32);
+    } else if (interleaved) x8_gemm(type, W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
     else
 #endif
     if (super) int8_k_lookup(type)(W, N, K, xq, xd, (const int16_t *)extra, rows, Yall, nthreads);
@@ -970,7 +1119,14 @@ int gguf_dequant_rows_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, cons
                          float *out, int nthreads) {
     int sb, nb, qk, nbytes;
     const deq_fn deq = lookup(type, &qk, &nbytes);
-    if (!gguf_x8_supported(type) || !deq || N % 8 || K % 32) return -1;
+    if (!gguf_x8_supported(type) || !deq || N % 8 || K % qk) return -1;
+    if (type == Q4_K) {
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * K >= 65536)
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < K / 256; j++)
+                q4k_x8_deq(Wp + ((ids[i] / 8) * (K / 256) + j) * 1184, (int)(ids[i] % 8), out + i * K + j * 256);
+        return 0;
+    }
     x8_layout(type, &sb, &nb);
     const int64_t nblk = K / 32;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * K >= 65536)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pocketllm.kernels.cpu.build import load_cpu_kernels
-from pocketllm.quant.gguf_types import row_nbytes
+from pocketllm.quant.gguf_types import block_size
 
 
 def supports(qtype: int) -> bool:
@@ -52,9 +52,9 @@ def repack_x8(rows: torch.Tensor, qtype: int, k: int, lib=None) -> torch.Tensor 
     reordered); None where this build or the shape has no such kernel (see gguf_repack_x8)."""
     lib = lib or load_cpu_kernels()
     n = rows.numel()
-    if lib is None or not lib.gguf_x8_supported(int(qtype)) or n % 8 or k % 32:
+    if lib is None or not lib.gguf_x8_supported(int(qtype)) or n % 8 or k % block_size(qtype):
         return None
-    out = torch.empty(n * row_nbytes(qtype, k), dtype=torch.uint8)
+    out = torch.empty(lib.gguf_x8_nbytes(int(qtype), n, k), dtype=torch.uint8)
     assert lib.gguf_repack_x8(int(qtype), rows.data_ptr(), n, k, out.data_ptr()) == 0
     return out
 
