@@ -30,7 +30,8 @@ if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2
     pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
 ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K]  # interleaved eight rows at a time where AVX-512 VNNI is
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q6_K]  # interleaved eight rows at a time where AVX-512 VNNI is
+X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214}  # a row's super-block there: scales unpacked / a constant added
 HAVE_X8 = all(load_cpu_kernels().gguf_x8_supported(int(t)) for t in X8_TYPES)
 
 
@@ -101,14 +102,15 @@ def test_int8_gemm_equals_the_exact_product_of_rounded_activations(isa, qtype, b
 def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(qtype, batch):
     """Repacked at load (eight rows' blocks side by side): the same products as the per-row
     kernels, over the same bytes (the 32-element types: the file's size; Q4_K: 148 bytes a row
-    and super-block for 144, its 6-bit scales and minimums unpacked to bytes)."""
+    and super-block for 144, its 6-bit scales and minimums unpacked to bytes; Q6_K: 214 for 210,
+    an integer constant of each row's super-block added)."""
     k = 512 if qtype in SUPER_BLOCK_TYPES else 576
     raw, w = quantized_weights(qtype, 48, k)
     x = activations(batch, k, qtype)
     rows = gguf_ops.row_pointers([raw])
     packed = gguf_ops.repack_x8(rows, qtype, k)
-    if qtype == T.Q4_K:
-        assert packed.numel() == 48 * (k // 256) * 148
+    if qtype in X8_SUPER_BYTES:
+        assert packed.numel() == 48 * (k // 256) * X8_SUPER_BYTES[qtype]
     else:
         assert packed.numel() == raw.numel() and torch.equal(packed.sort().values, raw.reshape(-1).sort().values)
     y = gguf_ops.gemm_x8(x, packed, 48, qtype).double()
@@ -119,22 +121,24 @@ def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(qtype, 
 @pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
 def test_layers_repack_where_the_kernels_cover_them():
     """A fast-path layer of a covered type repacks (its file rows are no longer held), the two-pass
-    output layer too; rows not a multiple of 8 and other types keep the file's rows."""
+    output layer too but in Q6_K; rows not a multiple of 8 and other types keep the file's rows."""
     def layer(qtype, n, passes=1):
         raw, w = quantized_weights(qtype, n, 256)
         return GGUFLinear.from_gguf(raw, qtype, n, 256, int8_activations=passes), w
     x = torch.randn(3, 256)
-    for qtype, n, passes, repacked in [(T.Q4_0, 24, 1, True), (T.Q8_0, 20, 1, False), (T.Q6_K, 24, 1, False),
-                                       (T.Q8_0, 24, 2, True), (T.Q4_K, 24, 1, True)]:
+    for qtype, n, passes, repacked in [(T.Q4_0, 24, 1, True), (T.Q8_0, 20, 1, False), (T.Q5_K, 24, 1, False),
+                                       (T.Q8_0, 24, 2, True), (T.Q4_K, 24, 1, True), (T.Q6_K, 24, 1, True),
+                                       (T.Q6_K, 24, 2, False)]:
         lin, w = layer(qtype, n, passes)
         assert lin.fast_path_weights()[1] == repacked, (qtype, n, passes)
-        assert lin.nbytes() == n * (148 if qtype == T.Q4_K else raw_row_bytes(qtype, 256))
+        assert lin.nbytes() == n * (X8_SUPER_BYTES[qtype] if repacked and qtype in X8_SUPER_BYTES
+                                    else raw_row_bytes(qtype, 256))
         if passes == 1:
             assert_within_rounding(lin(x).double(), x, w, qtype)
 
 
 @pytest.mark.parametrize("qtype,interleaved", [(T.Q4_1, False), (T.Q8_0, False), (T.Q4_K, False), (T.Q6_K, False),
-                                               (T.Q4_1, True), (T.Q8_0, True)], ids=str)
+                                               (T.Q4_1, True), (T.Q8_0, True), (T.Q6_K, True)], ids=str)
 def test_a_second_pass_over_the_rounding_error(qtype, interleaved):
     """int8=2 (the output layer): the activations' rounding error is quantized too and multiplied
     as further rows: the exact product of x's two-pass rounding, and 100x closer to the float one."""
@@ -160,10 +164,11 @@ def test_a_second_pass_over_the_rounding_error(qtype, interleaved):
 
 
 @pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
-@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [t for t in X8_TYPES if t != T.Q6_K], ids=lambda t: t.name)
 def test_embedding_rows_read_from_the_interleaved_layout(qtype):
     """A tied embedding table whose output layer repacked it: rows come back as gguf dequantizes
-    them from the file's layout, bit for bit; ids out of range are refused."""
+    them from the file's layout, bit for bit; ids out of range are refused. (A Q6_K output layer
+    keeps the file's layout.)"""
     raw, w = quantized_weights(qtype, 48, 256)
     lin = GGUFLinear.from_gguf(raw, qtype, 48, 256, int8_activations=2)
     assert lin.fast_path_weights()[1]

@@ -763,7 +763,7 @@ static int x8_layout(int type, int *scale_bytes, int *block_bytes) {
 
 #if defined(HAVE_INT8_DOT) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_X8 1
-int gguf_x8_supported(int type) { int s, b; return type == Q4_K || x8_layout(type, &s, &b); }
+int gguf_x8_supported(int type) { int s, b; return type == Q4_K || type == Q6_K || x8_layout(type, &s, &b); }
 #else
 int gguf_x8_supported(int type) { (void)type; return 0; }
 #endif
@@ -784,23 +784,33 @@ static void x8_move(int type, int sb, uint8_t *o, uint8_t *b, int r, int to_grou
 #undef X8_MOVE
 }
 
-/* Bytes of an [N, K] matrix in the interleaved layout (Q4_K's below: 148 a row and super-block). */
+/* The super-block types' interleaved layouts (below): bytes of a group's super-block column,
+ * of a file block, and the functions that place a row's block there and read it back. */
+typedef struct {
+    int type, group_bytes, block_bytes;
+    void (*move)(uint8_t *o, const uint8_t *b, int r);
+    void (*deq)(const uint8_t *o, int r, float *w);  /* where a tied embedding table reads it */
+} x8_super;
+static const x8_super *x8_super_layout(int type);
+
+/* Bytes of an [N, K] matrix in the interleaved layout. */
 int64_t gguf_x8_nbytes(int type, int64_t N, int64_t K) {
     int sb, nb;
-    if (type == Q4_K) return N * (K / 256) * 148;
+    const x8_super *L = x8_super_layout(type);
+    if (L) return N / 8 * (K / 256) * L->group_bytes;
     return x8_layout(type, &sb, &nb) ? N * (K / 32) * nb : -1;
 }
-
-static void q4k_x8_move(uint8_t *o, const uint8_t *b, int r);
 
 /* W (a row pointer table, N % 8 == 0) -> out, gguf_x8_nbytes, in the layout above (or Q4_K's). */
 int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint8_t *out) {
     int sb, nb;
-    if (!gguf_x8_supported(type) || N % 8 || K % (type == Q4_K ? 256 : 32)) return -1;
-    if (type == Q4_K) {
+    const x8_super *L = x8_super_layout(type);
+    if (!gguf_x8_supported(type) || N % 8 || K % (L ? 256 : 32)) return -1;
+    if (L) {
         for (int64_t g = 0; g < N / 8; g++)
             for (int64_t j = 0; j < K / 256; j++)
-                for (int r = 0; r < 8; r++) q4k_x8_move(out + (g * (K / 256) + j) * 1184, W[g * 8 + r] + j * 144, r);
+                for (int r = 0; r < 8; r++)
+                    L->move(out + (g * (K / 256) + j) * L->group_bytes, W[g * 8 + r] + j * L->block_bytes, r);
         return 0;
     }
     x8_layout(type, &sb, &nb);
@@ -965,6 +975,7 @@ static inline __attribute__((always_inline)) void q4k_x8_group(
         const uint8_t *b = g + j * Q4K_X8_BYTES;
         __m512i isum[IRB][2];
         for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8")  /* s & 1 a constant in each copy */
         for (int s = 0; s < 8; s++) {
             const uint8_t *q = b + 160 + (s / 2) * 256;
             __m512i a0 = _mm512_loadu_si512(q), b0 = _mm512_loadu_si512(q + 64);
@@ -1035,6 +1046,140 @@ static void q4_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *
 }
 #endif
 
+/* ---- Q6_K interleaved (AVX-512 VNNI) ---------------------------------------------------------
+ * For each group of 8 rows and each super-block column j, 1712 bytes (8 x 214; the file's 8 x 210
+ * plus an int32 per row and super-block):
+ *   d[8] (fp16); sc[16 groups of 16][8 rows] (int8); c[8] (int32, below);
+ *   ql: 4 chunks of each row's 32 bytes, qh: 2 chunks, each chunk as rows 0-3's bytes 0-15, rows
+ *   0-3's bytes 16-31, then rows 4-7 likewise (ql at 176, qh at 1200).
+ * Sub-block s of 32 (half n = s / 4, k = s % 4) takes ql chunk 2n + k % 2 (high nibbles for
+ * k >= 2) and qh chunk n's bits 2k, 2k + 1 as the code's bits 4, 5. Codes q - 32 are signed,
+ * so here the activations go in unsigned, as x + 128: sum(sc (q - 32) x) = sum(sc (q - 32)
+ * (x + 128)) - c with c = 128 sum(sc (q - 32)), a constant of the weights kept in the layout. */
+#define Q6K_X8_BYTES 1712
+
+static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    memcpy(o + 2 * r, b + 208, 2);
+    int32_t c = 0;
+    for (int g = 0; g < 16; g++) o[16 + 8 * g + r] = (uint8_t)sc[g];
+    for (int n = 0; n < 2; n++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *ql = b + 64 * n, qh = b[128 + 32 * n + l];
+            const int q[4] = {(ql[l] & 0xF) | ((qh & 3) << 4), (ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4),
+                              (ql[l] >> 4) | (((qh >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4)};
+            for (int k = 0; k < 4; k++) c += 128 * sc[8 * n + 2 * k + l / 16] * (q[k] - 32);
+        }
+    memcpy(o + 144 + 4 * r, &c, 4);
+    for (int h = 0; h < 2; h++) {
+        for (int ch = 0; ch < 4; ch++)
+            memcpy(o + 176 + ch * 256 + (r / 4) * 128 + h * 64 + (r % 4) * 16, b + 32 * ch + 16 * h, 16);
+        for (int ch = 0; ch < 2; ch++)
+            memcpy(o + 1200 + ch * 256 + (r / 4) * 128 + h * 64 + (r % 4) * 16, b + 128 + 32 * ch + 16 * h, 16);
+    }
+}
+
+#ifdef HAVE_X8
+/* Rows of group g (nsb super-blocks) against R activation rows: xu [R, K] = x + 128 (uint8), xd
+ * [R, nsb] scales. */
+static inline __attribute__((always_inline)) void q6k_x8_group(
+    const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const uint8_t *restrict xu,
+    const float *restrict xd, float *restrict Y, int64_t N) {
+    static const int16_t word_row[64] = {
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7};
+    const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+    const __m512i rows0 = _mm512_loadu_si512(word_row), rows1 = _mm512_loadu_si512(word_row + 32);
+    const __m512i lane0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(4));
+    __m512 acc[IRB][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nsb; j++) {
+        const uint8_t *b = g + j * Q6K_X8_BYTES;
+        __m512i isum[IRB][2];
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8")  /* k a constant in each copy: the shifts below are fixed */
+        for (int s = 0; s < 8; s++) {
+            const int n = s / 4, k = s % 4;
+            const uint8_t *ql = b + 176 + (2 * n + k % 2) * 256, *qh = b + 1200 + n * 256;
+            __m512i w[4];
+            for (int v = 0; v < 4; v++) {
+                __m512i lo = _mm512_loadu_si512(ql + 64 * v), hi = _mm512_loadu_si512(qh + 64 * v);
+                if (k >= 2) lo = _mm512_srli_epi16(lo, 4);
+                /* bits 2k, 2k + 1 of qh to bits 4, 5 */
+                hi = k == 0 ? _mm512_slli_epi16(hi, 4) : k == 1 ? _mm512_slli_epi16(hi, 2) : k == 3 ? _mm512_srli_epi16(hi, 2) : hi;
+                w[v] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(lo, nib), _mm512_and_si512(hi, two)), off);
+            }
+            /* w[0], w[1]: rows 0-3, values 0-15 and 16-31; w[2], w[3]: rows 4-7 */
+            const __m512i sa = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(b + 16 + 16 * s))));
+            const __m512i sa0 = _mm512_permutexvar_epi16(rows0, sa), sa1 = _mm512_permutexvar_epi16(rows1, sa);
+            /* the 16 bytes hold groups 2s (rows 0-7) and 2s + 1 (rows 0-7): rows 8-15 of the table pick the second */
+            const __m512i eight = _mm512_set1_epi16(8);
+            const __m512i sb0 = _mm512_permutexvar_epi16(_mm512_add_epi16(rows0, eight), sa);
+            const __m512i sb1 = _mm512_permutexvar_epi16(_mm512_add_epi16(rows1, eight), sa);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *x = xu + r * K + j * 256 + s * 32;
+                const __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
+                const __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16)));
+                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(xa, w[0]), sa0);
+                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(xb, w[1]), sb0);
+                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(xa, w[2]), sa1);
+                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(xb, w[3]), sb1);
+            }
+        }
+        const __m512 dv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
+        const __m512 d0 = _mm512_permutexvar_ps(lane0, dv), d1 = _mm512_permutexvar_ps(lane1, dv);
+        /* c of each row into the first lane of its chunk */
+        const __m512i cv = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 144)));
+        const __m512i c0 = _mm512_maskz_permutexvar_epi32(0x1111, lane0, cv);
+        const __m512i c1 = _mm512_maskz_permutexvar_epi32(0x1111, lane1, cv);
+        for (int r = 0; r < R; r++) {
+            const __m512 sx = _mm512_set1_ps(xd[r * nsb + j]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], c0)), _mm512_mul_ps(d0, sx), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], c1)), _mm512_mul_ps(d1, sx), acc[r][1]);
+        }
+    }
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int r = 0; r < R; r++) {
+        const __m256 h0 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1));
+        const __m256 h1 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][1]), _mm512_extractf32x8_ps(acc[r][1], 1));
+        _mm256_storeu_ps(Y + r * N, _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), order));
+    }
+}
+#endif
+
+#ifdef HAVE_X8
+#define Q6K_X8_GROUP(R) q6k_x8_group(R, Wp + g * nsb * Q6K_X8_BYTES, nsb, K, xu + b0 * K, xd + b0 * nsb, \
+                                     Y + b0 * N + g * 8, N)
+static void q6_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t *xu, const float *xd, int64_t B,
+                         float *Y, int nthreads) {
+    const int64_t nsb = K / 256, groups = N / 8;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t gb = 0; gb < groups; gb += NB / 8)
+        for (int64_t b0 = 0; b0 < B; b0 += IRB)
+            for (int64_t g = gb; g < (groups - gb < NB / 8 ? groups : gb + NB / 8); g++) {
+                switch (B - b0 < IRB ? B - b0 : IRB) {
+                case 1: Q6K_X8_GROUP(1); break;
+                case 2: Q6K_X8_GROUP(2); break;
+                case 3: Q6K_X8_GROUP(3); break;
+                case 4: Q6K_X8_GROUP(4); break;
+                case 5: Q6K_X8_GROUP(5); break;
+                case 6: Q6K_X8_GROUP(6); break;
+                case 7: Q6K_X8_GROUP(7); break;
+                default: Q6K_X8_GROUP(IRB); break;
+                }
+            }
+}
+#endif
+
+static const x8_super *x8_super_layout(int type) {
+    static const x8_super layouts[] = {{Q4_K, Q4K_X8_BYTES, 144, q4k_x8_move, q4k_x8_deq},
+                                       {Q6_K, Q6K_X8_BYTES, 210, q6k_x8_move, 0}};  /* no Q6_K table is read there */
+    for (size_t i = 0; i < sizeof layouts / sizeof *layouts; i++)
+        if (layouts[i].type == type) return &layouts[i];
+    return 0;
+}
+
 #ifdef HAVE_X8
 static void x8_gemm(int type, const uint8_t *Wp, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                     const float *xs, int64_t B, float *Y, int nthreads) {
@@ -1088,6 +1233,12 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
         for (int64_t i = 0; i < rows * K / 32; i++) x32[i] = (int16_t)(xb[2 * i] + xb[2 * i + 1]);
         q4_k_x8_gemm(W, N, K, xq, xd, x32, rows, Yall, nthreads);
         free(x32);
+    } else if (interleaved && type == Q6_K) {
+        uint8_t *xu = malloc((size_t)(rows * K));
+        if (!xu) { free(xq); free(xd); free(extra); free(rest); if (Yall != Y) free(Yall); return -2; }
+        for (int64_t i = 0; i < rows * K; i++) xu[i] = (uint8_t)(xq[i] ^ 0x80);  /* x + 128 */
+        q6_k_x8_gemm(W, N, K, xu, xd, rows, Yall, nthreads);
+        free(xu);
     } else if (interleaved) x8_gemm(type, W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
     else
 #endif
@@ -1120,11 +1271,13 @@ int gguf_dequant_rows_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, cons
     int sb, nb, qk, nbytes;
     const deq_fn deq = lookup(type, &qk, &nbytes);
     if (!gguf_x8_supported(type) || !deq || N % 8 || K % qk) return -1;
-    if (type == Q4_K) {
+    const x8_super *L = x8_super_layout(type);
+    if (L && !L->deq) return -1;
+    if (L) {
         #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * K >= 65536)
         for (int64_t i = 0; i < rows; i++)
             for (int64_t j = 0; j < K / 256; j++)
-                q4k_x8_deq(Wp + ((ids[i] / 8) * (K / 256) + j) * 1184, (int)(ids[i] % 8), out + i * K + j * 256);
+                L->deq(Wp + ((ids[i] / 8) * (K / 256) + j) * L->group_bytes, (int)(ids[i] % 8), out + i * K + j * 256);
         return 0;
     }
     x8_layout(type, &sb, &nb);
