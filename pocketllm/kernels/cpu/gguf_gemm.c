@@ -886,6 +886,25 @@ static inline __attribute__((always_inline)) void x8_group(
     }
 }
 
+/* Groups of 8 interleaved rows split over threads in blocks of NB rows, each block against all B
+ * activation rows IRB at a time (as FOR_ROWS_AND_BATCH). */
+#define FOR_GROUPS_AND_BATCH(GROUP)                                                                 \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
+    for (int64_t gb = 0; gb < N / 8; gb += NB / 8)                                                  \
+        for (int64_t b0 = 0; b0 < B; b0 += IRB)                                                     \
+            for (int64_t g = gb; g < (N / 8 - gb < NB / 8 ? N / 8 : gb + NB / 8); g++) {            \
+                switch (B - b0 < IRB ? B - b0 : IRB) {                                              \
+                case 1: GROUP(1); break;                                                            \
+                case 2: GROUP(2); break;                                                            \
+                case 3: GROUP(3); break;                                                            \
+                case 4: GROUP(4); break;                                                            \
+                case 5: GROUP(5); break;                                                            \
+                case 6: GROUP(6); break;                                                            \
+                case 7: GROUP(7); break;                                                            \
+                default: GROUP(IRB); break;                                                         \
+                }                                                                                   \
+            }
+
 #define X8_GROUP(R) x8_group(R, type, Wp + g * nblk * 8 * nb, nblk, K, xq + b0 * K, xd + b0 * nblk, xs + b0 * nblk, \
                              Y + b0 * N + g * 8, N)
 #define X8_GEMM_FOR_TYPE(NAME, TYPE)                                                                \
@@ -895,22 +914,7 @@ static inline __attribute__((always_inline)) void x8_group(
         int sb, nb;                                                                                 \
         x8_layout(type, &sb, &nb);                                                                  \
         const int64_t nblk = K / 32;                                                                \
-        const int64_t groups = N / 8;                                                               \
-        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
-        for (int64_t gb = 0; gb < groups; gb += NB / 8)  /* blocks of NB rows, as above */          \
-            for (int64_t b0 = 0; b0 < B; b0 += IRB)                                                 \
-            for (int64_t g = gb; g < (groups - gb < NB / 8 ? groups : gb + NB / 8); g++) {          \
-                switch (B - b0 < IRB ? B - b0 : IRB) {                                              \
-                case 1: X8_GROUP(1); break;                                                         \
-                case 2: X8_GROUP(2); break;                                                         \
-                case 3: X8_GROUP(3); break;                                                         \
-                case 4: X8_GROUP(4); break;                                                         \
-                case 5: X8_GROUP(5); break;                                                         \
-                case 6: X8_GROUP(6); break;                                                         \
-                case 7: X8_GROUP(7); break;                                                         \
-                default: X8_GROUP(IRB); break;                                                      \
-                }                                                                                   \
-            }                                                                                       \
+        FOR_GROUPS_AND_BATCH(X8_GROUP)                                                              \
     }
 X8_GEMM_FOR_TYPE(q4_0, Q4_0)
 X8_GEMM_FOR_TYPE(q4_1, Q4_1)
@@ -1027,22 +1031,8 @@ static inline __attribute__((always_inline)) void q4k_x8_group(
                                      x32 + b0 * (K / 32), Y + b0 * N + g * 8, N)
 static void q4_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *xq, const float *xd,
                          const int16_t *x32, int64_t B, float *Y, int nthreads) {
-    const int64_t nsb = K / 256, groups = N / 8;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t gb = 0; gb < groups; gb += NB / 8)
-        for (int64_t b0 = 0; b0 < B; b0 += IRB)
-            for (int64_t g = gb; g < (groups - gb < NB / 8 ? groups : gb + NB / 8); g++) {
-                switch (B - b0 < IRB ? B - b0 : IRB) {
-                case 1: Q4K_X8_GROUP(1); break;
-                case 2: Q4K_X8_GROUP(2); break;
-                case 3: Q4K_X8_GROUP(3); break;
-                case 4: Q4K_X8_GROUP(4); break;
-                case 5: Q4K_X8_GROUP(5); break;
-                case 6: Q4K_X8_GROUP(6); break;
-                case 7: Q4K_X8_GROUP(7); break;
-                default: Q4K_X8_GROUP(IRB); break;
-                }
-            }
+    const int64_t nsb = K / 256;
+    FOR_GROUPS_AND_BATCH(Q4K_X8_GROUP)
 }
 #endif
 
@@ -1153,22 +1143,8 @@ static inline __attribute__((always_inline)) void q6k_x8_group(
                                      Y + b0 * N + g * 8, N)
 static void q6_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t *xu, const float *xd, int64_t B,
                          float *Y, int nthreads) {
-    const int64_t nsb = K / 256, groups = N / 8;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t gb = 0; gb < groups; gb += NB / 8)
-        for (int64_t b0 = 0; b0 < B; b0 += IRB)
-            for (int64_t g = gb; g < (groups - gb < NB / 8 ? groups : gb + NB / 8); g++) {
-                switch (B - b0 < IRB ? B - b0 : IRB) {
-                case 1: Q6K_X8_GROUP(1); break;
-                case 2: Q6K_X8_GROUP(2); break;
-                case 3: Q6K_X8_GROUP(3); break;
-                case 4: Q6K_X8_GROUP(4); break;
-                case 5: Q6K_X8_GROUP(5); break;
-                case 6: Q6K_X8_GROUP(6); break;
-                case 7: Q6K_X8_GROUP(7); break;
-                default: Q6K_X8_GROUP(IRB); break;
-                }
-            }
+    const int64_t nsb = K / 256;
+    FOR_GROUPS_AND_BATCH(Q6K_X8_GROUP)
 }
 #endif
 
