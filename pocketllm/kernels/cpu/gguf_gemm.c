@@ -823,6 +823,22 @@ int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint
 }
 
 #ifdef HAVE_X8
+/* Lane i of a 512-bit float register -> its row: rows 4 * half .. 4 * half + 3, 4 lanes each. */
+static inline __m512i x8_lanes(int half) {
+    return _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_set1_epi32(4 * half));
+}
+/* The same for the 32 int16 lanes of the super-block types' scales: 8 lanes a row. */
+static const int16_t x8_word_row[64] = {
+    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+    4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7};
+/* The 8 rows' results from acc (rows 0-3, 4-7; 4 lanes each): [r0 r0 r2 r2 | r1 r1 r3 r3], then
+ * [r0 r2 r4 r6 | r1 r3 r5 r7], in row order. */
+static inline __m256 x8_row_sums(const __m512 acc[2]) {
+    const __m256 h0 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[0]), _mm512_extractf32x8_ps(acc[0], 1));
+    const __m256 h1 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[1]), _mm512_extractf32x8_ps(acc[1], 1));
+    return _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* Rows n0..n0+7 (group g, `nblk` blocks of gb bytes) against R activation rows. */
 static inline __attribute__((always_inline)) void x8_group(
     const int R, const int type, const uint8_t *restrict g, int64_t nblk, int64_t K, const int8_t *restrict xq,
@@ -831,8 +847,7 @@ static inline __attribute__((always_inline)) void x8_group(
     x8_layout(type, &sb, &nb);
     const int64_t gb = 8 * nb;
     const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    const __m512i lane0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(4));
+    const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
     /* IQ4_NL's values + 128: unsigned codes for vpdpbusd */
     const __m512i table = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues_iq4nl)), flip);
     __m512 acc[IRB][2];
@@ -876,14 +891,7 @@ static inline __attribute__((always_inline)) void x8_group(
         const __m256 c = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + j * gb + coff))), cf);
         for (int r = 0; r < R; r++) corr[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[r * nblk + j]), corr[r]);
     }
-    /* the 4 lanes of each row summed: [r0 r0 r2 r2 | r1 r1 r3 r3] then [r0 r2 r4 r6 | r1 r3 r5 r7] */
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int r = 0; r < R; r++) {
-        const __m256 h0 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1));
-        const __m256 h1 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][1]), _mm512_extractf32x8_ps(acc[r][1], 1));
-        const __m256 y = _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), order);
-        _mm256_storeu_ps(Y + r * N, _mm256_add_ps(y, corr[r]));
-    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, _mm256_add_ps(x8_row_sums(acc[r]), corr[r]));
 }
 
 /* Groups of 8 interleaved rows split over threads in blocks of NB rows, each block against all B
@@ -966,13 +974,9 @@ static void q4k_x8_deq(const uint8_t *o, int r, float *w) {
 static inline __attribute__((always_inline)) void q4k_x8_group(
     const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const int8_t *restrict xq,
     const float *restrict xd, const int16_t *restrict x32, float *restrict Y, int64_t N) {
-    static const int16_t word_row[64] = {
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
-        4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7};
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512i rows0 = _mm512_loadu_si512(word_row), rows1 = _mm512_loadu_si512(word_row + 32);
-    const __m512i lane0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(4));
+    const __m512i rows0 = _mm512_loadu_si512(x8_word_row), rows1 = _mm512_loadu_si512(x8_word_row + 32);
+    const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
     __m512 acc[IRB][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nsb; j++) {
@@ -1019,12 +1023,7 @@ static inline __attribute__((always_inline)) void q4k_x8_group(
             acc[r][1] = _mm512_fnmadd_ps(min1, _mm512_mul_ps(m1, sx), acc[r][1]);
         }
     }
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int r = 0; r < R; r++) {
-        const __m256 h0 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1));
-        const __m256 h1 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][1]), _mm512_extractf32x8_ps(acc[r][1], 1));
-        _mm256_storeu_ps(Y + r * N, _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), order));
-    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, x8_row_sums(acc[r]));
 }
 
 #define Q4K_X8_GROUP(R) q4k_x8_group(R, Wp + g * nsb * Q4K_X8_BYTES, nsb, K, xq + b0 * K, xd + b0 * nsb, \
@@ -1075,13 +1074,9 @@ static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
 static inline __attribute__((always_inline)) void q6k_x8_group(
     const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const uint8_t *restrict xu,
     const float *restrict xd, float *restrict Y, int64_t N) {
-    static const int16_t word_row[64] = {
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
-        4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7};
     const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
-    const __m512i rows0 = _mm512_loadu_si512(word_row), rows1 = _mm512_loadu_si512(word_row + 32);
-    const __m512i lane0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(4));
+    const __m512i rows0 = _mm512_loadu_si512(x8_word_row), rows1 = _mm512_loadu_si512(x8_word_row + 32);
+    const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
     __m512 acc[IRB][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nsb; j++) {
@@ -1129,12 +1124,7 @@ static inline __attribute__((always_inline)) void q6k_x8_group(
             acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], c1)), _mm512_mul_ps(d1, sx), acc[r][1]);
         }
     }
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int r = 0; r < R; r++) {
-        const __m256 h0 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1));
-        const __m256 h1 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[r][1]), _mm512_extractf32x8_ps(acc[r][1], 1));
-        _mm256_storeu_ps(Y + r * N, _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), order));
-    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, x8_row_sums(acc[r]));
 }
 #endif
 
