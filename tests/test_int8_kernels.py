@@ -94,8 +94,6 @@ def test_int8_gemm_equals_the_exact_product_of_rounded_activations(isa, qtype, b
     assert_within_rounding(y, x, w, qtype)
 
 
-
-
 @pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("batch", [1, 3, 8, 19])

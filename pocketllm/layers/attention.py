@@ -43,6 +43,11 @@ class AttentionMetadata:
     # Sliding-window layers read a narrower mask, made from the same metadata on first use.
     _window_masks: dict | None = None
 
+    @property
+    def cpu_decode_only(self) -> bool:
+        """Every row decodes and the CPU kernels' context lengths are there (their one-call paths)."""
+        return self.decode_lens is not None and not self.prefills
+
     def windowed(self, window: int) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Masks for a layer that sees only the last `window` positions (itself included)."""
         if self._window_masks is None:

@@ -45,7 +45,7 @@ class Attention(torch.nn.Module):
         qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
-        if self.cpu_kernels and meta.decode_lens is not None and not meta.prefills:  # decode only: one call
+        if self.cpu_kernels and meta.cpu_decode_only:  # rotary, cache write and attention: one call
             from pocketllm.kernels.cpu import layer_ops
 
             if self.q_norm is not None:
@@ -134,7 +134,7 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)
-        decoder = self._decoder() if self.cpu_kernels and meta.decode_lens is not None and not meta.prefills else None
+        decoder = self._decoder() if self.cpu_kernels and meta.cpu_decode_only else None
         if decoder is not None:
             x, residual = decoder(x, positions, meta)
         else:

@@ -732,10 +732,6 @@ static void *int8_k_lookup(int type) { (void)type; return 0; }
 
 int gguf_int8_supported(int type) { return int8_lookup(type) != 0 || int8_k_lookup(type) != 0; }
 
-/* Y[B, N] = X[B, K] @ W[N, K]^T on the fast path (X quantized to 8 bits per block, see above);
- * -1 where the type or the build has no such path. passes = 2 adds a second 8-bit pass over
- * what the first left (X minus its rounding), as further activation rows of the same kernel:
- * about 15-bit activations, for the output layer, whose top logits decide the sampled token. */
 /* ---- Interleaved rows (AVX-512 VNNI): Q4_0, Q4_1, Q8_0 and IQ4_NL repacked at load ----------
  * The per-row kernels above spend most of a 32-element block on float work (convert, scale,
  * horizontal sums) and on unpacking 16 bytes at a time. Repacked so that one block of eight
@@ -761,9 +757,18 @@ static int x8_layout(int type, int *scale_bytes, int *block_bytes) {
     }
 }
 
+/* The super-block types' interleaved layouts (below): bytes of a group's super-block column,
+ * of a file block, and the functions that place a row's block there and read it back. */
+typedef struct {
+    int type, group_bytes, block_bytes;
+    void (*move)(uint8_t *o, const uint8_t *b, int r);
+    void (*deq)(const uint8_t *o, int r, float *w);  /* where a tied embedding table reads it */
+} x8_super;
+static const x8_super *x8_super_layout(int type);
+
 #if defined(HAVE_INT8_DOT) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_X8 1
-int gguf_x8_supported(int type) { int s, b; return type == Q4_K || type == Q6_K || x8_layout(type, &s, &b); }
+int gguf_x8_supported(int type) { int s, b; return x8_super_layout(type) || x8_layout(type, &s, &b); }
 #else
 int gguf_x8_supported(int type) { (void)type; return 0; }
 #endif
@@ -784,15 +789,6 @@ static void x8_move(int type, int sb, uint8_t *o, uint8_t *b, int r, int to_grou
 #undef X8_MOVE
 }
 
-/* The super-block types' interleaved layouts (below): bytes of a group's super-block column,
- * of a file block, and the functions that place a row's block there and read it back. */
-typedef struct {
-    int type, group_bytes, block_bytes;
-    void (*move)(uint8_t *o, const uint8_t *b, int r);
-    void (*deq)(const uint8_t *o, int r, float *w);  /* where a tied embedding table reads it */
-} x8_super;
-static const x8_super *x8_super_layout(int type);
-
 /* Bytes of an [N, K] matrix in the interleaved layout. */
 int64_t gguf_x8_nbytes(int type, int64_t N, int64_t K) {
     int sb, nb;
@@ -801,24 +797,22 @@ int64_t gguf_x8_nbytes(int type, int64_t N, int64_t K) {
     return x8_layout(type, &sb, &nb) ? N * (K / 32) * nb : -1;
 }
 
-/* W (a row pointer table, N % 8 == 0) -> out, gguf_x8_nbytes, in the layout above (or Q4_K's). */
-int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint8_t *out) {
-    int sb, nb;
+/* W (a row pointer table, N % 8 == 0) -> out, gguf_x8_nbytes, in the layout above (or a
+ * super-block type's); groups split over threads (it runs at load, over every weight). */
+int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint8_t *out, int nthreads) {
+    int sb = 0, nb = 0;
     const x8_super *L = x8_super_layout(type);
     if (!gguf_x8_supported(type) || N % 8 || K % (L ? 256 : 32)) return -1;
-    if (L) {
-        for (int64_t g = 0; g < N / 8; g++)
-            for (int64_t j = 0; j < K / 256; j++)
-                for (int r = 0; r < 8; r++)
-                    L->move(out + (g * (K / 256) + j) * L->group_bytes, W[g * 8 + r] + j * L->block_bytes, r);
-        return 0;
-    }
-    x8_layout(type, &sb, &nb);
-    const int64_t nblk = K / 32;
+    if (!L) x8_layout(type, &sb, &nb);
+    const int64_t cols = L ? K / 256 : K / 32, group_bytes = L ? L->group_bytes : 8 * nb;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t g = 0; g < N / 8; g++)
-        for (int64_t j = 0; j < nblk; j++)
-            for (int r = 0; r < 8; r++)
-                x8_move(type, sb, out + (g * nblk + j) * 8 * nb, (uint8_t *)(W[g * 8 + r] + j * nb), r, 1);
+        for (int64_t j = 0; j < cols; j++)
+            for (int r = 0; r < 8; r++) {
+                uint8_t *o = out + (g * cols + j) * group_bytes;
+                if (L) L->move(o, W[g * 8 + r] + j * L->block_bytes, r);
+                else x8_move(type, sb, o, (uint8_t *)(W[g * 8 + r] + j * nb), r, 1);
+            }
     return 0;
 }
 
@@ -1176,9 +1170,10 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
     char *extra = malloc(super ? (size_t)(rows * K / 16) * sizeof(int16_t) : (size_t)(rows * nblk) * sizeof(float));
     float *rest = passes == 2 ? malloc((size_t)(B * K) * sizeof(float)) : 0;
     float *Yall = passes == 2 ? malloc((size_t)(rows * N) * sizeof(float)) : Y;
+    int rc = 0;
     if (!xq || !xd || !extra || (passes == 2 && (!rest || !Yall))) {
-        free(xq); free(xd); free(extra); free(rest); if (Yall != Y) free(Yall);
-        return -2;
+        rc = -2;
+        goto done;
     }
     const size_t extra_row = super ? (size_t)(K / 16) * sizeof(int16_t) : (size_t)nblk * sizeof(float);
     for (int pass = 0; pass < passes; pass++) {
@@ -1192,16 +1187,16 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
             for (int64_t i = 0; i < B * K; i++) rest[i] = X[i] - (float)xq[i] * xd[i / qk];
     }
 #ifdef HAVE_X8
-    if (interleaved && type == Q4_K) {
+    if (interleaved && type == Q4_K) {  /* its minimums take the activations' sums per 32 */
         const int16_t *xb = (const int16_t *)extra;
         int16_t *x32 = malloc((size_t)(rows * K / 32) * sizeof(int16_t));
-        if (!x32) { free(xq); free(xd); free(extra); free(rest); if (Yall != Y) free(Yall); return -2; }
+        if (!x32) { rc = -2; goto done; }
         for (int64_t i = 0; i < rows * K / 32; i++) x32[i] = (int16_t)(xb[2 * i] + xb[2 * i + 1]);
         q4_k_x8_gemm(W, N, K, xq, xd, x32, rows, Yall, nthreads);
         free(x32);
-    } else if (interleaved && type == Q6_K) {
+    } else if (interleaved && type == Q6_K) {  /* its signed codes take unsigned activations */
         uint8_t *xu = malloc((size_t)(rows * K));
-        if (!xu) { free(xq); free(xd); free(extra); free(rest); if (Yall != Y) free(Yall); return -2; }
+        if (!xu) { rc = -2; goto done; }
         for (int64_t i = 0; i < rows * K; i++) xu[i] = (uint8_t)(xq[i] ^ 0x80);  /* x + 128 */
         q6_k_x8_gemm(W, N, K, xu, xd, rows, Yall, nthreads);
         free(xu);
@@ -1210,13 +1205,15 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
 #endif
     if (super) int8_k_lookup(type)(W, N, K, xq, xd, (const int16_t *)extra, rows, Yall, nthreads);
     else int8_lookup(type)(W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
-    if (passes == 2) {
+    if (passes == 2)
         for (int64_t i = 0; i < B * N; i++) Y[i] = Yall[i] + Yall[B * N + i];
-        free(rest); free(Yall);
-    }
-    free(xq); free(xd); free(extra);
-#endif
+done:
+    free(xq); free(xd); free(extra); free(rest);
+    if (Yall != Y) free(Yall);
+    return rc;
+#else
     return 0;
+#endif
 }
 
 int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, const float *X, int64_t B, float *Y,

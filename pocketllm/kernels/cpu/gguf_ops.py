@@ -55,7 +55,7 @@ def repack_x8(rows: torch.Tensor, qtype: int, k: int, lib=None) -> torch.Tensor 
     if lib is None or not lib.gguf_x8_supported(int(qtype)) or n % 8 or k % block_size(qtype):
         return None
     out = torch.empty(lib.gguf_x8_nbytes(int(qtype), n, k), dtype=torch.uint8)
-    assert lib.gguf_repack_x8(int(qtype), rows.data_ptr(), n, k, out.data_ptr()) == 0
+    assert lib.gguf_repack_x8(int(qtype), rows.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) == 0
     return out
 
 
