@@ -12,8 +12,10 @@ from reference import captured_logits
 
 from pocketllm import LLM, SamplingParams
 from pocketllm.errors import UnsupportedFeatureError
-from pocketllm.loaders.dummy_gguf import write_dummy_gguf
+from pocketllm.loaders.dummy_gguf import _FLOATS, _SCALE_FIELDS, write_dummy_gguf
+from pocketllm.quant import mixes
 from pocketllm.quant.dequant import dequantize
+from pocketllm.quant.gguf_types import SUPPORTED_TYPES
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=8,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
@@ -41,6 +43,61 @@ def test_q4_k_m_file_has_the_mix_and_sane_weights(tmp_path):
             assert abs(float(w.mean())) < 0.002 and 0.015 < float(w.std()) < 0.027, t.name
         elif t.name.endswith("norm.weight"):
             assert np.all(np.asarray(t.data) == 1.0)
+
+
+def _weights(t) -> torch.Tensor:
+    return dequantize(torch.from_numpy(np.array(t.data)), t.tensor_type, tuple(int(s) for s in reversed(t.shape)))
+
+
+I_QUANT_FILE_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S",
+                      "IQ3_M", "IQ4_NL", "IQ4_XS", "MXFP4_MOE"]
+
+
+def test_every_type_the_engine_reads_can_be_written():
+    assert set(_SCALE_FIELDS) | _FLOATS == SUPPORTED_TYPES
+
+
+@pytest.mark.parametrize("file_type", I_QUANT_FILE_TYPES)
+def test_i_quant_files_have_the_mix_and_sane_weights(file_type, tmp_path):
+    """Every tensor in the type llama.cpp's mix gives it (MXFP4_MOE: --pure, or a dense model would be all
+    Q8_0); random codes, grid indices and signs with the scales set give weights of the requested std and mean
+    ~0, every block its own scale."""
+    pure = file_type == "MXFP4_MOE"
+    std = 0.03
+    result = write_dummy_gguf(tmp_path / "d.gguf", LLAMA, file_type, std=std, pure=pure, seed=1)
+    reader = GGUFReader(result.path)
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType[f"MOSTLY_{file_type}"]
+    tensors = [(t.name, tuple(int(s) for s in reversed(t.shape))) for t in reader.tensors]
+    want = mixes.tensor_types(tensors, file_type, n_layer=8, n_head=4, n_head_kv=2, pure=pure)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types == want
+    main = mixes.parse_file_type(file_type)[2]
+    assert types["blk.3.attn_q.weight"] == {"IQ3_XXS": T.IQ2_S, "IQ3_XS": T.IQ3_XXS}.get(file_type, main)
+    for t in reader.tensors:
+        if t.tensor_type in _FLOATS:
+            continue
+        w = _weights(t)
+        assert torch.isfinite(w).all()
+        assert abs(float(w.mean())) < 0.1 * std and 0.8 * std < float(w.std()) < 1.2 * std, t.name
+        block_rms = w.reshape(-1, gguf.GGML_QUANT_SIZES[t.tensor_type][0]).square().mean(1).sqrt()
+        assert float(block_rms.std() / block_rms.mean()) > 0.2, t.name  # per-block scales
+
+
+@pytest.mark.parametrize("qtype", [T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL,
+                                   T.IQ4_XS, T.MXFP4], ids=lambda t: t.name)
+def test_engine_runs_every_type(qtype, tmp_path):
+    """A one-layer model with every matrix in `qtype` (a --pure file of the file type whose main type it is)
+    loads and generates, logits finite."""
+    file_type = next(n for n, (_, t) in mixes.FILE_TYPES.items() if t == qtype)
+    shape = dict(LLAMA, num_hidden_layers=1)
+    path = write_dummy_gguf(tmp_path / "d.gguf", shape, file_type, pure=True).path
+    assert {t.tensor_type for t in GGUFReader(path).tensors} == {qtype, T.F32}
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
+    with captured_logits(llm) as logits:
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}],
+                           SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert all(torch.isfinite(t).all() for t in logits)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])

@@ -8,7 +8,11 @@ from pocketllm.quant.mixes import ALIASES, FILE_TYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    types = ", ".join(list(FILE_TYPES) + [f"{a} (= {b})" for a, b in ALIASES.items()])
+    from pocketllm.quant.quantize import SUPPORTED
+
+    # the file types whose main type we quantize (the lattice i-quants and MXFP4 we only read)
+    types = ", ".join([n for n, (_, t) in FILE_TYPES.items() if t in SUPPORTED]
+                      + [f"{a} (= {b})" for a, b in ALIASES.items()])
     parser.add_argument("src", metavar="SRC", help="Hugging Face model directory (config.json, *.safetensors, "
                                                    "tokenizer.json or tokenizer.model)")
     parser.add_argument("out", metavar="OUT", help="GGUF file to write")

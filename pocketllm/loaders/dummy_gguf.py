@@ -4,10 +4,12 @@ have no weights and no network.
 
 The file is what ``pocketllm quantize`` would write for a model of that shape (same metadata,
 tensor names, per-tensor types of the file type's llama.cpp mix, a byte-level stand-in
-vocabulary), but every quantized block is random bytes, only its fp16 scale fields set: to
-values that give weights of standard deviation ``std`` and mean about 0 (calibrated per type on
-a sample through the exact dequantizer).  Norm weights are 1, biases 0.  Nothing is quantized,
-so the 4.9 GB of Llama-3.1-8B in Q4_K_M take seconds: random bytes, tensor by tensor, streamed.
+vocabulary), but every quantized block is random bytes (random codes; random grid indices and
+signs for the i-quants), only its scale fields set: to values that give weights of standard
+deviation ``std`` and mean about 0 (calibrated per type on a sample through the exact
+dequantizer).  Every type the engine reads can be written, the i-quants and MXFP4 included.
+Norm weights are 1, biases 0.  Nothing is quantized, so the 4.9 GB of Llama-3.1-8B in Q4_K_M
+take seconds: random bytes, tensor by tensor, streamed.
 """
 from __future__ import annotations
 
@@ -35,42 +37,76 @@ from pocketllm.quant.dequant import dequantize
 
 T = GGMLQuantizationType
 
-# type -> byte offsets of its fp16 scale fields in a block: (multipliers d, the offset field or
-# None); the offset (dmin of the k-quants, m of Q4_1/Q5_1) is set so that weights average ~0
+# type -> byte offsets of its fp16 scale fields in a block: (multipliers d, the offset field or None); the
+# offset (dmin of the k-quants, m of Q4_1/Q5_1) is set so that weights average ~0. The i-quants have one fp16
+# super-scale first; their grid indices, signs and sub-block scales stay random bytes.
 _SCALE_FIELDS = {
     T.Q8_0: ((0,), None), T.Q4_0: ((0,), None), T.Q4_1: ((0,), 2), T.Q5_0: ((0,), None),
     T.Q5_1: ((0,), 2), T.Q2_K: ((80,), 82), T.Q3_K: ((108,), None), T.Q4_K: ((0,), 2),
     T.Q5_K: ((0,), 2), T.Q6_K: ((208,), None),
+    T.IQ4_NL: ((0,), None), T.IQ4_XS: ((0,), None), T.IQ2_XXS: ((0,), None), T.IQ2_XS: ((0,), None),
+    T.IQ2_S: ((0,), None), T.IQ3_XXS: ((0,), None), T.IQ3_S: ((0,), None), T.IQ1_S: ((0,), None),
+    T.IQ1_M: ((), None),  # no fp16 field: see _set_scales
+    T.MXFP4: ((), None),  # one e8m0 exponent byte: see _random_blocks
 }
+_IQ1_M_SCALES = 48  # IQ1_M's four uint16 scale words; their top nibbles hold the fp16 super-scale
 _FLOATS = frozenset({T.F32, T.F16, T.BF16})
 _SAMPLE_BLOCKS = 4096
 _CHUNK_BYTES = 1 << 28  # random bytes drawn at once
+_JITTER_RMS = (13 / 12) ** 0.5  # of uniform(0.5, 1.5), divided out of the scales
 
 
 def _fp16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(-1, 2)
 
 
+def _set_scales(blocks: np.ndarray, qtype: GGMLQuantizationType, d: np.ndarray, off: np.ndarray | None) -> None:
+    """Store per-block scales ``d`` (and offsets ``off``) [n_blocks] in blocks [n_blocks, type_size]."""
+    d_fields, off_field = _SCALE_FIELDS[qtype]
+    for f in d_fields:
+        blocks[:, f:f + 2] = _fp16_bytes(d)
+    if off_field is not None:
+        blocks[:, off_field:off_field + 2] = _fp16_bytes(off)
+    if qtype == T.IQ1_M:  # fp16 bits 4k..4k+3 -> the top nibble of scale word k (high nibble of its 2nd byte)
+        bits = d.astype(np.float16).view(np.uint16)
+        for k in range(4):
+            c = _IQ1_M_SCALES + 2 * k + 1
+            blocks[:, c] = (blocks[:, c] & 0x0F) | (((bits >> (4 * k)) & 0xF) << 4).astype(np.uint8)
+
+
+def _sample_weights(qtype: GGMLQuantizationType, set_scales) -> np.ndarray:
+    """Weights of _SAMPLE_BLOCKS random blocks whose scale fields ``set_scales(blocks)`` sets."""
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(0).integers(0, 256, (_SAMPLE_BLOCKS, ts), dtype=np.uint8)
+    set_scales(blocks)
+    return dequantize(torch.from_numpy(blocks), qtype, (_SAMPLE_BLOCKS, bs)).numpy().astype(np.float64)
+
+
 @cache
 def _scales(qtype: GGMLQuantizationType, std: float) -> tuple[float, float]:
     """(d, offset) for weights of mean ~0 and standard deviation ~``std`` from random code bytes."""
-    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
-    d_fields, off_field = _SCALE_FIELDS[qtype]
-    blocks = np.random.default_rng(0).integers(0, 256, (_SAMPLE_BLOCKS, ts), dtype=np.uint8)
+    n = _SAMPLE_BLOCKS
+    _, off_field = _SCALE_FIELDS[qtype]
 
     def weights(d: float, off: float) -> np.ndarray:
-        b = blocks.copy()
-        for f in d_fields:
-            b[:, f:f + 2] = _fp16_bytes(np.full(len(b), d))
-        if off_field is not None:
-            b[:, off_field:off_field + 2] = _fp16_bytes(np.full(len(b), off))
-        return dequantize(torch.from_numpy(b), qtype, (_SAMPLE_BLOCKS, bs)).numpy().astype(np.float64)
+        return _sample_weights(qtype, lambda b: _set_scales(b, qtype, np.full(n, d), np.full(n, off)))
 
     off = 0.0
     if off_field is not None:  # w = d * f(codes) +/- off * g(codes): cancel the mean
         off = -weights(1.0, 0.0).mean() / weights(0.0, 1.0).mean()
-    unit = weights(1.0, off).std()
+    unit = weights(1.0, off).std() * _JITTER_RMS
     return std / unit, off * std / unit
+
+
+@cache
+def _e8m0_exponents(std: float) -> tuple[int, float]:
+    """MXFP4: (e, p) such that exponent e, or e + 1 with probability p, gives weights of rms ``std``."""
+    unit = _sample_weights(T.MXFP4, lambda b: b.__setitem__((slice(None), 0), 128)).std()  # 128: scale 1
+    r = std / unit
+    k = int(np.floor(np.log2(r)))
+    e = int(np.clip(128 + k, 2, 253))  # (below 2 the exponent is not a plain power of two)
+    # rms of 2^k (1 - p) and 2^(k+1) p: 2^k sqrt(1 + 3p)
+    return e, float(np.clip(((r / 2.0 ** k) ** 2 - 1) / 3, 0, 1))
 
 
 def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, shape: tuple[int, ...],
@@ -84,13 +120,17 @@ def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, shape:
         n = min(_CHUNK_BYTES, out.size - i)
         out[i:i + n] = rng.integers(0, 256, n, dtype=np.uint8)
     blocks = out.reshape(nb, ts)
+    # every block its own scale, so a kernel reading the wrong one shows
+    if qtype == T.MXFP4:  # power-of-two scales: two neighbouring exponents, mixed to the target rms
+        e, p = _e8m0_exponents(std)
+        blocks[:, 0] = e + (rng.random(nb) < p)
+        return blocks.reshape(rows, -1)
     d, off = _scales(qtype, std)
-    d_fields, off_field = _SCALE_FIELDS[qtype]
-    jitter = rng.uniform(0.5, 1.5, nb)  # every block its own scale, so a kernel reading the wrong one shows
-    for f in d_fields:
-        blocks[:, f:f + 2] = _fp16_bytes(d * jitter)
-    if off_field is not None:
-        blocks[:, off_field:off_field + 2] = _fp16_bytes(off * jitter)
+    jitter = rng.uniform(0.5, 1.5, nb)
+    if _SCALE_FIELDS[qtype][1] is None:
+        # either sign too: codes that do not average 0 (Q4_0's -8..7, IQ4_NL's table) then give weights that do
+        jitter *= rng.choice(np.array([-1.0, 1.0]), nb)
+    _set_scales(blocks, qtype, d * jitter, off * jitter)
     return blocks.reshape(rows, -1)
 
 
@@ -123,9 +163,11 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", file_type: str = "Q4_K_M", *,
-                     seed: int = 0, std: float = 0.02, progress=None) -> WriteResult:
+                     seed: int = 0, std: float = 0.02, pure: bool = False, progress=None) -> WriteResult:
     """Write a random-weight GGUF of ``shape`` (a name of ``pocketllm.models.shapes.SHAPES`` or a
-    Hugging Face config dict) in ``file_type`` (as ``pocketllm quantize`` names them) to ``out``."""
+    Hugging Face config dict) in ``file_type`` (llama.cpp's names: Q4_K_M, IQ2_XXS, ...) to ``out``.
+    ``pure``: every quantizable tensor in the file type's main type (llama-quantize --pure), e.g.
+    all MXFP4 with MXFP4_MOE, which gives dense models' tensors Q8_0."""
     from pocketllm.models.shapes import SHAPES
 
     t0 = time.perf_counter()
@@ -141,7 +183,7 @@ def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", fi
     tensors = sorted(_tensor_shapes(arch, hp), key=lambda t: mixes.layer_order(t[0]))
     n_head = hp["num_attention_heads"]
     types = mixes.tensor_types(tensors, ftype, n_layer=hp["num_hidden_layers"], n_head=n_head,
-                               n_head_kv=hp.get("num_key_value_heads") or n_head)
+                               n_head_kv=hp.get("num_key_value_heads") or n_head, pure=pure)
     for t in set(types.values()) - _FLOATS - set(_SCALE_FIELDS):
         raise UnsupportedFeatureError(f"dummy GGUF files cannot hold {t.name} tensors")
     n_params = sum(int(np.prod(s)) for _, s in tensors)

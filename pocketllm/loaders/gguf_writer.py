@@ -36,7 +36,7 @@ from pocketllm.loaders.gguf_loader import (
     ARCHITECTURES,
 )
 from pocketllm.quant import mixes
-from pocketllm.quant.quantize import quantize
+from pocketllm.quant.quantize import SUPPORTED, quantize
 
 logger = logging.getLogger(__name__)
 T = GGMLQuantizationType
@@ -551,9 +551,9 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, file_type: str = 
                name: str | None = None, progress: Callable[[str], None] | None = None) -> WriteResult:
     """Quantize the Hugging Face model directory `src` into the GGUF file `out`.
 
-    `file_type`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q5_K_S/M, Q6_K
-    (Q3_K, Q4_K, Q5_K mean the _M mixes, as in llama-quantize). `pure`: no mix, every quantizable tensor gets
-    the main type (with llama.cpp's fallbacks for rows that do not fit its blocks)."""
+    `file_type`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q5_K_S/M, Q6_K,
+    IQ4_NL, IQ4_XS (Q3_K, Q4_K, Q5_K mean the _M mixes, as in llama-quantize). `pure`: no mix, every
+    quantizable tensor gets the main type (with llama.cpp's fallbacks for rows that do not fit its blocks)."""
     t0 = time.perf_counter()
     model_dir, out = Path(src), Path(out)
     if not model_dir.is_dir():
@@ -572,6 +572,10 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, file_type: str = 
                                n_head_kv=n_kv, n_expert=hp.get("num_local_experts") or hp.get("num_experts") or 0,
                                is_70b=is_70b, pure=pure, output_type=_ggml_type(output_type),
                                token_embedding_type=_ggml_type(token_embedding_type))
+    missing = sorted({t.name for t in types.values()} - {t.name for t in SUPPORTED})
+    if missing:  # the lattice i-quants and MXFP4: before any tensor is read
+        raise UnsupportedFeatureError(f"{ft_name} files hold {', '.join(missing)} tensors, which pocketllm cannot "
+                                      f"quantize (`pocketllm dummy-gguf` writes random-weight files of any type)")
     # llama-quantize's order: global tensors by name, then block by block
     tensors.sort(key=lambda t: mixes.layer_order(t.name))
     n_params = sum(int(np.prod(t.shape)) for t in tensors)
@@ -629,8 +633,6 @@ def write_file(out: Path, arch: str, name: str, hp: dict, rope: dict | None, voc
 
 
 def _ggml_type(t: str | GGMLQuantizationType | None) -> GGMLQuantizationType | None:
-    from pocketllm.quant.quantize import SUPPORTED
-
     if t is None:
         return None
     qt = T[t.strip().upper()] if isinstance(t, str) and t.strip().upper() in T.__members__ else None

@@ -1,10 +1,15 @@
 """File types ("Q4_K_M", "Q8_0", ...) and the tensor type each tensor gets in them.
 
-This follows llama.cpp's ``src/llama-quant.cpp`` (``llama_tensor_get_type``) for the file types we can
-write: which tensors are quantized at all, the per-category bumps of the k-quant mixes (``use_more_bits``
-layers of attn_v / ffn_down, Q6_K output and tied embeddings, ...), and the fallbacks for rows whose length
-is not a multiple of the block size (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0, then F16).
-The float file types follow llama.cpp's converter instead: 1-D tensors and norms F32, the rest F32/F16/BF16.
+This follows llama.cpp's ``src/llama-quant.cpp`` (``llama_tensor_get_type``) for its file types: which
+tensors are quantized at all, the per-category bumps of the k-quant and i-quant mixes (``use_more_bits``
+layers of attn_v / ffn_down, Q6_K output and tied embeddings, Q2_K / IQ3_S embeddings of the 1-2 bit
+i-quants, ...), and the fallbacks for rows whose length is not a multiple of the block size (Q4_K -> Q5_0,
+Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0, the 256-wide i-quants -> IQ4_NL, then F16). The mixes are
+those of llama-quantize without an importance matrix. The float file types follow llama.cpp's converter
+instead: 1-D tensors and norms F32, the rest F32/F16/BF16.
+
+Not every file type's tensor types can be quantized by ``pocketllm quantize``; ``pocketllm dummy-gguf``
+writes them all.
 """
 from __future__ import annotations
 
@@ -28,12 +33,25 @@ FILE_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "Q4_K_S": (F.MOSTLY_Q4_K_S, T.Q4_K), "Q4_K_M": (F.MOSTLY_Q4_K_M, T.Q4_K),
     "Q5_K_S": (F.MOSTLY_Q5_K_S, T.Q5_K), "Q5_K_M": (F.MOSTLY_Q5_K_M, T.Q5_K),
     "Q6_K": (F.MOSTLY_Q6_K, T.Q6_K),
+    "IQ1_S": (F.MOSTLY_IQ1_S, T.IQ1_S), "IQ1_M": (F.MOSTLY_IQ1_M, T.IQ1_M),
+    "IQ2_XXS": (F.MOSTLY_IQ2_XXS, T.IQ2_XXS), "IQ2_XS": (F.MOSTLY_IQ2_XS, T.IQ2_XS),
+    "IQ2_S": (F.MOSTLY_IQ2_S, T.IQ2_XS), "IQ2_M": (F.MOSTLY_IQ2_M, T.IQ2_S),  # (sic: llama.cpp's defaults)
+    "IQ3_XXS": (F.MOSTLY_IQ3_XXS, T.IQ3_XXS), "IQ3_XS": (F.MOSTLY_IQ3_XS, T.IQ3_S),
+    "IQ3_S": (F.MOSTLY_IQ3_S, T.IQ3_S), "IQ3_M": (F.MOSTLY_IQ3_M, T.IQ3_S),
+    "IQ4_NL": (F.MOSTLY_IQ4_NL, T.IQ4_NL), "IQ4_XS": (F.MOSTLY_IQ4_XS, T.IQ4_XS),
+    "MXFP4_MOE": (F.MOSTLY_MXFP4_MOE, T.MXFP4),  # MXFP4 experts, the rest Q8_0
 }
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize spells them
 
 _FLOAT_FTYPES = {F.ALL_F32, F.MOSTLY_F16, F.MOSTLY_BF16}
 # 256-wide type -> the 32-wide type llama.cpp falls back to when a row is not a multiple of 256
-_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+             **{t: T.IQ4_NL for t in (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+                                      T.IQ4_XS)}}
+# the 1-2 bit i-quant file types, which share one branch of llama_tensor_get_type_impl
+_IQ_LOW = frozenset({F.MOSTLY_IQ1_S, F.MOSTLY_IQ1_M, F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ2_S,
+                     F.MOSTLY_IQ2_M})
+_ATTN_V = ("attn_v", "attn_qkv", "attn_kv_b")
 
 
 def parse_file_type(name: str) -> tuple[str, LlamaFileType, GGMLQuantizationType]:
@@ -131,7 +149,7 @@ def tensor_types(tensors: Iterable[tuple[str, Sequence[int]]], file_type: str | 
 
 
 class _State:
-    """quantize_state_impl plus llama_tensor_get_type_impl, for the file types we can write."""
+    """quantize_state_impl plus llama_tensor_get_type_impl (no importance matrix, no Falcon)."""
 
     def __init__(self, *, ftype, n_layer, n_gqa, n_expert, is_70b, tied, n_attention_wv):
         self.ftype, self.n_layer, self.n_gqa, self.n_expert = ftype, n_layer, n_gqa, n_expert
@@ -146,67 +164,127 @@ class _State:
 
     def get_type(self, new: GGMLQuantizationType, name: str, shape: tuple[int, ...], cat: str,
                  output_type) -> GGMLQuantizationType:
-        ft, n_layer = self.ftype, self.n_layer
+        ft = self.ftype
         if cat == "output" or (self.tied and cat == "token_embd"):
             # tied embeddings are quantized as the output tensor
             if output_type is not None:
                 return T(output_type)
-            if shape[-1] % GGML_QUANT_SIZES[new][0] != 0:
+            if ft == F.MOSTLY_MXFP4_MOE or shape[-1] % GGML_QUANT_SIZES[new][0] != 0:
                 return T.Q8_0
+            if ft in _IQ_LOW or ft == F.MOSTLY_IQ3_XXS:
+                return T.Q5_K
             return new if new == T.Q8_0 else T.Q6_K
+        if ft == F.MOSTLY_MXFP4_MOE:  # stacked expert tensors [n_expert, rows, cols] MXFP4, the rest Q8_0
+            return T.MXFP4 if len(shape) >= 3 and shape[-3] > 1 else T.Q8_0
         if cat == "token_embd":
+            if ft in (F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ1_S, F.MOSTLY_IQ1_M):
+                return T.Q2_K
+            if ft in (F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M, F.MOSTLY_IQ3_XXS):
+                return T.IQ3_S
             return new
-        if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
-            i = self.i_attention_wv
-            if ft == F.MOSTLY_Q2_K:
-                new = T.Q4_K if self.n_gqa >= 4 else T.Q3_K
-            elif ft == F.MOSTLY_Q3_K_M:
-                new = T.Q5_K if i < 2 else T.Q4_K
-            elif ft == F.MOSTLY_Q3_K_L:
-                new = T.Q5_K
-            elif ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(i, self.n_attention_wv):
-                new = T.Q6_K
-            elif ft == F.MOSTLY_Q4_K_S and i < 4:
-                new = T.Q5_K
-            if self.is_70b and new in (T.Q3_K, T.Q4_K):
-                # 8 heads share attn_v in 70B models: more bits there cost little
-                new = T.Q5_K
-            if self.n_expert == 8:
-                new = T.Q8_0
-            self.i_attention_wv += 1
-            return new
-        if cat == "attn_k":
-            return T.Q8_0 if self.n_expert == 8 else new
+        if ft in _IQ_LOW:
+            return self._iq_low(new, cat)
+        if cat in _ATTN_V:
+            return self._attn_v(new)
+        if cat in ("attn_k", "attn_q"):
+            if cat == "attn_k" and self.n_expert == 8:
+                return T.Q8_0
+            if ft == F.MOSTLY_IQ3_XS:
+                return T.IQ3_XXS
+            return T.IQ2_S if ft == F.MOSTLY_IQ3_XXS else new
         if cat == "ffn_down":
-            i = self._layer(self.i_ffn_down, name)
-            if ft == F.MOSTLY_Q2_K:
-                new = T.Q3_K
-            elif ft == F.MOSTLY_Q3_K_M:
-                new = T.Q5_K if i < n_layer // 16 else T.Q4_K  # (Q3_K only on Falcon)
-            elif ft == F.MOSTLY_Q3_K_L:
-                new = T.Q5_K
-            elif ft == F.MOSTLY_Q4_K_M:
-                if use_more_bits(i, n_layer):
-                    new = T.Q6_K
-            elif ft == F.MOSTLY_Q5_K_M and use_more_bits(i, n_layer):
-                new = T.Q6_K
-            elif ft == F.MOSTLY_Q4_K_S and i < n_layer // 8:
-                new = T.Q5_K
-            self.i_ffn_down += 1
-            return new
+            return self._ffn_down(new, name)
         if cat == "attn_output":
             if self.n_expert == 8:
-                if ft in (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_S, F.MOSTLY_Q3_K_M, F.MOSTLY_Q4_K_S, F.MOSTLY_Q4_K_M):
+                if ft in (F.MOSTLY_Q2_K, F.MOSTLY_IQ3_XS, F.MOSTLY_IQ3_XXS, F.MOSTLY_Q3_K_S, F.MOSTLY_Q3_K_M,
+                          F.MOSTLY_IQ4_NL, F.MOSTLY_Q4_K_S, F.MOSTLY_Q4_K_M, F.MOSTLY_IQ3_S, F.MOSTLY_IQ3_M,
+                          F.MOSTLY_IQ4_XS):
                     new = T.Q5_K
-            elif ft == F.MOSTLY_Q2_K:
-                new = T.Q3_K
-            elif ft == F.MOSTLY_Q3_K_M:
-                new = T.Q4_K
-            elif ft == F.MOSTLY_Q3_K_L:
+                return new
+            return {F.MOSTLY_Q2_K: T.Q3_K, F.MOSTLY_IQ3_XXS: T.IQ3_S, F.MOSTLY_Q3_K_M: T.Q4_K,
+                    F.MOSTLY_Q3_K_L: T.Q5_K, F.MOSTLY_IQ3_M: T.Q4_K}.get(ft, new)
+        if cat in ("ffn_gate", "ffn_up"):
+            if cat == "ffn_gate":
+                i = self._layer(self.i_ffn_gate, name)
+                self.i_ffn_gate += 1
+            else:
+                i = self._layer(self.i_ffn_up, name)
+                self.i_ffn_up += 1
+            if ft == F.MOSTLY_IQ3_XS and self.n_layer // 8 <= i < 7 * self.n_layer // 8:
+                new = T.IQ3_XXS
+        return new
+
+    def _iq_low(self, new: GGMLQuantizationType, cat: str) -> GGMLQuantizationType:
+        """The IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S and IQ2_M files: a few tensors get more bits."""
+        ft = self.ftype
+        more = T.IQ3_S if ft in (F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M) else T.Q2_K
+        if cat in _ATTN_V:
+            new = T.Q4_K if self.n_gqa >= 4 or self.n_expert >= 4 else more
+            self.i_attention_wv += 1
+        elif cat == "attn_k" and self.n_expert == 8:
+            new = T.Q4_K
+        elif cat == "ffn_down":
+            if self.i_ffn_down < self.n_layer // 8:
+                new = more
+            self.i_ffn_down += 1
+        elif cat == "attn_output":
+            if self.n_expert == 8:
                 new = T.Q5_K
-            return new
-        if cat == "ffn_gate":
-            self.i_ffn_gate += 1
-        elif cat == "ffn_up":
-            self.i_ffn_up += 1
+            elif ft in (F.MOSTLY_IQ1_S, F.MOSTLY_IQ1_M):
+                new = T.IQ2_XXS
+            elif ft in (F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M):
+                new = T.IQ3_S
+        return new
+
+    def _attn_v(self, new: GGMLQuantizationType) -> GGMLQuantizationType:
+        ft, i, gqa4 = self.ftype, self.i_attention_wv, self.n_gqa >= 4
+        if ft == F.MOSTLY_Q2_K:
+            new = T.Q4_K if gqa4 else T.Q3_K
+        elif ft == F.MOSTLY_IQ3_XXS:
+            new = T.Q4_K if gqa4 else T.IQ3_S  # (IQ3_XXS given an importance matrix)
+        elif ft in (F.MOSTLY_IQ3_XS, F.MOSTLY_IQ3_S) and gqa4:
+            new = T.Q4_K
+        elif ft == F.MOSTLY_IQ3_M:
+            new = T.Q4_K
+        elif ft == F.MOSTLY_Q3_K_M:
+            new = T.Q5_K if i < 2 else T.Q4_K
+        elif ft == F.MOSTLY_Q3_K_L:
+            new = T.Q5_K
+        elif ft in (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS) and gqa4:
+            new = T.Q5_K
+        elif ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(i, self.n_attention_wv):
+            new = T.Q6_K
+        elif ft == F.MOSTLY_Q4_K_S and i < 4:
+            new = T.Q5_K
+        if self.is_70b and new in (T.Q3_K, T.Q4_K):
+            # 8 heads share attn_v in 70B models: more bits there cost little
+            new = T.Q5_K
+        if self.n_expert == 8:
+            new = T.Q8_0
+        self.i_attention_wv += 1
+        return new
+
+    def _ffn_down(self, new: GGMLQuantizationType, name: str) -> GGMLQuantizationType:
+        ft, n_layer = self.ftype, self.n_layer
+        i = self._layer(self.i_ffn_down, name)
+        if ft == F.MOSTLY_Q2_K:
+            new = T.Q3_K
+        elif ft == F.MOSTLY_IQ3_XXS:  # (without an importance matrix)
+            new = T.Q4_K if i < n_layer // 8 else T.Q3_K
+        elif ft == F.MOSTLY_Q3_K_M:
+            new = T.Q5_K if i < n_layer // 16 else T.Q4_K  # (Q3_K only on Falcon)
+        elif ft == F.MOSTLY_IQ3_M and (i < n_layer // 8 or (self.n_expert == 8 and use_more_bits(i, n_layer))):
+            new = T.Q4_K
+        elif ft == F.MOSTLY_Q3_K_L:
+            new = T.Q5_K
+        elif ft == F.MOSTLY_Q4_K_M:
+            if use_more_bits(i, n_layer):
+                new = T.Q6_K
+        elif i < n_layer // 8 and ft in (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS):  # (without an importance matrix)
+            new = T.Q5_K
+        elif ft == F.MOSTLY_Q5_K_M and use_more_bits(i, n_layer):
+            new = T.Q6_K
+        elif ft == F.MOSTLY_Q4_K_S and i < n_layer // 8:
+            new = T.Q5_K
+        self.i_ffn_down += 1
         return new

@@ -12,11 +12,16 @@ Scales, mins and codes are chosen by search, following llama.cpp's ``ggml-quants
 - ``_q3``  (``make_q3_quants``): symmetric codes refined one weight at a time (Q3_K sub-blocks).
 - ``_qp``  (``make_qp_quants``): the 6-bit sub-block scales and mins of Q4_K/Q5_K, searched as well.
 - Q8_0: absmax codes, then the least-squares scale for them where it lowers the error.
+- ``_iq4`` (``quantize_row_iq4_nl_impl``): IQ4_NL / IQ4_XS codes index a fixed non-linear table of 16
+  values; per block of 32, the least-squares scale of the best of 16 candidates (IQ4_XS then stores the
+  block scales as 6-bit multiples of one fp16 super-block scale).
 
 The K-quants use ggml's parameters and weights (Q2_K, Q3_K and Q6_K come out as llama-quantize's reference
-code makes them); the 32-wide Q4_0/Q4_1/Q5_0/Q5_1 use the search ggml runs when given an importance matrix,
+code makes them, IQ4_NL and IQ4_XS as ggml's quantize_iq4_nl / quantize_iq4_xs without an importance
+matrix); the 32-wide Q4_0/Q4_1/Q5_0/Q5_1 use the search ggml runs when given an importance matrix,
 here with all-ones importance, where llama-quantize without one would take plain absmax / min-max scales.
-Codes are always recomputed for the stored (fp16-rounded) scales.
+Codes are recomputed for the stored (fp16-rounded) scales, except in IQ4_NL / IQ4_XS, which keep ggml's
+float32 ones.
 
 Everything is vectorised over all blocks of a chunk of rows (numpy, float32); Python loops run only over
 candidate scales and over the positions inside one block, never over blocks. ``search=False`` gives the
@@ -24,6 +29,7 @@ plain min/max (absmax) encodings instead, for comparison.
 """
 from __future__ import annotations
 
+import gguf.quants
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
@@ -33,7 +39,8 @@ QK_K = 256
 _EPS = 1e-15  # ggml's GROUP_MAX_EPS
 _CHUNK = 1 << 17  # weights per vectorised step: keeps temporaries small and cache-friendly
 
-QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+                   T.IQ4_NL, T.IQ4_XS)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 SUPPORTED = FLOAT_TYPES + QUANTIZED_TYPES
 
@@ -83,8 +90,6 @@ def quantize(w: np.ndarray, qtype: GGMLQuantizationType, *, search: bool = True)
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Bytes from `quantize` back to float32 ``[rows, K]``, with gguf's reference decoder."""
-    import gguf.quants
-
     return gguf.quants.dequantize(np.asarray(data, dtype=np.uint8), T(qtype))
 
 
@@ -481,7 +486,83 @@ def _q6_k(blocks, search):
     return np.concatenate([ql, qh, l8.astype(np.int8).view(np.uint8), _f16_bytes(d)], axis=1)
 
 
+# ---- IQ4_NL / IQ4_XS: codes index kvalues_iq4nl ---------------------------------------------------------------
+
+_IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+# best_index_int8 (the nearest table value, the upper one on a tie) by a lookup on floor(2v): the midpoints
+# between table values are multiples of 1/2, and ggml's comparison of the two distances is exact in float32
+_IQ4_LO, _IQ4_HI = int(_IQ4_VALUES[0] + _IQ4_VALUES[1]) - 1, int(_IQ4_VALUES[-2] + _IQ4_VALUES[-1])
+_IQ4_INDEX = np.searchsorted(_IQ4_VALUES[1:] + _IQ4_VALUES[:-1], np.arange(_IQ4_LO, _IQ4_HI + 1), side="right")
+_IQ4_NEAREST = _IQ4_VALUES[_IQ4_INDEX]
+
+
+def _iq4_lookup(v: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """``table`` (_IQ4_INDEX: codes, _IQ4_NEAREST: their values) at the table value nearest to each v."""
+    k = np.floor(v * 2)
+    np.clip(k, _IQ4_LO, _IQ4_HI, out=k)
+    return table[k.astype(np.intp) - _IQ4_LO]
+
+
+def _iq4_fit(x: np.ndarray, w: np.ndarray, inv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted sums (q.x, q.q) per column for the codes of x [32, N] at inverse scale inv [N]. Summed over
+    axis 0 of C-ordered arrays numpy adds row after row: ggml's order, so the same float32 sums."""
+    q = _iq4_lookup(x * inv, _IQ4_NEAREST)
+    wq = w * q
+    return (wq * x).sum(axis=0), (wq * q).sum(axis=0)
+
+
+def _iq4_scales(x: np.ndarray, search: bool) -> np.ndarray:
+    """quantize_row_iq4_nl_impl's scale per column of x [32, N] (ntry 7; weights x^2, ggml's without an
+    importance matrix): the least-squares scale for the codes at scale max/127, then for those at each inverse
+    scale (i - 127)/max, i in -7..7 (the largest weight onto about the table's -127 end), the best kept."""
+    mx = _signed_absmax(x)
+    zero = np.abs(mx) < _EPS
+    mx = np.where(zero, 1, mx).astype(np.float32)
+    v0 = _IQ4_VALUES[0]
+    if not search:  # absmax: the largest weight onto -127
+        return np.where(zero, 0, mx / v0).astype(np.float32)
+    w = x * x
+    sumqx, sumq2 = _iq4_fit(x, w, _inv(-mx / v0))
+    d = _safe_div(sumqx, sumq2)
+    best = d * sumqx
+    for itry in range(-7, 8):
+        sumqx, sumq2 = _iq4_fit(x, w, (np.float32(itry) + v0) / mx)
+        better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        d = np.where(better, _safe_div(sumqx, sumq2), d)
+        best = np.where(better, d * sumqx, best)
+    return np.where(zero, 0, d).astype(np.float32)
+
+
+def _iq4_codes(x: np.ndarray, d: np.ndarray, b: int) -> np.ndarray:
+    """Codes of columns x [32, N] for float32 scales d [N] (not fp16-rounded, as ggml), as rows
+    [b, 16 * N / b] of packed nibbles: byte j of a block of 32 holds codes j and j + 16."""
+    L = _rows(_iq4_lookup(x * _inv(d), _IQ4_INDEX), b).reshape(b, -1, 2, 16)
+    return _nibbles(L[:, :, 0], L[:, :, 1]).reshape(b, -1)
+
+
+def _iq4_nl(blocks, search):
+    x = _cols(blocks, 32)
+    d = _iq4_scales(x, search)
+    return np.concatenate([_f16_bytes(d), _iq4_codes(x, d, len(d))], axis=1)
+
+
+def _iq4_xs(blocks, search):
+    b = blocks.shape[0]
+    x = _cols(blocks, 32)  # [32, B*8]
+    scales = _iq4_scales(x, search).reshape(b, 8)
+    d = -_signed_absmax(scales.T) / np.float32(32)  # (-0.0 for an all-zero block, as in ggml)
+    l = np.clip(np.rint(_inv(d)[:, None] * scales), -32, 31)
+    L = _iq4_codes(x, (d[:, None] * l).reshape(-1).astype(np.float32), b)
+    l = _u8(l + 32)
+    scales_h = np.zeros(b, dtype=np.uint16)
+    for ib in range(8):
+        scales_h |= (l[:, ib] >> 4).astype(np.uint16) << (2 * ib)
+    return np.concatenate([_f16_bytes(d), scales_h.reshape(-1, 1).view(np.uint8),
+                           (l[:, 0::2] & 0xF) | ((l[:, 1::2] & 0xF) << 4), L], axis=1)
+
+
 _QUANTIZERS = {
     T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
     T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
 }
