@@ -3,6 +3,7 @@ same shape, on a CUDA GPU.
 
     python benchmarks/bench_triton_gguf.py                       # Q4_K Q6_K Q8_0, M = 1 and 512
     python benchmarks/bench_triton_gguf.py --ms 1,2,4,8,16,32,64,128,256,512 --regimes   # crossovers
+    python benchmarks/bench_triton_gguf.py --types Q4_K,IQ2_XXS --ms 1,2 --regimes gemv,gemv_q8
     python benchmarks/bench_triton_gguf.py --sweep               # tile configs of each regime's kernel
 
 Weights are random GGUF blocks with small fp16 scales (the dummy-GGUF generator), shapes (N, K) of
@@ -24,6 +25,7 @@ import triton
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.kernels.triton import gguf as kg
+from pocketllm.kernels.triton import gguf_q8 as q8
 from pocketllm.loaders.dummy_gguf import _random_blocks
 from pocketllm.quant.gguf_types import row_nbytes
 
@@ -65,8 +67,10 @@ def main():
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--ms", default="1,512")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,...")
-    ap.add_argument("--regimes", action="store_true", help="time every regime (gemv, dot, dequant) at each M")
+    ap.add_argument("--regimes", nargs="?", const="gemv,gemv_q8,dot,dequant", default="auto",
+                    help="time these regimes at each M (no value: every one; default: auto)")
     ap.add_argument("--sweep", action="store_true", help="tile configs of each regime's kernel (SWEEP_GRIDS)")
+    ap.add_argument("--sweep-regimes", default=",".join(SWEEP_GRIDS), help="with --sweep: which regimes")
     ap.add_argument("--warm", default=None, help="I/N: with --sweep, only compile the I-th of N shares of the configs")
     ap.add_argument("--no-splits", action="store_true", help="skip the split-K sweep (Q4_K, Q6_K at M=1)")
     ap.add_argument("--peak", type=float, default=4800.0, help="the GPU's memory bandwidth, GB/s (H200: 4800)")
@@ -79,9 +83,10 @@ def main():
           f"# DOT_CONFIG={kg.DOT_CONFIG}")
 
     if args.sweep:
-        sweep(types, shapes, args.peak, tuple(int(v) for v in args.warm.split("/")) if args.warm else None)
+        sweep(types, shapes, args.peak, tuple(int(v) for v in args.warm.split("/")) if args.warm else None,
+              args.sweep_regimes.split(","))
         return
-    regimes = ["gemv", "dot", "dequant"] if args.regimes else ["auto"]
+    regimes = args.regimes.split(",")
     print(f"{'type':6s} {'N x K':>11s} {'M':>4s} {'regime':>7s} {'gguf us':>8s} {'bf16 us':>8s} {'speedup':>7s} "
           f"{'gguf GB/s':>9s} {'%peak':>5s} {'bf16 GB/s':>9s} {'host us':>7s}")
     for qtype in types:
@@ -89,7 +94,7 @@ def main():
             packed = weight(qtype, n, k)
             for m in ms:
                 for regime in regimes:
-                    if regime == "gemv" and m > 16:
+                    if regime.startswith("gemv") and m > 16 or regime == "gemv_q8" and qtype not in q8.Q8_TYPES:
                         continue
                     tq, td, gq, gd, hq = row(qtype, n, k, m, packed, regime)
                     print(f"{qtype.name:6s} {n:>5d}x{k:<5d} {m:>4d} {regime:>7s} {tq:8.1f} {td:8.1f} {td / tq:7.2f} "
@@ -118,6 +123,7 @@ def split_sweep(peak):
 
 
 SWEEP_GRIDS = {  # regime: (M, the config it edits, the grid)
+    "gemv_q8": (1, q8.GEMV_Q8_CONFIG, dict(BLOCK_N=[1, 2, 4], BLOCK_K=[512, 1024, 2048], num_warps=[1, 2, 4])),
     "gemv": (1, kg.GEMV_CONFIG, dict(BLOCK_N=[1, 2, 4, 8], BLOCK_K=[512, 1024, 2048, 4096], num_warps=[1, 2, 4],
                                      num_stages=[1])),
     "dot": (64, kg.DOT_CONFIG, dict(BLOCK_N=[16, 32, 64, 128], BLOCK_K=[256, 512, 1024], num_warps=[4, 8],
@@ -126,14 +132,18 @@ SWEEP_GRIDS = {  # regime: (M, the config it edits, the grid)
 }
 
 
-def sweep(types, shapes, peak, warm: tuple[int, int] | None = None):
+def sweep(types, shapes, peak, warm: tuple[int, int] | None = None, regimes=tuple(SWEEP_GRIDS)):
     """Time every tile config of each regime's grid.  ``warm=(i, n)``: only compile (run once) the
     i-th of n shares of the configs, no timing: several processes fill Triton's cache at once, and
     the timing run then compiles nothing."""
     index = 0
     for regime, (m, cfg, grid) in SWEEP_GRIDS.items():
+        if regime not in regimes:
+            continue
         default = dict(cfg)
         for qtype in types:
+            if regime == "gemv_q8" and qtype not in q8.Q8_TYPES:
+                continue
             for n, k in shapes:
                 packed = weight(qtype, n, k)
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -129,7 +129,7 @@ def test_capabilities_refuse_what_a_platform_does_not_declare(tiny_models):
     cfg = ModelConfig.from_hf_dir(tiny_models["llama"][1])
     args = EngineArgs()
     assert select_runtime(cfg, args, "cpu", "float32", {"Q4_1", "Q8_0"}).model_class.__name__ == "LlamaForCausalLM"
-    # every GGUF type loads on CUDA (the lattice IQ types dequantized at load)
+    # every GGUF type loads on CUDA, kept quantized
     assert select_runtime(cfg, args, "cuda", "bfloat16", {"Q4_K", "Q6_K", "IQ2_XS"}).model_class is not None
     with pytest.raises(UnsupportedFeatureError, match="runtime does not support quantization type 'TQ1_0'"):
         select_runtime(cfg, args, "cuda", "bfloat16", {"TQ1_0"})

@@ -211,7 +211,7 @@ def test_the_default_model_on_the_fast_path_agrees_with_the_exact_one():
         assert {m.int8 for m in layers if m is not model.lm_head.quantized} == {0 if exact else 1}
         assert model.lm_head.quantized.int8 == (0 if exact else 2)
         # where the head is repacked, the tied table is read from it: one copy of its bytes
-        assert (model.model.embed_tokens.tied is model.lm_head.quantized) == (not exact and HAVE_X8)
+        assert (model.model.embed_tokens.rows_from is model.lm_head.quantized) == (not exact and HAVE_X8)
         runs[exact] = llm.generate(text, params)[0].prompt_logprobs[1:]
         del llm
     exact, fast = runs[True], runs[False]

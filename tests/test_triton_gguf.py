@@ -75,7 +75,26 @@ def test_dequantize_matches_dequant_py(qtype):
     assert half.dtype == torch.float16 and torch.equal(half, out.half())
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.IQ2_XXS, T.IQ1_M, T.IQ3_S], ids=lambda t: t.name)
+def test_embedding_rows_are_the_dequantized_rows(qtype):
+    """An embedding table kept in its GGUF blocks: a lookup decodes just the rows it names."""
+    from pocketllm.quant.linear import GGUFLinear
+
+    raw, w = make(qtype, n=24, seed=90 + qtype.value)
+    ids = torch.tensor([[3, 0, 23], [3, 17, 5]]).to(DEV)
+    rows = kg.gguf_dequantize(raw, qtype, K, rows=ids)
+    assert rows.shape == (2, 3, K)
+    if DEV == "cpu":
+        assert torch.equal(rows, w[ids])
+    else:
+        assert bool(((rows - w[ids]).abs() <= 2 * U * w.abs().max()).all())
+    layer = GGUFLinear.from_gguf(raw.cpu(), qtype, 24, K, path="triton", device=DEV, dtype=torch.bfloat16)
+    looked_up = layer.embedding_rows(ids)
+    assert looked_up.dtype == torch.bfloat16  # rounded (the interpreter truncates): within a bf16 ulp
+    assert bool(((looked_up.float() - rows).abs() <= 2.0 ** -7 * rows.abs()).all())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q5_0, T.IQ2_XS], ids=lambda t: t.name)
 def test_every_regime_and_split(qtype, monkeypatch):
     # K = 3 super-blocks / 24 blocks: splits of unequal length; N = 24: a partial row tile
     n, k = 24, 768
@@ -90,6 +109,33 @@ def test_every_regime_and_split(qtype, monkeypatch):
     check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dequant"), x, w)
     xb = x.to(torch.bfloat16)
     check(kg.gguf_matmul(xb, packed, qtype, k, packed=True, regime="dequant"), xb, w)
+
+
+@pytest.mark.parametrize("qtype", sorted(kg._q8().Q8_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_int8_activation_gemv(qtype):
+    """The 8-bit-activation GEMV computes exactly the product with the activations as quantized
+    (integer sums; float32 rounding of the scaled sums only), and those are x to within their
+    rounding; the auto regime takes it for bfloat16 decode rows, not for float32."""
+    q8 = kg._q8()
+    n, k = 24, 768
+    raw, w = make(qtype, n=n, k=k, seed=20 + qtype.value)
+    packed = kg.pack_gguf(raw, qtype, k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(qtype.value)).to(DEV)
+    xq, xd, xs = q8.quantize_activations(x)
+    xdeq = (xq.double().view(2, -1, 32) * xd.double()[..., None]).view(2, k)
+    assert bool(((xdeq - x.double()).abs() <= xd.double().repeat_interleave(32, 1) / 2 * (1 + 1e-6)).all())
+    assert torch.allclose(xs.double(), xd.double() * xq.double().view(2, -1, 32).sum(-1))
+    ref, mag = xdeq @ w.double().T, xdeq.abs() @ w.double().abs().T
+    for split in (1, 2, 3):
+        y = q8.gemv_q8(x, packed, qtype, k, split_k=split)
+        assert bool(((y.double() - ref).abs() <= 1e-6 * mag + 1e-30).all())
+    xb = x.bfloat16()
+    y = kg.gguf_matmul(xb[:1], packed, qtype, k, packed=True)
+    check(y, xb[:1], w)
+    assert torch.equal(y, kg.gguf_matmul(xb[:1], packed, qtype, k, packed=True, regime="gemv_q8"))
+    assert not torch.equal(y, kg.gguf_matmul(xb[:1], packed, qtype, k, packed=True, regime="gemv"))
+    exact = kg.gguf_matmul(x[:1], packed, qtype, k, packed=True)
+    assert torch.equal(exact, kg.gguf_matmul(x[:1], packed, qtype, k, packed=True, regime="gemv"))
 
 
 def test_auto_regime_thresholds(monkeypatch):
@@ -140,8 +186,8 @@ def test_packed_layout_is_16_byte_aligned(qtype):
 
 def test_refuses_what_it_does_not_cover():
     raw, _ = make(T.Q4_K)
-    with pytest.raises(ValueError, match="no Triton GGUF kernel for IQ2_XS"):
-        kg.gguf_matmul(torch.zeros(1, K), raw, T.IQ2_XS, K)
+    with pytest.raises(ValueError, match="no Triton GGUF kernel for F16"):
+        kg.gguf_matmul(torch.zeros(1, K), raw, T.F16, K)
     with pytest.raises(ValueError, match="take 288 bytes"):
         kg.gguf_matmul(torch.zeros(1, K), raw[:, :100].contiguous(), T.Q4_K, K)
     with pytest.raises(ValueError, match="x must be"):
@@ -268,12 +314,14 @@ def test_more_row_tiles_than_a_grid_axis_holds(qtype):
 
 
 @cuda_only
-def test_types_without_kernel_load_dense_on_the_gpu():
+def test_dequantize_at_load_is_dense_on_the_gpu():
     from pocketllm.quant.linear import GGUFLinear
 
-    for qtype, kw in ((T.IQ2_XS, {}), (T.Q4_K, {"dequantize_at_load": True})):
+    assert GGUFLinear.from_gguf(make(T.IQ2_XS)[0].cpu(), T.IQ2_XS, N, K, device="cuda").path == "triton"
+    for qtype in (T.IQ2_XS, T.Q4_K):
         raw, w = make(qtype, seed=5)
-        layer = GGUFLinear.from_gguf(raw.cpu(), qtype, N, K, device="cuda", dtype=torch.bfloat16, **kw)
+        layer = GGUFLinear.from_gguf(raw.cpu(), qtype, N, K, device="cuda", dtype=torch.bfloat16,
+                                     dequantize_at_load=True)
         assert layer.path == "dense" and layer._store.dtype == torch.bfloat16
         assert bool(((layer._store.float() - w).abs() <= 2.0 ** -8 * w.abs()).all())  # one bf16 rounding
         x = torch.randn(3, K, device="cuda", dtype=torch.bfloat16)
@@ -365,13 +413,19 @@ def sm90_resources(qtype, regime, dtype="bf16", block_m=16, cfg=None, k=4096):
     elif regime == "dot":
         fn = kg._dot_kernel
         extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
+    elif regime == "gemv_q8":
+        fn, opts = kg._q8()._gemv_q8_kernel, {"num_warps": c["num_warps"]}
+        targs = dict(QT=targs["QT"], BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"])
+        extra = {"EMU": False}
     else:
-        fn, extra, opts = kg._dequant_kernel, {}, {"num_warps": c["num_warps"]}
+        fn, extra, opts = kg._dequant_kernel, {"GATHER": False}, {"num_warps": c["num_warps"]}
     consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=kg._blocks_per_step(qtype, c["BLOCK_K"]), **extra)
-    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*i32" if qtype in kg._LATTICE else "*fp32",
+            "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "ids_ptr": "*i64", "xq_ptr": "*i8", "xd_ptr": "*fp32",
+            "xs_ptr": "*fp32"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
     divisible = ["x_ptr", "w_ptr", "lut_ptr", "y_ptr", "out_ptr", "row_bytes", "hdr_start", "stride_xm",
-                 "stride_ys", "stride_ym", "stride_on"]
+                 "stride_ys", "stride_ym", "stride_on", "xq_ptr", "xd_ptr", "xs_ptr"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible if a in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -391,6 +445,8 @@ def _sm90_variants():
             yield qtype, "dequant", dtype, 1
         for dtype, block_m in (("bf16", 16), ("bf16", 64), ("fp16", 64), ("fp32", 64)):
             yield qtype, "dot", dtype, block_m
+        if qtype in kg._q8().Q8_TYPES:
+            yield qtype, "gemv_q8", "bf16", 1
 
 
 def _sm90_table():

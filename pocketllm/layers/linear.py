@@ -96,7 +96,9 @@ class Embedding(torch.nn.Module):
                                          requires_grad=False)
         self.quantized: QuantizedTensor | None = None  # looked up row by row (on the CPU)
         self.source: QuantizedTensor | None = None  # the GGUF table, for a tied output projection
-        self.tied = None  # the tied output projection's GGUFLinear, where the table's rows are read
+        # a GGUFLinear whose embedding_rows() serve the lookup: the tied output projection (one copy of
+        # the table), or on CUDA the table's own GGUF blocks
+        self.rows_from = None
         self.dtype, self.device = dtype, torch.device(device)
         self.dequantize_at_load, self.int8_activations = False, 0  # for the tied output projection
 
@@ -105,18 +107,23 @@ class Embedding(torch.nn.Module):
             self.quantized = self.source = tensor
             self.weight = None
         elif isinstance(tensor, QuantizedTensor):
-            # Off the CPU the table is a lookup: dequantized once, in the model's dtype.
-            from pocketllm.quant.linear import _dequantize_rows
+            # Off the CPU the table stays in its GGUF blocks where the Triton kernels cover its type
+            # (each step decodes the rows it looks up), else it is dequantized once, to the model's dtype.
+            from pocketllm.quant.linear import GGUFLinear
 
-            rows = tensor.data.reshape(self.num_embeddings, -1)
-            _dequantize_rows(rows, tensor.qtype, self.dim, self.device, self.dtype, out=self.weight.data)
+            lin = GGUFLinear.from_gguf(tensor.data, tensor.qtype, self.num_embeddings, self.dim,
+                                       dequantize_at_load=self.dequantize_at_load, device=self.device, dtype=self.dtype)
+            if lin.path == "triton":
+                self.rows_from, self.weight = lin, None
+            else:
+                self.weight.data = lin._store
             self.source = tensor
         else:
             self.weight.data.copy_(tensor)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tied is not None:
-            return self.tied.embedding_rows(ids).to(self.dtype)
+        if self.rows_from is not None:
+            return self.rows_from.embedding_rows(ids).to(self.dtype)
         if self.quantized is not None:
             from pocketllm.quant.linear import gguf_embedding_lookup
 
@@ -132,11 +139,14 @@ class Embedding(torch.nn.Module):
         lin.dequantize_at_load, lin.int8_activations = self.dequantize_at_load, self.int8_activations
         if self.source is not None:  # stays quantized (CUDA: the Triton kernels)
             lin.load(self.source)
-            held = lin.quantized.fast_path_weights() if hasattr(lin.quantized, "fast_path_weights") else None
+            q = lin.quantized
+            held = q.fast_path_weights() if hasattr(q, "fast_path_weights") else None
             if self.quantized is not None and held is not None and held[1]:
                 # repacked for the fast path's kernels: the table is read from there, one copy
                 self.quantized = self.source = None
-                self.tied = lin.quantized
+                self.rows_from = q
+            elif self.rows_from is not None and getattr(q, "path", None) == "triton":
+                self.source, self.rows_from = None, q  # the same packed blocks: one copy
         else:
             lin.weight = self.weight
         return lin

@@ -32,7 +32,7 @@ class RuntimeCapabilities:
 # pocketllm/kernels/triton/gguf.py, TRITON_GGUF_TYPES; a test keeps the two lists equal).
 CUDA_KERNEL_TYPES = frozenset({
     "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-    "MXFP4",
+    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "MXFP4",
 })
 
 
@@ -50,8 +50,7 @@ class PlatformCapabilities:
 PLATFORMS = {
     "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"}), GGUF_TYPES,
                                 GGUF_TYPES - {"F32", "F16", "BF16"}),
-    # Every GGUF type loads on CUDA; the IQ1/IQ2/IQ3 lattice types have no kernel there and are
-    # dequantized at load.
+    # Every GGUF type loads on CUDA, and every quantized one stays in its GGUF encoding there.
     "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"}), GGUF_TYPES,
                                  CUDA_KERNEL_TYPES),
 }

@@ -44,14 +44,13 @@ Compute paths (``GGUFLinear.path``):
 
 On a CUDA device (``device=`` of ``from_gguf``) two paths exist:
 
-* ``"triton"`` default for the types the Triton kernels cover (``TRITON_GGUF_TYPES``:
-  Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K IQ4_NL IQ4_XS MXFP4): the GGUF bytes go to the GPU as
-  they are, re-laid out per row (codes first, then scales: the same bytes, the same size;
-  ``kernels/triton/gguf.py``), and every call multiplies them in their GGUF encoding, in the
-  activations' dtype.
-* ``"dense"`` for the others (the IQ1/IQ2/IQ3 lattice types) or with ``dequantize_at_load``:
-  dequantized exactly (float32) at load, then stored in the model's dtype: the slower path,
-  2 bytes a weight in bfloat16.
+* ``"triton"`` default for every quantized type (``TRITON_GGUF_TYPES``: Q4_0 Q4_1 Q5_0 Q5_1
+  Q8_0 Q2_K..Q6_K IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ4_NL IQ4_XS MXFP4): the GGUF
+  bytes go to the GPU as they are, re-laid out per row (codes first, then scales: the same bytes,
+  the same size; ``kernels/triton/gguf.py``), and every call multiplies them in their GGUF
+  encoding, in the activations' dtype.
+* ``"dense"`` for the float types or with ``dequantize_at_load``: dequantized exactly (float32)
+  at load, then stored in the model's dtype (2 bytes a weight in bfloat16).
 
 Inference only: the planes path reuses its scratch buffer, so no autograd.
 """
@@ -248,6 +247,7 @@ class GGUFLinear(torch.nn.Module):
         self._store = None  # dense weight, raw bytes, _Planes or _Int4, by path
         self.int8 = 0  # the "c" path multiplies over 8-bit activations, in this many passes
         self._rows: torch.Tensor | None = None  # the "c" path's row pointers; None: interleaved rows
+        self.dtype = torch.float32  # what forward returns (the triton path: the model's dtype)
 
     @classmethod
     def from_gguf(
@@ -317,7 +317,7 @@ class GGUFLinear(torch.nn.Module):
         if path == "triton":
             from pocketllm.kernels.triton.gguf import pack_gguf
 
-            self._store = pack_gguf(raw.view(n, -1), qtype, k, device)
+            self._store, self.dtype = pack_gguf(raw.view(n, -1), qtype, k, device), dtype
             return self
         if not on_cpu:  # dense, in the model's dtype
             self._store = _dequantize_rows(raw.view(n, -1), qtype, k, device, dtype)
@@ -354,8 +354,13 @@ class GGUFLinear(torch.nn.Module):
         return sum(t.numel() * t.element_size() for t in held)
 
     def embedding_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``token_ids`` of W dequantized to float32, exactly: the lookup of an embedding table
-        tied to this output layer (on the C path, which keeps one part)."""
+        """Rows ``token_ids`` of W dequantized: the lookup of an embedding table held by this layer
+        (a tied output layer on the C path, which keeps one part: float32, exactly; on the triton
+        path, in the layer's dtype, ids not checked: no host sync inside a CUDA graph)."""
+        if self.path == "triton":
+            from pocketllm.kernels.triton.gguf import gguf_dequantize
+
+            return gguf_dequantize(self._store, self.qtype, self.in_features, self.dtype, packed=True, rows=token_ids)
         if self._rows is not None:
             return gguf_embedding_lookup(self._store[0], self.qtype, self.out_features, self.in_features, token_ids)
         ids, flat = _checked_ids(token_ids, self.out_features)

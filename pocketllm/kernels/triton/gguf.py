@@ -6,7 +6,7 @@ codes) first, then their headers (the fp16 scales and sub-scales) - the same byt
 Every body is a multiple of 16 bytes, so code loads are 16-byte vectors for every type (in file
 order, Q8_0's 34-byte and Q6_K's 210-byte blocks allow 2-byte loads only).
 ``pocketllm/quant/dequant.py`` is the reference for every format; TRITON_GGUF_TYPES lists the
-covered types (all but the IQ1/IQ2/IQ3 lattice types).
+covered types (every quantized type: the legacy, K, IQ4 and MXFP4 types, and the IQ1/IQ2/IQ3 lattice types).
 
 One small ``@triton.jit`` helper per type family (``_q4_k``, ``_q6_k``, ``_q8_0``, ...) decodes
 chunks of 16 consecutive weights of a tile of rows, as ``(v, a, c)``: codes as floats ``v``
@@ -22,6 +22,9 @@ Three regimes, by the number of activation rows M (``gguf_matmul`` picks them):
   ``BLOCK_N`` weight rows; per chunk ``a * sum(v * x) + c * sum(x)``, sums inside a thread, scales
   out of the inner product, float32.  When there are fewer tiles than SMs, K is split over
   programs (``split_k``) and the partial sums added after (deterministic).
+* ``"gemv_q8"`` (M <= 2 with bfloat16 / float16 activations, for ``gguf_q8.Q8_TYPES``): the
+  same shape of work on 8-bit activations and integer dot products (``gguf_q8.py``), llama.cpp's
+  method: a few instructions per weight instead of ~14; not exact (the activations' rounding).
 * ``"dot"`` (only when asked for): the decoded tile is rounded to x's dtype and fed to ``tl.dot``
   (tensor cores for bf16/fp16; IEEE float32 for float32 x), ``BLOCK_M`` = M rounded up to 16..64.
   Split-K as above.  Measured on the H200 it loses to the dequant regime at every M > 2 (it
@@ -46,6 +49,7 @@ import os
 from functools import cache
 
 import gguf.quants as gq
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -71,6 +75,15 @@ _Q6_K = tl.constexpr(int(T.Q6_K))
 _IQ4_NL = tl.constexpr(int(T.IQ4_NL))
 _IQ4_XS = tl.constexpr(int(T.IQ4_XS))
 _MXFP4 = tl.constexpr(int(T.MXFP4))
+_IQ2_XXS = tl.constexpr(int(T.IQ2_XXS))
+_IQ2_XS = tl.constexpr(int(T.IQ2_XS))
+_IQ2_S = tl.constexpr(int(T.IQ2_S))
+_IQ3_XXS = tl.constexpr(int(T.IQ3_XXS))
+_IQ3_S = tl.constexpr(int(T.IQ3_S))
+_IQ1_S = tl.constexpr(int(T.IQ1_S))
+_IQ1_M = tl.constexpr(int(T.IQ1_M))
+_KS = tl.constexpr(384)  # lattice tables (_value_table): where the grid's int32 words start
+_IQ1_DELTA = tl.constexpr(float(gq.IQ1_S.delta))
 
 
 # ---- field loads ------------------------------------------------------------------------------
@@ -256,6 +269,135 @@ def _iq4_xs(b, h, s, j0, mask, lut_ptr):
     return _table(lut_ptr, _nibbles(b + 16 * s, j0, mask)), a, 0.0
 
 
+# ---- the lattice types (IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S) --------------------------
+# A grid entry expands one index into 8 (IQ1, IQ2) or 4 (IQ3) weights: the table (``_value_table``)
+# holds the grid's bytes as int32 words after llama.cpp's 128 sign masks (``ksigns``: a 7-bit index
+# plus its parity bit).  In a chunk [R, H, 4, 4] the 8-weight groups are word pairs (w // 2), and
+# weight (w % 2) * 4 + lane of its group is byte ``lane`` of word w.  Weights: v = +-grid (IQ2, IQ3)
+# or grid + delta (IQ1), a = the group's scale, as dequant.py multiplies them.
+
+@triton.jit
+def _lanes():
+    return tl.arange(0, 4)[None, None, :, None], tl.arange(0, 4)[None, None, None, :]
+
+
+@triton.jit
+def _u16(p, mask):
+    """The little-endian uint16 at byte pointer ``p`` (2-aligned) as int32."""
+    return tl.load(p.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _u32(p, mask):
+    """The little-endian 32-bit word at byte pointer ``p`` (4-aligned), as int32."""
+    return tl.load(p.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+
+
+@triton.jit
+def _grid8(lut_ptr, e, w, lane):
+    """Grid bytes of 8-wide entries ``e`` [R, H, 4, 1] (one per word pair) as int32 [R, H, 4, 4]."""
+    return (tl.load(lut_ptr + _KS + 2 * e + w % 2) >> (8 * lane)) & 0xFF
+
+
+@triton.jit
+def _grid4(lut_ptr, e, lane):
+    """Grid bytes of 4-wide entries ``e`` [R, H, 4, 1] (one per word) as int32 [R, H, 4, 4]."""
+    return (tl.load(lut_ptr + _KS + e) >> (8 * lane)) & 0xFF
+
+
+@triton.jit
+def _signed(g, masks, w, lane):
+    """Grid bytes ``g`` as floats, negated where the group's sign mask [R, H, 4, 1] has their bit."""
+    v = _u2f(g)
+    return tl.where(((masks >> ((w % 2) * 4 + lane)) & 1) != 0, -v, v)
+
+
+@triton.jit
+def _iq2_xxs(b, h, s, j0, mask, lut_ptr):
+    # h: fp16 d | b: per group of 32, 4 grid indices (bytes), then a word of 4 x 7-bit sign indices
+    # and a 4-bit scale
+    w, lane = _lanes()
+    g8 = j0 // 8 + w // 2
+    aux = _u32(b + 8 * s + 4, mask)
+    signs = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
+    a = _f16(h, mask) * (0.5 + _u2f((aux >> 28) & 15)) * 0.25
+    return _signed(_grid8(lut_ptr, _u8(b + 8 * s + g8, mask), w, lane), signs, w, lane), a, 0.0
+
+
+@triton.jit
+def _iq2_xs(b, h, s, j0, mask, lut_ptr):
+    # h: fp16 d, 8 bytes of 4-bit scales | b: 16-bit words of a 9-bit grid index, 7-bit sign index
+    w, lane = _lanes()
+    q = _u16(b + 4 * s + 2 * (w // 2), mask)
+    sc = (_u8(h + 2 + s // 2, mask) >> (4 * (s % 2))) & 15
+    a = _f16(h, mask) * (0.5 + _u2f(sc)) * 0.25
+    return _signed(_grid8(lut_ptr, q & 511, w, lane), tl.load(lut_ptr + (q >> 9)), w, lane), a, 0.0
+
+
+@triton.jit
+def _iq2_s(b, h, s, j0, mask, lut_ptr):
+    # h: fp16 d, 8 bytes of 2-bit grid index highs, 8 bytes of 4-bit scales | b: 32 bytes of grid
+    # index lows, then 32 sign masks (one an entry)
+    w, lane = _lanes()
+    e = 2 * s + w // 2
+    idx = _u8(b + e, mask) | (((_u8(h + 2 + e // 4, mask) >> (2 * (e % 4))) & 3) << 8)
+    sc = (_u8(h + 10 + s // 2, mask) >> (4 * (s % 2))) & 15
+    a = _f16(h, mask) * (0.5 + _u2f(sc)) * 0.25
+    return _signed(_grid8(lut_ptr, idx, w, lane), _u8(b + 32 + e, mask), w, lane), a, 0.0
+
+
+@triton.jit
+def _iq3_xxs(b, h, s, j0, mask, lut_ptr):
+    # h: fp16 d | b: 64 grid indices (4 weights each), then per group of 32 a word of 4 x 7-bit sign
+    # indices and a 4-bit scale
+    w, lane = _lanes()
+    aux = _u32(b + 64 + 4 * s, mask)
+    signs = tl.load(lut_ptr + ((aux >> (7 * (j0 // 8 + w // 2))) & 127))
+    a = _f16(h, mask) * (0.5 + _u2f((aux >> 28) & 15)) * 0.5
+    return _signed(_grid4(lut_ptr, _u8(b + 8 * s + j0 // 4 + w, mask), lane), signs, w, lane), a, 0.0
+
+
+@triton.jit
+def _iq3_s(b, h, s, j0, mask, lut_ptr):
+    # h: fp16 d, 8 bytes of grid index high bits, 32 sign masks (one per 8 weights), 4 bytes of
+    # 4-bit scales | b: 64 bytes of grid index lows
+    w, lane = _lanes()
+    e = j0 // 4 + w  # entry in the group
+    idx = _u8(b + 8 * s + e, mask) | (((_u8(h + 2 + s, mask) >> e) & 1) << 8)
+    signs = _u8(h + 10 + 4 * s + j0 // 8 + w // 2, mask)
+    a = _f16(h, mask) * _u2f(2 * ((_u8(h + 42 + s // 2, mask) >> (4 * (s % 2))) & 15) + 1)
+    return _signed(_grid4(lut_ptr, idx, lane), signs, w, lane), a, 0.0
+
+
+@triton.jit
+def _iq1_s(b, h, s, j0, mask, lut_ptr):
+    # h: fp16 d, per group of 32 a 16-bit word: 4 x 3 grid index high bits, a 3-bit scale, the sign
+    # of the group's delta | b: 32 bytes of grid index lows.  Grid bytes hold values + 1.
+    w, lane = _lanes()
+    g8 = j0 // 8 + w // 2
+    qh = _u16(h + 2 + 2 * s, mask)
+    idx = _u8(b + 4 * s + g8, mask) | (((qh >> (3 * g8)) & 7) << 8)
+    delta = tl.where((qh & 0x8000) != 0, -_IQ1_DELTA, _IQ1_DELTA)
+    a = _f16(h, mask) * _u2f(2 * ((qh >> 12) & 7) + 1)
+    return _u2f(_grid8(lut_ptr, idx, w, lane), 1.0) + delta, a, 0.0
+
+
+@triton.jit
+def _iq1_m(b, h, s, j0, mask, lut_ptr):
+    # h: 16 bytes of a nibble per grid entry (3 index high bits, the sign of its delta), 4 16-bit
+    # words of 3-bit scales whose top nibbles hold the fp16 d | b: 32 bytes of grid index lows
+    w, lane = _lanes()
+    e = 2 * s + w // 2
+    hq = (_u8(h + e // 2, mask) >> (4 * (e % 2))) & 15
+    idx = _u8(b + e, mask) | ((hq & 7) << 8)
+    delta = tl.where((hq & 8) != 0, -_IQ1_DELTA, _IQ1_DELTA)
+    dbits = ((_u16(h + 16, mask) >> 12) | ((_u16(h + 18, mask) >> 8) & 0xF0)
+             | ((_u16(h + 20, mask) >> 4) & 0xF00) | (_u16(h + 22, mask) & 0xF000))
+    d = dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    a = d * _u2f(2 * ((_u16(h + 16 + 2 * (s // 4), mask) >> (3 * (s % 4))) & 7) + 1)
+    return _u2f(_grid8(lut_ptr, idx, w, lane), 1.0) + delta, a, 0.0
+
+
 @triton.jit
 def _decode(QT: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr, w_ptr, row_off, hdr_start,
             blk, s, j0, mask, lut_ptr):
@@ -290,6 +432,20 @@ def _decode(QT: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr, w_ptr, row_off
         out = _iq4_xs(b, h, s, j0, mask, lut_ptr)
     elif QT == _IQ4_NL:
         out = _iq4_nl(b, h, s, j0, mask, lut_ptr)
+    elif QT == _IQ2_XXS:
+        out = _iq2_xxs(b, h, s, j0, mask, lut_ptr)
+    elif QT == _IQ2_XS:
+        out = _iq2_xs(b, h, s, j0, mask, lut_ptr)
+    elif QT == _IQ2_S:
+        out = _iq2_s(b, h, s, j0, mask, lut_ptr)
+    elif QT == _IQ3_XXS:
+        out = _iq3_xxs(b, h, s, j0, mask, lut_ptr)
+    elif QT == _IQ3_S:
+        out = _iq3_s(b, h, s, j0, mask, lut_ptr)
+    elif QT == _IQ1_S:
+        out = _iq1_s(b, h, s, j0, mask, lut_ptr)
+    elif QT == _IQ1_M:
+        out = _iq1_m(b, h, s, j0, mask, lut_ptr)
     else:
         tl.static_assert(QT == _MXFP4, "type without a Triton decoder")
         out = _mxfp4(b, h, s, j0, mask, lut_ptr)
@@ -376,18 +532,22 @@ def _dot_kernel(x_ptr, w_ptr, lut_ptr, y_ptr, M, N, row_bytes, hdr_start, n_bloc
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, lut_ptr, out_ptr, N, row_bytes, hdr_start, n_blocks, stride_on,
+def _dequant_kernel(w_ptr, lut_ptr, out_ptr, ids_ptr, N, row_bytes, hdr_start, n_blocks, stride_on,
                     QT: tl.constexpr, S: tl.constexpr, SPB: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BPI: tl.constexpr):
-    """out[n, k] = W[n, k] in out's dtype."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    BLOCK_N: tl.constexpr, BPI: tl.constexpr, GATHER: tl.constexpr):
+    """out[i, k] = W[i, k] (GATHER: W[ids[i], k], an embedding lookup) in out's dtype, i < N."""
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATHER:
+        n = tl.load(ids_ptr + i, mask=i < N, other=0)
+    else:
+        n = i
     row_off = (n.to(tl.int64) * row_bytes)[:, None, None, None]
     blk_off, s, j0, k = _chunks(S, SPB, BPI)
     bs = tl.program_id(1) * BPI
     blk = bs + blk_off
-    mask = (n < N)[:, None, None, None] & (blk < n_blocks)
+    mask = (i < N)[:, None, None, None] & (blk < n_blocks)
     v, a, off = _decode(QT, BB, HB, w_ptr, row_off, hdr_start, blk, s, j0, mask, lut_ptr)
-    ptrs = out_ptr + (n.to(tl.int64) * stride_on)[:, None, None, None] + bs * (SPB * S) + k
+    ptrs = out_ptr + (i.to(tl.int64) * stride_on)[:, None, None, None] + bs * (SPB * S) + k
     tl.store(ptrs, (v * a + off).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -411,6 +571,8 @@ _LAYOUT = {
     T.Q5_1: (32, 8, 16), T.IQ4_NL: (32, 2, 16), T.MXFP4: (32, 1, 16),
     T.Q2_K: (16, 16, 64), T.Q3_K: (16, 0, 96), T.Q4_K: (32, 16, 128), T.Q5_K: (32, 16, 160),
     T.Q6_K: (16, 0, 192), T.IQ4_XS: (32, 8, 128),
+    T.IQ2_XXS: (32, 2, 64), T.IQ2_XS: (16, 2, 64), T.IQ2_S: (16, 2, 64), T.IQ3_XXS: (32, 2, 96),
+    T.IQ3_S: (32, 2, 64), T.IQ1_S: (32, 2, 32), T.IQ1_M: (16, 0, 32),
 }
 TRITON_GGUF_TYPES: frozenset[GGMLQuantizationType] = frozenset(_LAYOUT)
 
@@ -443,17 +605,35 @@ SPLIT_MAX = 32  # at most this many K splits
 
 def kernel_config(regime: str, qtype: GGMLQuantizationType) -> dict:
     """The tile config a regime's kernel uses for ``qtype`` (module defaults + per-type overrides)."""
-    base, per_type = {"gemv": (GEMV_CONFIG, GEMV_TYPE_CONFIG), "dot": (DOT_CONFIG, DOT_TYPE_CONFIG),
-                      "dequant": (DEQUANT_CONFIG, DEQUANT_TYPE_CONFIG)}[regime]
+    if regime == "gemv_q8":
+        base, per_type = _q8().GEMV_Q8_CONFIG, _q8().GEMV_Q8_TYPE_CONFIG
+    else:
+        base, per_type = {"gemv": (GEMV_CONFIG, GEMV_TYPE_CONFIG), "dot": (DOT_CONFIG, DOT_TYPE_CONFIG),
+                          "dequant": (DEQUANT_CONFIG, DEQUANT_TYPE_CONFIG)}[regime]
     return {**base, **per_type.get(T(qtype), {})}
 
 
 _TABLES = {T.IQ4_NL: "IQ4_NL", T.IQ4_XS: "IQ4_NL", T.MXFP4: "MXFP4"}
 
 
+_LATTICE = {T.IQ2_XXS: 0, T.IQ2_XS: 0, T.IQ2_S: 0, T.IQ3_XXS: 0, T.IQ3_S: 0, T.IQ1_S: 1, T.IQ1_M: 1}  # byte bias
+
+
 @cache
 def _value_table(device: torch.device, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """The type's value table (float32 [16]) on ``device``; a placeholder for types without one."""
+    """The type's table on ``device``: the value table (float32 [16]) of IQ4_NL / IQ4_XS / MXFP4;
+    for a lattice type int32 [384 + grid words]: llama.cpp's 128 sign masks (``ksigns``), the same
+    as byte masks (two words each, 0xFF where negative: the int8 kernels' signs), then the grid's
+    bytes (plus ``_LATTICE``'s bias: IQ1's values -1..1 as 0..2) as words; else a placeholder."""
+    if qtype in _LATTICE:
+        cls = getattr(gq, qtype.name)
+        cls.init_grid()
+        grid = (np.asarray(cls.grid).reshape(cls.grid_shape) + _LATTICE[qtype]).astype(np.uint8)
+        words = np.frombuffer(grid.tobytes(), dtype="<i4")
+        ks = np.frombuffer(bytes(gq.IQ2_XXS.ksigns), dtype=np.uint8)
+        byte_masks = np.where((ks[:, None] >> np.arange(8)) & 1, 0xFF, 0).astype(np.uint8)  # [128, 8]
+        masks = np.frombuffer(byte_masks.tobytes(), dtype="<i4")
+        return torch.from_numpy(np.concatenate([ks.astype(np.int32), masks, words]).astype(np.int32)).to(device)
     name = _TABLES.get(qtype)
     values = getattr(gq, name).kvalues if name else [0.0] * 16
     return torch.tensor(values, dtype=torch.float32, device=device)
@@ -570,6 +750,12 @@ def _sum_splits(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y
 
 
+def _q8():
+    from pocketllm.kernels.triton import gguf_q8  # imports this module's helpers
+
+    return gguf_q8
+
+
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int, *,
                 packed: bool = False, regime: str = "auto", split_k: int | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` [M, k] (bf16 / fp16 / fp32) and ``W`` the GGUF weight ``qweight``
@@ -577,7 +763,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
 
     ``packed``: ``qweight`` came from ``pack_gguf`` (do that once at load: without it, every
     call re-lays the weight out).  ``regime``: ``"auto"`` (by M, see the module docs),
-    ``"gemv"``, ``"dot"`` or ``"dequant"``.  ``split_k``: K splits of the gemv/dot kernels
+    ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"`` or ``"dequant"``.  ``split_k``: K splits of the gemv/dot kernels
     (None: enough programs to fill the GPU, see ``_split_k``)."""
     qtype = _check(qweight, qtype, k, packed)
     if x.dim() != 2 or x.shape[1] != k:
@@ -590,12 +776,16 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     m, n = x.shape[0], qweight.shape[0]
     if regime == "auto":
         regime = "gemv" if m <= GEMV_MAX_M else "dot" if m <= DOT_MAX_M else "dequant"
-    if regime not in ("gemv", "dot", "dequant"):
-        raise ValueError(f"regime must be auto, gemv, dot or dequant; got {regime!r}")
+        if regime == "gemv" and x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
+            regime = "gemv_q8"
+    if regime not in ("gemv", "gemv_q8", "dot", "dequant"):
+        raise ValueError(f"regime must be auto, gemv, gemv_q8, dot or dequant; got {regime!r}")
     if m == 0 or n == 0:
         return x.new_zeros(m, n)
     if regime == "dequant":
         return _dequant_matmul(x, qweight, qtype, k)
+    if regime == "gemv_q8":
+        return _q8().gemv_q8(x, qweight, qtype, k, split_k)
 
     n_blocks, hdr_start, targs = _type_args(qtype, k)
     cfg = kernel_config(regime, qtype)
@@ -623,13 +813,16 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
 
 def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,
                     dtype: torch.dtype = torch.float32, *, packed: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The GGUF weight ``qweight`` (uint8 [N, row_bytes]; ``packed`` as for ``gguf_matmul``)
-    decoded to ``dtype`` [N, k], into ``out`` if given (a row-contiguous [N, k] tensor)."""
+    decoded to ``dtype`` [N, k], into ``out`` if given (a row-contiguous [N, k] tensor); with
+    ``rows`` (integer ids, any shape, each in [0, N): not checked, no host sync) only those rows,
+    [*rows.shape, k] (an embedding lookup)."""
     qtype = _check(qweight, qtype, k, packed)
     if not packed:
         qweight = pack_gguf(qweight, qtype, k)
-    n = qweight.shape[0]
+    ids = None if rows is None else rows.reshape(-1).to(qweight.device)
+    n = qweight.shape[0] if ids is None else ids.numel()
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=qweight.device)
     if out.shape != (n, k) or out.stride(1) != 1:
@@ -639,10 +832,10 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,
     bpi = _blocks_per_step(qtype, cfg["BLOCK_K"])
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(n_blocks, bpi))
     if n:
-        _dequant_kernel[grid](qweight, _value_table(qweight.device, qtype), out, n, qweight.shape[1], hdr_start,
-                              n_blocks, out.stride(0), **targs, BLOCK_N=cfg["BLOCK_N"], BPI=bpi,
-                              num_warps=cfg["num_warps"])
-    return out
+        _dequant_kernel[grid](qweight, _value_table(qweight.device, qtype), out, out if ids is None else ids, n,
+                              qweight.shape[1], hdr_start, n_blocks, out.stride(0), **targs, BLOCK_N=cfg["BLOCK_N"],
+                              BPI=bpi, GATHER=ids is not None, num_warps=cfg["num_warps"])
+    return out if rows is None else out.view(*rows.shape, k)
 
 
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

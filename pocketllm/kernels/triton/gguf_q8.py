@@ -1,0 +1,311 @@
+"""GGUF matrix-vector products on 8-bit activations: llama.cpp's decode method, in Triton.
+
+The float GEMV of ``gguf.py`` spends ~14 instructions a weight unpacking codes to floats and
+multiplying them (measured: instruction-bound at ~1.1 TB/s on the H200, where the memory moves
+4.3).  Here the activations are quantized first, to int8 in blocks of 32 with a float scale
+(``xd``) and the scaled sum of the block (``xs = xd * sum(q)``: llama.cpp's ``block_q8_1``), and each
+weight block's dot product runs on integers: ``dp4a`` multiplies four code bytes by four activation
+bytes and adds, so a 32-bit word of nibbles costs a mask, a shift and two instructions for 8
+weights.  Per sub-block the integer sum is scaled once in float.  Not exact: the activations'
+rounding (relative ~2**-8 per block) is the price, as in llama.cpp; ``gguf_matmul`` uses this for
+bfloat16 / float16 activations only, float32 keeps the exact kernels.
+
+Covered (``Q8_TYPES``): Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K (the types of the Q4_K_M and IQ2_XXS
+mixes) and IQ2_XXS (signs applied to the grid bytes per byte: ``(g ^ m) + (m & 1)`` negates where
+the byte mask ``m`` is 0xFF).
+
+Under ``TRITON_INTERPRET=1`` (the CPU tests) ``dp4a`` is computed by shifts: inline PTX does not
+run there.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from .gguf import (
+    _INTERPRET,
+    _KS,
+    _blocks_per_split,
+    _blocks_per_step,
+    _f16,
+    _scale_min_k4,
+    _split_k,
+    _sum_splits,
+    _type_args,
+    _u2f,
+    _u8,
+    _u32,
+    _value_table,
+    kernel_config,
+)
+
+T = GGMLQuantizationType
+
+_Q4_0 = tl.constexpr(int(T.Q4_0))
+_Q8_0 = tl.constexpr(int(T.Q8_0))
+_Q4_K = tl.constexpr(int(T.Q4_K))
+_Q6_K = tl.constexpr(int(T.Q6_K))
+_Q5_K = tl.constexpr(int(T.Q5_K))
+_Q2_K = tl.constexpr(int(T.Q2_K))
+_IQ2_XXS = tl.constexpr(int(T.IQ2_XXS))
+_LO = tl.constexpr(0x0F0F0F0F)
+_NEG32 = tl.constexpr(-0x1F1F1F20)  # 0xE0E0E0E0: four bytes of -32
+
+
+@triton.jit
+def _dp4a(a, b, c, EMU: tl.constexpr):
+    """c + the dot product of the four signed bytes of ``a`` and ``b`` (int32 words)."""
+    a, b = tl.broadcast(a, b)
+    if EMU:
+        for i in tl.static_range(4):
+            c += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return c
+    else:
+        c = tl.zeros_like(a) + c
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x(p, mask):
+    return tl.load(p, mask=mask, other=0)
+
+
+# One function per type: the block's contribution [R, B] for R rows by B blocks.  b / h: byte
+# pointers to each block's body / header [R, B]; xw: int32 pointer to the activation words of each
+# block [1, B]; xd, xs: float pointers to its 32-blocks' scale and scaled sum [1, B].
+
+@triton.jit
+def _q8_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    t = tl.arange(0, 8)[None, None, :]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
+    s = tl.sum(_dp4a(q, _x(xw[:, :, None] + t, xm[:, :, None]), 0, EMU), axis=2)
+    return _f16(h, mask) * _x(xd, xm) * s.to(tl.float32)
+
+
+@triton.jit
+def _q4_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # 16 bytes: low nibbles are weights 0-15, high nibbles 16-31; codes - 8
+    t = tl.arange(0, 4)[None, None, :]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
+    x3 = xw[:, :, None] + t
+    s = _dp4a(q & _LO, _x(x3, xm[:, :, None]), 0, EMU)
+    s = tl.sum(_dp4a((q >> 4) & _LO, _x(x3 + 4, xm[:, :, None]), s, EMU), axis=2)
+    return _f16(h, mask) * (_x(xd, xm) * s.to(tl.float32) - 8.0 * _x(xs, xm))
+
+
+@triton.jit
+def _q4_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # 4 x 32 bytes: byte j of the p-th holds weight j of sub-block 2p (low) and of 2p + 1 (high)
+    p = tl.arange(0, 4)[None, None, :, None]
+    t = tl.arange(0, 8)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None, None] + 8 * p + t, mask=m4, other=0)
+    x4 = xw[:, :, None, None] + 16 * p + t
+    lo = tl.sum(_dp4a(q & _LO, _x(x4, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
+    hi = tl.sum(_dp4a((q >> 4) & _LO, _x(x4 + 8, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
+    h4 = h[:, :, None, None]
+    sc_lo, mn_lo = _scale_min_k4(h4 + 4, 2 * p, m4)
+    sc_hi, mn_hi = _scale_min_k4(h4 + 4, 2 * p + 1, m4)
+    xd4, xs4 = xd[:, :, None, None] + 2 * p, xs[:, :, None, None] + 2 * p
+    r = (_f16(h4, m4) * (_u2f(sc_lo) * _x(xd4, xm4) * lo + _u2f(sc_hi) * _x(xd4 + 1, xm4) * hi)
+         - _f16(h4 + 2, m4) * (_u2f(mn_lo) * _x(xs4, xm4) + _u2f(mn_hi) * _x(xs4 + 1, xm4)))
+    return tl.sum(tl.sum(r, axis=3), axis=2)
+
+
+@triton.jit
+def _q5_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # as Q4_K after 32 bytes of high bits: bit s of byte j is weight j's of sub-block s
+    p = tl.arange(0, 4)[None, None, :, None]
+    t = tl.arange(0, 8)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    w4 = b.to(tl.pointer_type(tl.int32))[:, :, None, None]
+    q = tl.load(w4 + 8 + 8 * p + t, mask=m4, other=0)
+    qh = tl.load(w4 + t, mask=m4, other=0)
+    x4 = xw[:, :, None, None] + 16 * p + t
+    vlo = (q & _LO) | (((qh >> (2 * p)) & 0x01010101) << 4)
+    vhi = ((q >> 4) & _LO) | (((qh >> (2 * p + 1)) & 0x01010101) << 4)
+    lo = tl.sum(_dp4a(vlo, _x(x4, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
+    hi = tl.sum(_dp4a(vhi, _x(x4 + 8, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
+    h4 = h[:, :, None, None]
+    sc_lo, mn_lo = _scale_min_k4(h4 + 4, 2 * p, m4)
+    sc_hi, mn_hi = _scale_min_k4(h4 + 4, 2 * p + 1, m4)
+    xd4, xs4 = xd[:, :, None, None] + 2 * p, xs[:, :, None, None] + 2 * p
+    r = (_f16(h4, m4) * (_u2f(sc_lo) * _x(xd4, xm4) * lo + _u2f(sc_hi) * _x(xd4 + 1, xm4) * hi)
+         - _f16(h4 + 2, m4) * (_u2f(mn_lo) * _x(xs4, xm4) + _u2f(mn_hi) * _x(xs4 + 1, xm4)))
+    return tl.sum(tl.sum(r, axis=3), axis=2)
+
+
+@triton.jit
+def _q2_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # 16 sub-blocks of 16: sub-block s is 2-bit field s % 8 // 2 of 16 bytes at 32 * (s // 8) +
+    # 16 * (s % 2); h: a byte of 4-bit scale | 4-bit min per sub-block, fp16 d, fp16 dmin
+    sb = tl.arange(0, 16)[None, None, :, None]
+    t = tl.arange(0, 4)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None, None] + 8 * (sb // 8) + 4 * (sb % 2) + t,
+                mask=m4, other=0)
+    xj = _x(xw[:, :, None, None] + 4 * sb + t, xm4)
+    isum = tl.sum(_dp4a((q >> (2 * (sb % 8 // 2))) & 0x03030303, xj, 0, EMU), axis=3, keep_dims=True)
+    xsum = tl.sum(_dp4a(tl.zeros_like(xj) + 0x01010101, xj, 0, EMU), axis=3, keep_dims=True)
+    h4 = h[:, :, None, None]
+    sm = _u8(h4 + sb, m4)
+    xd4 = _x(xd[:, :, None, None] + sb // 2, xm4)
+    r = (_f16(h4 + 16, m4) * _u2f(sm & 15) * xd4 * isum.to(tl.float32)
+         - _f16(h4 + 18, m4) * _u2f(sm >> 4) * xd4 * xsum.to(tl.float32))
+    return tl.sum(tl.sum(r, axis=3), axis=2)
+
+
+@triton.jit
+def _q6_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # two halves of 128 weights: ql words A (weights l, l + 64 by nibble) and B (l + 32, l + 96),
+    # qh words C (their 2 high bits); codes - 32 (a dp4a of -32s); int8 scales per 16 weights
+    hh = tl.arange(0, 2)[None, None, :, None, None]
+    g = tl.arange(0, 2)[None, None, None, :, None]
+    u = 4 * g + tl.arange(0, 4)[None, None, None, None, :]
+    m5, xm5 = mask[:, :, None, None, None], xm[:, :, None, None, None]
+    w5 = b.to(tl.pointer_type(tl.int32))[:, :, None, None, None]
+    qa = tl.load(w5 + 16 * hh + u, mask=m5, other=0)
+    qb = tl.load(w5 + 16 * hh + 8 + u, mask=m5, other=0)
+    qc = tl.load(w5 + 32 + 8 * hh + u, mask=m5, other=0)
+    x5 = xw[:, :, None, None, None] + 32 * hh + u
+    h5 = h[:, :, None, None, None]
+    xd5 = xd[:, :, None, None, None] + 4 * hh
+    d = _f16(h5 + 16, m5)
+    r = tl.zeros_like(d)
+    for j in tl.static_range(4):
+        if j == 0:
+            v = (qa & _LO) | ((qc << 4) & 0x30303030)
+        elif j == 1:
+            v = (qb & _LO) | ((qc << 2) & 0x30303030)
+        elif j == 2:
+            v = ((qa >> 4) & _LO) | (qc & 0x30303030)
+        else:
+            v = ((qb >> 4) & _LO) | ((qc >> 2) & 0x30303030)
+        xj = _x(x5 + 8 * j, xm5)
+        s = tl.sum(_dp4a(v, xj, _dp4a(tl.zeros_like(xj) + _NEG32, xj, 0, EMU), EMU), axis=4, keep_dims=True)
+        sc = _u2f(_u8(h5 + 8 * hh + g + 2 * j, m5) ^ 0x80, 128.0)
+        r += sc * _x(xd5 + j, xm5) * s.to(tl.float32)
+    return tl.sum(tl.sum(tl.sum(d * r, axis=4), axis=3), axis=2)
+
+
+@triton.jit
+def _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # per group of 32: 4 grid indices (8 weights each), a word of 4 sign indices and the scale
+    sg = tl.arange(0, 8)[None, None, :, None]
+    g8 = tl.arange(0, 4)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    b4 = b[:, :, None, None] + 8 * sg
+    e = _u8(b4 + g8, m4)
+    aux = _u32(b4 + 4, m4)
+    si = 128 + 2 * ((aux >> (7 * g8)) & 127)  # the sign index's two byte-mask words
+    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
+    s = tl.zeros_like(e)
+    for i in tl.static_range(2):
+        msk = tl.load(lut_ptr + si + i)
+        s = _dp4a((tl.load(lut_ptr + _KS + 2 * e + i) ^ msk) + (msk & 0x01010101), _x(x4 + i, xm4), s, EMU)
+    s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
+    db = _f16(h[:, :, None, None], m4) * (0.5 + _u2f((aux >> 28) & 15)) * 0.25
+    return tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
+
+
+@triton.jit
+def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, N, row_bytes, hdr_start, n_blocks,
+                    blocks_per_split, stride_xq, stride_xd, stride_ys, stride_ym,
+                    QT: tl.constexpr, BS: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BPI: tl.constexpr, EMU: tl.constexpr):
+    """y[split, m, n] = this split's part of sum_k x[m, k] * W[n, k], float32; x as int8 words
+    ``xq`` with ``xd`` / ``xs`` per 32; BPI blocks of BS weights a step."""
+    pid_n, m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = w_ptr + (n.to(tl.int64) * row_bytes)[:, None]
+    b0 = pid_s * blocks_per_split
+    b_end = tl.minimum(b0 + blocks_per_split, n_blocks)
+    xq_row = xq_ptr.to(tl.pointer_type(tl.int32)) + m.to(tl.int64) * stride_xq
+    xd_row, xs_row = xd_ptr + m * stride_xd, xs_ptr + m * stride_xd
+    acc = tl.zeros((BLOCK_N, BPI), dtype=tl.float32)
+    for bs in range(b0, b_end, BPI):
+        blk = (bs + tl.arange(0, BPI))[None, :]
+        xm = blk < b_end
+        mask = (n < N)[:, None] & xm
+        b, h = row + blk * BB, row + hdr_start + blk * HB
+        xw, xd, xs = xq_row + blk * (BS // 4), xd_row + blk * (BS // 32), xs_row + blk * (BS // 32)
+        if QT == _Q4_K:
+            acc += _q4_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _Q6_K:
+            acc += _q6_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _Q5_K:
+            acc += _q5_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _Q2_K:
+            acc += _q2_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _Q8_0:
+            acc += _q8_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _Q4_0:
+            acc += _q4_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        else:
+            tl.static_assert(QT == _IQ2_XXS, "type without an int8 kernel")
+            acc += _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + pid_s * stride_ys + m * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, n_groups, stride_xm, stride_xq, stride_xd,
+                     GROUPS: tl.constexpr):
+    """Row m of x in blocks of 32: int8 q = round(x / d), d = max|x| / 127, and xs = d * sum(q)."""
+    m = tl.program_id(0)
+    gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]
+    k = gi * 32 + tl.arange(0, 32)[None, :]
+    ok = gi < n_groups
+    x = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
+    d = tl.max(tl.abs(x), axis=1, keep_dims=True) / 127.0
+    v = x / tl.where(d > 0, d, 1.0)
+    q = tl.where(v < 0, -tl.floor(0.5 - v), tl.floor(v + 0.5))  # round half away from zero
+    tl.store(xq_ptr + m * stride_xq + k, q.to(tl.int8), mask=ok)
+    tl.store(xd_ptr + m * stride_xd + gi, d, mask=ok)
+    tl.store(xs_ptr + m * stride_xd + gi, d * tl.sum(q, axis=1, keep_dims=True), mask=ok)
+
+
+Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS})
+# Tiles as gguf.GEMV_CONFIG (BLOCK_N rows, BLOCK_K weights a row a step); per-type overrides
+GEMV_Q8_CONFIG = dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, PROGRAMS_PER_SM=8)
+GEMV_Q8_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {}
+_QUANT_GROUPS = 16
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) -> (int8 [M, K], float32 d [M, K/32], float32 d*sum [M, K/32])."""
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    xd = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+    xs = torch.empty_like(xd)
+    if m:
+        grid = (m, triton.cdiv(k // 32, _QUANT_GROUPS))
+        _quantize_kernel[grid](x, xq, xd, xs, k // 32, x.stride(0), xq.stride(0), xd.stride(0),
+                               GROUPS=_QUANT_GROUPS, num_warps=2)
+    return xq, xd, xs
+
+
+def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int,
+            split_k: int | None = None) -> torch.Tensor:
+    """``x @ W.T`` through 8-bit activations for ``W`` packed by ``gguf.pack_gguf`` (a type of
+    ``Q8_TYPES``); x [M, k] contiguous, the result [M, N] in x's dtype."""
+    m, n = x.shape[0], packed.shape[0]
+    xq, xd, xs = quantize_activations(x)
+    n_blocks, hdr_start, targs = _type_args(qtype, k)
+    cfg = kernel_config("gemv_q8", qtype)
+    block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
+    if split_k is None:
+        split_k = _split_k(triton.cdiv(n, block_n) * m, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
+    per_split = _blocks_per_split(n_blocks, bpi, split_k)
+    splits = triton.cdiv(n_blocks, per_split)
+    out = torch.empty((splits, m, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    _gemv_q8_kernel[(triton.cdiv(n, block_n), m, splits)](
+        xq, xd, xs, packed, _value_table(x.device, qtype), out, n, packed.shape[1], hdr_start, n_blocks,
+        per_split, xq.stride(0) // 4, xd.stride(0), out.stride(0), out.stride(1),
+        QT=int(qtype), BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"], BLOCK_N=block_n, BPI=bpi,
+        EMU=_INTERPRET, num_warps=cfg["num_warps"])
+    return out[0] if splits == 1 else _sum_splits(out, x.dtype)
+
