@@ -97,36 +97,23 @@ def _q4_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _q4_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
-    # 4 x 32 bytes: byte j of the p-th holds weight j of sub-block 2p (low) and of 2p + 1 (high)
-    p = tl.arange(0, 4)[None, None, :, None]
-    t = tl.arange(0, 8)[None, None, None, :]
-    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
-    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None, None] + 8 * p + t, mask=m4, other=0)
-    x4 = xw[:, :, None, None] + 16 * p + t
-    lo = tl.sum(_dp4a(q & _LO, _x(x4, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
-    hi = tl.sum(_dp4a((q >> 4) & _LO, _x(x4 + 8, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
-    h4 = h[:, :, None, None]
-    sc_lo, mn_lo = _scale_min_k4(h4 + 4, 2 * p, m4)
-    sc_hi, mn_hi = _scale_min_k4(h4 + 4, 2 * p + 1, m4)
-    xd4, xs4 = xd[:, :, None, None] + 2 * p, xs[:, :, None, None] + 2 * p
-    r = (_f16(h4, m4) * (_u2f(sc_lo) * _x(xd4, xm4) * lo + _u2f(sc_hi) * _x(xd4 + 1, xm4) * hi)
-         - _f16(h4 + 2, m4) * (_u2f(mn_lo) * _x(xs4, xm4) + _u2f(mn_hi) * _x(xs4 + 1, xm4)))
-    return tl.sum(tl.sum(r, axis=3), axis=2)
-
-
-@triton.jit
-def _q5_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
-    # as Q4_K after 32 bytes of high bits: bit s of byte j is weight j's of sub-block s
+def _q45_k(b, h, xw, xd, xs, mask, xm, HIGH: tl.constexpr, EMU: tl.constexpr):
+    # Q4_K: 4 x 32 bytes, byte j of the p-th holds weight j of sub-block 2p (low nibble) and of
+    # 2p + 1 (high).  Q5_K (HIGH): the same after 32 bytes of fifth bits, bit s of byte j for
+    # weight j of sub-block s.  Header: fp16 d, fp16 dmin, 6-bit scales and mins.
     p = tl.arange(0, 4)[None, None, :, None]
     t = tl.arange(0, 8)[None, None, None, :]
     m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
     w4 = b.to(tl.pointer_type(tl.int32))[:, :, None, None]
-    q = tl.load(w4 + 8 + 8 * p + t, mask=m4, other=0)
-    qh = tl.load(w4 + t, mask=m4, other=0)
+    if HIGH:
+        q = tl.load(w4 + 8 + 8 * p + t, mask=m4, other=0)
+        qh = tl.load(w4 + t, mask=m4, other=0)
+        vlo = (q & _LO) | (((qh >> (2 * p)) & 0x01010101) << 4)
+        vhi = ((q >> 4) & _LO) | (((qh >> (2 * p + 1)) & 0x01010101) << 4)
+    else:
+        q = tl.load(w4 + 8 * p + t, mask=m4, other=0)
+        vlo, vhi = q & _LO, (q >> 4) & _LO
     x4 = xw[:, :, None, None] + 16 * p + t
-    vlo = (q & _LO) | (((qh >> (2 * p)) & 0x01010101) << 4)
-    vhi = ((q >> 4) & _LO) | (((qh >> (2 * p + 1)) & 0x01010101) << 4)
     lo = tl.sum(_dp4a(vlo, _x(x4, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
     hi = tl.sum(_dp4a(vhi, _x(x4 + 8, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
     h4 = h[:, :, None, None]
@@ -233,11 +220,11 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, N, row_bytes,
         b, h = row + blk * BB, row + hdr_start + blk * HB
         xw, xd, xs = xq_row + blk * (BS // 4), xd_row + blk * (BS // 32), xs_row + blk * (BS // 32)
         if QT == _Q4_K:
-            acc += _q4_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+            acc += _q45_k(b, h, xw, xd, xs, mask, xm, False, EMU)
         elif QT == _Q6_K:
             acc += _q6_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
         elif QT == _Q5_K:
-            acc += _q5_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+            acc += _q45_k(b, h, xw, xd, xs, mask, xm, True, EMU)
         elif QT == _Q2_K:
             acc += _q2_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
         elif QT == _Q8_0:
