@@ -123,7 +123,8 @@ def split_sweep(peak):
 
 
 SWEEP_GRIDS = {  # regime: (M, the config it edits, the grid)
-    "gemv_q8": (1, q8.GEMV_Q8_CONFIG, dict(BLOCK_N=[1, 2, 4], BLOCK_K=[512, 1024, 2048], num_warps=[1, 2, 4])),
+    "gemv_q8": (1, q8.GEMV_Q8_CONFIG, dict(BLOCK_N=[1, 2, 4, 8], BLOCK_K=[1024, 2048, 4096],
+                                                     num_warps=[2, 4, 8])),
     "gemv": (1, kg.GEMV_CONFIG, dict(BLOCK_N=[1, 2, 4, 8], BLOCK_K=[512, 1024, 2048, 4096], num_warps=[1, 2, 4],
                                      num_stages=[1])),
     "dot": (64, kg.DOT_CONFIG, dict(BLOCK_N=[16, 32, 64, 128], BLOCK_K=[256, 512, 1024], num_warps=[4, 8],

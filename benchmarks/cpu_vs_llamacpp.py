@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import gguf
+from llamacpp import batched_bench, bin_dir, llama_bench, run, tensor_bytes
 
 from pocketllm.bench.report import environment
 
@@ -35,19 +33,10 @@ SHAPE = "qwen2.5-1.5b"
 GOALS = {"tg": 1.0, "pp128": 1.0, "pp512": 1.5, "batch8": 1.5}
 
 
-def run(cmd: list[str], env: dict | None = None) -> str:
-    print("+", " ".join(map(str, cmd)), file=sys.stderr, flush=True)
-    done = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env={**os.environ, **(env or {})})
-    if done.returncode != 0:
-        raise RuntimeError(f"{cmd[0]} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    return done.stdout
-
-
 def llamacpp_bin(threads: int) -> Path:
-    bin_dir = Path(os.environ.get("LLAMACPP_DIR", "/tmp/llama.cpp")) / "build" / "bin"
-    if not (bin_dir / "llama-bench").exists() or not (bin_dir / "llama-batched-bench").exists():
+    if not (bin_dir() / "llama-bench").exists() or not (bin_dir() / "llama-batched-bench").exists():
         run(["bash", PEERS / "llamacpp.sh", "build", "cpu"], env={"THREADS": str(threads)})
-    return bin_dir
+    return bin_dir()
 
 
 def model_file(qtype: str, workdir: Path, bin_dir: Path) -> Path:
@@ -70,23 +59,9 @@ def model_file(qtype: str, workdir: Path, bin_dir: Path) -> Path:
     return out
 
 
-def tensor_bytes(path: Path) -> int:
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-
-
-def llamacpp(bin_dir: Path, path: Path, threads: int, reps: int) -> dict:
-    rows = json.loads(run([bin_dir / "llama-bench", "-m", path, "-p", "128,512", "-n", "64", "-fa", "1",
-                           "-ngl", "0", "-t", threads, "-r", reps, "-o", "json"]))
-    out = {}
-    for r in rows:
-        key = f"tg{r['n_gen']}" if r["n_gen"] else f"pp{r['n_prompt']}"
-        out["tg" if key.startswith("tg") else key] = r["avg_ts"]
-    table = run([bin_dir / "llama-batched-bench", "-m", path, "-c", "2200", "-b", "2048", "-ub", "512",
-                 "-npp", "128", "-ntg", "128", "-npl", "8", "-fa", "on", "-ngl", "0", "-t", threads])
-    for line in table.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 10 and cells[0] == "128" and cells[2] == "8":
-            out["batch8"] = float(cells[7])
+def llamacpp(path: Path, threads: int, reps: int) -> dict:
+    out = llama_bench(path, "128,512", 64, ngl=0, reps=reps, threads=threads)
+    out["batch8"] = batched_bench(path, 128, 128, 8, ngl=0, threads=threads)["decode_tok_s"]
     return out
 
 
@@ -142,15 +117,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu-vs-llamacpp.json")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    bin_dir = llamacpp_bin(args.threads)
+    bins = llamacpp_bin(args.threads)
     report = {**environment(), "threads": args.threads, "command": " ".join(["python", *sys.argv]),
               "paths": args.paths, "files": []}
     for qtype in args.types:
-        path = model_file(qtype, args.workdir, bin_dir)
+        path = model_file(qtype, args.workdir, bins)
         name = "SmolLM2-135M-Instruct Q4_1 (real)" if qtype == "Q4_1" else f"{SHAPE} {qtype} (random weights)"
         row = {"name": name, "type": qtype, "file": str(path), "tensor_bytes": tensor_bytes(path)}
         t0 = time.perf_counter()
-        row["llama.cpp"] = llamacpp(bin_dir, path, args.threads, args.reps)
+        row["llama.cpp"] = llamacpp(path, args.threads, args.reps)
         for p in args.paths:  # right after llama.cpp on the same file
             row[p] = pocketllm(path, p == "exact", args.reps)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # One device call: the CUDA correctness suites (the Triton kernels for real, the CUDA paths against
 # transformers), then the engine benchmarks on random weights of Llama-3.1-8B's shape: bf16 offline
-# and through the HTTP server, GGUF Q4_K_M (a random-weight file written on the spot), a step
-# profile, and transformers' eager baseline; last, the table h200.md. Results land in $OUT (or
-# benchmarks/results/ when run by hand).
-#   STAGES="tests bf16 serve gguf profile hf" (default: all)
+# and through the HTTP server, GGUF files (random weights, written on the spot) with llama.cpp
+# measured on the same files, step profiles, and transformers' eager baseline; last, the table
+# h200.md. Results land in $OUT (or benchmarks/results/ when run by hand).
+#   STAGES="tests bf16 serve gguf peer profile hf" (default: all but prep)
+#     prep: build llama.cpp (from PEERS) and write the GGUF files, nothing measured: a call of its
+#           own, followed within the machine's warm period by one that measures (gguf peer ...)
+#     gguf: PocketLLM on GGUF_FILES: batch 1, and 64 sequences for the 8B files
+#     peer: llama.cpp on the same files (built first when absent)
+#   GGUF_FILES: shape:type pairs (default "llama3-8b:Q4_K_M llama3-8b:IQ2_XXS llama3-70b:IQ2_XXS")
+#   PEERS: a copy of ../shared/peers inside the checkout (default .peer; the device gets only the repo)
 #   DEADLINE=seconds: skip the stages that would start after it (a device call has a time limit)
 #   PACK=1: leave one tarball (the device tool returns at most 8 files) plus h200.md in $OUT
 #   SYNC=1: the bf16 stage also runs with --no-async-scheduling (h200-bf16-sync-*.json)
@@ -14,7 +20,10 @@ set -uo pipefail
 DEST=${OUT:-benchmarks/results}
 OUT=$DEST
 [ "${PACK:-0}" = 1 ] && OUT=$DEST/res
-STAGES=${STAGES:-"tests bf16 serve gguf profile hf"}
+STAGES=${STAGES:-"tests bf16 serve gguf peer profile hf"}
+GGUF_FILES=${GGUF_FILES:-"llama3-8b:Q4_K_M llama3-8b:IQ2_XXS llama3-70b:IQ2_XXS"}
+PEERS=${PEERS:-.peer}
+export LLAMACPP_DIR=${LLAMACPP_DIR:-/tmp/llama.cpp}
 DEADLINE=${DEADLINE:-100000}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -60,23 +69,59 @@ if has serve 120; then
     kill -TERM $server; wait $server
     tail -n 3 /tmp/serve.log
 fi
+gguf_path() { echo "/tmp/${1%%:*}-${1##*:}.gguf"; }  # shape:type -> its file
+gguf_tag() { local t=${1##*:}; echo "${1%%:*}-${t,,}"; }  # shape:type -> the results' name
+write_gguf_files() {
+    for f in $GGUF_FILES; do
+        [ -f "$(gguf_path "$f")" ] || timeout 400 $PY -m pocketllm.cli.main dummy-gguf "$(gguf_path "$f")" \
+            --shape "${f%%:*}" --type "${f##*:}" -q 2>&1 | tail -n 1
+    done
+}
+build_peer() {
+    [ -x "$LLAMACPP_DIR/build/bin/llama-batched-bench" ] || bash "$PEERS/llamacpp.sh" build cuda
+}
+if has prep; then
+    build_peer > "$OUT/peer-build.log" 2>&1 &
+    write_gguf_files
+    wait
+    tail -n 2 "$OUT/peer-build.log"
+fi
 if has gguf 120; then
-    gguf=/tmp/llama3-8b-q4_k_m.gguf
     if [ "${GGUF_KERNELS:-1}" = 1 ]; then
         timeout 120 $PY benchmarks/bench_triton_gguf.py ${GGUF_BENCH_ARGS:-} 2>&1 \
             | tee "$OUT/h200-triton-gguf-kernels.txt" | tail -n 40
     fi
-    if timeout 120 $PY -m pocketllm.cli.main dummy-gguf "$gguf" --shape llama3-8b --type Q4_K_M -q 2>&1 | tail -n 2; then
-        stat -c %s "$gguf" > "$OUT/h200-q4km-file-size.txt"
-        qshape=("$gguf" --dtype bfloat16 --max-model-len 1024)
+    write_gguf_files
+    for f in $GGUF_FILES; do
+        path=$(gguf_path "$f") tag=$(gguf_tag "$f")
+        [ -f "$path" ] || continue
+        qshape=("$path" --dtype bfloat16 --max-model-len 1024)
         bench latency "${qshape[@]}" --input-len 512 --output-len 128 --batch-size 1 --num-iters 2 \
-            --output-json "$OUT/h200-q4km-latency.json"
-        bench throughput "${qshape[@]}" "${batch[@]}" --num-prompts 64 --max-concurrency 64 --warmup 1 \
-            --output-json "$OUT/h200-q4km-throughput.json"
-        if has profile; then
-            timeout 120 $PY benchmarks/profile_gpu_step.py "$gguf" --batch 1,64 --steps 16 \
-                --output-json "$OUT/h200-q4km-profile.json" 2>&1 | tail -n 30
+            --output-json "$OUT/h200-gguf-$tag-latency.json"
+        if [ "${f%%:*}" = llama3-8b ]; then
+            bench throughput "${qshape[@]}" "${batch[@]}" --num-prompts 64 --max-concurrency 64 --warmup 1 \
+                --output-json "$OUT/h200-gguf-$tag-throughput.json"
+            if has profile; then
+                timeout 120 $PY benchmarks/profile_gpu_step.py "$path" --batch 1,64 --steps 16 \
+                    --output-json "$OUT/h200-gguf-$tag-profile.json" 2>&1 | tail -n 12
+            fi
         fi
+    done
+fi
+if has peer 120; then
+    # The same files, llama.cpp (CUDA, sm_90a, flash attention, every layer on the GPU).
+    if build_peer > "$OUT/peer-build.log" 2>&1; then
+        write_gguf_files
+        files=() batched=()
+        for f in $GGUF_FILES; do
+            files+=("$(gguf_path "$f")")
+            [ "${f%%:*}" = llama3-8b ] && batched+=("$(gguf_path "$f")")
+        done
+        batched_list=$(IFS=,; echo "${batched[*]}")
+        timeout 400 $PY benchmarks/llamacpp.py "${files[@]}" --batched 64 --batched-files "$batched_list" \
+            --output-json "$OUT/h200-llamacpp.json" 2>&1 | grep -v '^+'
+    else
+        tail -n 20 "$OUT/peer-build.log"
     fi
 fi
 if has profile; then

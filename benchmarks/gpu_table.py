@@ -15,9 +15,14 @@ MATMUL = 790e12  # bf16 FLOP/s measured on the lent H200
 # Llama-3.1-8B's shape: parameters, and KV bytes per token (32 layers x 8 heads x 128 x K,V x bf16)
 PARAMS = 8.03e9
 KV_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+KV_PER_TOKEN_OF = {"llama3-8b": KV_PER_TOKEN, "llama3-70b": 80 * 8 * 128 * 2 * 2}
+# The GGUF issue's goals, PocketLLM / llama.cpp on the same file: (shape-type, figure) -> ratio
+GGUF_GOALS = {("llama3-8b-q4_k_m", "batch 1 decode"): 1.3, ("llama3-8b-iq2_xxs", "batch 1 decode"): 1.2,
+              ("llama3-8b-q4_k_m", "64 seqs decode"): 2.0, ("llama3-8b-q4_k_m", "64 seqs prefill"): 2.0,
+              ("llama3-8b-iq2_xxs", "64 seqs decode"): 1.5, ("llama3-70b-iq2_xxs", "batch 1 decode"): 1.2}
+GPU_MEMORY_GOAL = 1.05  # GPU weight bytes / the file's tensor bytes
 # Peers measured on the same card (the issue's anchors, 2026-11-30; 512 prompt / 128 generated).
-LLAMA_CPP = {"bf16_b1": 208.6, "q4km_b1": 274.9, "bf16_64_decode": 5783, "bf16_64_prefill": 25717,
-             "q4km_64_decode": 4101, "bf16_16_decode": 1932}
+LLAMA_CPP = {"bf16_b1": 208.6, "bf16_64_decode": 5783, "bf16_64_prefill": 25717, "bf16_16_decode": 1932}
 GPT_FAST = {"bf16_b1": 205.1, "bf16_16_decode": 2901, "bf16_64_decode": 8963, "bf16_64_prefill": 37567}
 
 
@@ -32,13 +37,69 @@ def row_at(doc: dict | None, concurrency: int) -> dict | None:
     return next((r for r in doc["results"] if r.get("concurrency", r.get("batch")) == concurrency), None)
 
 
+def gguf_table(d: Path) -> list[str]:
+    """GGUF files: PocketLLM (h200-gguf-<shape>-<type>-*.json) beside llama.cpp on the same files in
+    the same call (h200-llamacpp.json), with the issue's goals and the GPU weight memory."""
+    peer, weights = load(d, "h200-llamacpp.json"), load(d, "h200-gguf-weight-memory.json")
+    lats = sorted(d.glob("h200-gguf-*-latency.json"))
+    if not lats:
+        return []
+    rows = []
+    for lat_path in lats:
+        tag = lat_path.name[len("h200-gguf-"):-len("-latency.json")]
+        shape, qtype = tag.rsplit("-", 1)
+        lat, tp = load(d, lat_path.name), load(d, f"h200-gguf-{tag}-throughput.json")
+        theirs = (peer or {}).get("files", {}).get(f"{shape}-{qtype.upper()}.gguf", {})
+        tensor = theirs.get("tensor_bytes")
+        kv = KV_PER_TOKEN_OF.get(shape, KV_PER_TOKEN) * (512 + 64)
+        counted = (weights or {}).get("files", {}).get(f"{shape}-{qtype.upper()}.gguf")
+        if counted:  # the GPU-only count (the latency run's weight_bytes once counted host views too)
+            memory = f"{counted['ratio']:.3f}"
+        else:
+            memory = f"{lat['weight_bytes'] / tensor:.3f}" if tensor and lat.get("weight_bytes") else ""
+        b1, b64 = row_at(lat, 1), row_at(tp, 64)
+        figures = [("batch 1 decode", b1 and b1["decode_tok_s"], theirs.get("batch1", {}).get("decode_tok_s"),
+                    BANDWIDTH / (tensor + kv) if tensor else None),
+                   ("64 seqs decode", b64 and b64["decode_tok_s"], theirs.get("batch64", {}).get("decode_tok_s"),
+                    64 * BANDWIDTH / (tensor + 64 * kv) if tensor else None),
+                   ("64 seqs prefill", b64 and b64["prefill_tok_s"], theirs.get("batch64", {}).get("prefill_tok_s"),
+                    None)]
+        for name, ours, peer_value, ceiling in figures:
+            if ours is None and peer_value is None:
+                continue
+            goal = GGUF_GOALS.get((tag, name), 1.0)
+            ratio = ours / peer_value if ours and peer_value else None
+            verdict = "" if ratio is None else "met" if ratio >= goal else "**missed**"
+            rows.append(f"| {shape} {qtype.upper()} | {name} | {ours or 0:,.1f} | "
+                        f"{f'{peer_value:,.1f}' if peer_value else 'not measured'} | "
+                        f"{f'{ratio:.2f}x' if ratio else ''} | >= {goal}x {verdict} | "
+                        f"{f'{ours / ceiling:.0%}' if ours and ceiling else ''} | {memory if name == 'batch 1 decode' else ''} |")
+    first = load(d, lats[0].name)
+    if peer is None:
+        rows.append("| | llama.cpp not measured in this call (no h200-llamacpp.json) | | | | | | |")
+    return [
+        f"GGUF files (random weights, `pocketllm dummy-gguf`; commit `{first.get('commit')}"
+        f"{'+wip' if first.get('dirty') else ''}`, {first.get('date')}): "
+        "PocketLLM in bf16 and llama.cpp (CUDA, sm_90a, flash attention, all layers on the GPU) on the same files in the same device call; "
+        "512-token prompts, 128 generated; batch 1 from `pocketllm bench latency` and `llama-bench` (pp512/tg128), "
+        "64 sequences from `pocketllm bench throughput` and `llama-batched-bench`. Ceiling: the file's tensor bytes + "
+        f"mean KV read per step at {BANDWIDTH / 1e12:.1f} TB/s. Memory: PocketLLM's GPU weight bytes / the file's "
+        f"tensor bytes (goal <= {GPU_MEMORY_GOAL})"
+        + (f"; for the files in h200-gguf-weight-memory.json (commit `{weights['commit']}`) from there, the others "
+           "from the latency run's count, which also counted the host-side view of the embedding table"
+           if weights else "") + ".",
+        "",
+        "| file | figure | PocketLLM tok/s | llama.cpp tok/s | ratio | goal | of ceiling | memory |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |",
+        *rows,
+        "",
+    ]
+
+
 def main() -> None:
     d = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
     bf16_lat, bf16_tp = load(d, "h200-bf16-latency.json"), load(d, "h200-bf16-throughput.json")
-    q_lat, q_tp = load(d, "h200-q4km-latency.json"), load(d, "h200-q4km-throughput.json")
     hf = load(d, "h200-transformers-baseline.json")
-    size_file = d / "h200-q4km-file-size.txt"  # bytes of the GGUF file (written by gpu_run.sh)
-    q_bytes = int(size_file.read_text()) if size_file.exists() else None
     ctx = 512 + 64  # mean context of a 512/128 decode
     rows = []
 
@@ -66,14 +127,6 @@ def main() -> None:
     add("bf16 prefill, 64 x 512 tokens", r64 and r64["prefill_tok_s"], ">= 40,000",
         f"llama.cpp {LLAMA_CPP['bf16_64_prefill']}, gpt-fast-style {GPT_FAST['bf16_64_prefill']}",
         MATMUL / (2 * PARAMS))
-    q1 = row_at(q_lat, 1)
-    add("Q4_K_M decode, batch 1", q1 and q1["decode_tok_s"], ">= 400", f"llama.cpp {LLAMA_CPP['q4km_b1']}",
-        BANDWIDTH / (q_bytes + ctx * KV_PER_TOKEN) if q_bytes else 0)
-    q64 = row_at(q_tp, 64)
-    add("Q4_K_M decode, 64 sequences", q64 and q64["decode_tok_s"], ">= 8,000",
-        f"llama.cpp {LLAMA_CPP['q4km_64_decode']}",
-        64 * BANDWIDTH / (q_bytes + 64 * ctx * KV_PER_TOKEN) if q_bytes else 0)
-
     serve = load(d, "h200-bf16-serve-64.json")
     lines = []
     s18, o18 = load(d, "h200-bf16-serve-1-8.json"), load(d, "h200-bf16-offline-for-serve.json")
@@ -115,6 +168,7 @@ def main() -> None:
                      f"(`--no-async-scheduling`) batch 1 {s1:,.0f} tok/s, 64 sequences {s64:,.0f} tok/s; "
                      f"asynchronous (the default on CUDA) {row_at(async_lat, 1)['decode_tok_s']:,.0f} and "
                      f"{row_at(async_tp, 64)['decode_tok_s']:,.0f}")
+    gguf_lines = gguf_table(d)
     meta = bf16_lat or bf16_tp or {}
     out = [
         "# H200 results (Llama-3.1-8B shape, random weights, 512 prompt / 128 generated tokens)",
@@ -130,6 +184,7 @@ def main() -> None:
         "| --- | ---: | ---: | --- | ---: | ---: |",
         *rows,
         "",
+        *gguf_lines,
         *sched,
         "",
         *lines,

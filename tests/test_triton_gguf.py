@@ -337,26 +337,44 @@ def _q4_k_m_llama(root):
     return write_gguf(make_llama256(root)[1], root / "llama256.Q4_K_M.gguf", "Q4_K_M").path
 
 
-@cuda_only
-@pytest.mark.parametrize("kind", ["llama256", "qwen2"])
-def test_gguf_greedy_tokens_on_cuda_equal_the_cpu(kind, tiny_models, tmp_path):
-    """float32 on the GPU (Triton kernels, IEEE dots) against the CPU's C kernels: the same greedy
-    tokens.  qwen2: rows of 96, so the mix falls back to Q5_0 / Q8_0, and tied embeddings (the
-    table dequantized on the GPU, the output projection on the kernels)."""
-    from conftest import prompts_of
+# A file of each type family. llama256 (K): Q4_K / Q6_K. qwen2 (legacy): rows of 96, so the
+# Q4_K_M mix falls back to Q5_0 / Q8_0, and tied embeddings. The i-quant mixes, on random weights
+# (dummy-gguf): IQ1_S; IQ1_M with IQ2_XXS and Q2_K; IQ2_M's IQ2_S with IQ3_S; IQ3_XXS with IQ2_S,
+# IQ3_S and Q3_K; IQ4_XS with Q6_K.
+GREEDY_FILES = ["llama256", "qwen2", "IQ1_S", "IQ1_M", "IQ2_M", "IQ3_XXS", "IQ4_XS"]
+_SMALL_LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=384, max_position_embeddings=256,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
 
-    from pocketllm import LLM, SamplingParams
+
+def _greedy_file(kind, tiny_models, root):
+    from pocketllm.loaders.dummy_gguf import write_dummy_gguf
     from pocketllm.loaders.gguf_writer import write_gguf
 
     if kind == "llama256":
-        path = _q4_k_m_llama(tmp_path)
-    else:
-        path = write_gguf(tiny_models["qwen2"][1], tmp_path / "qwen2.Q4_K_M.gguf", "Q4_K_M").path
+        return _q4_k_m_llama(root)
+    if kind == "qwen2":
+        return write_gguf(tiny_models["qwen2"][1], root / "qwen2.Q4_K_M.gguf", "Q4_K_M").path
+    return write_dummy_gguf(root / f"llama.{kind}.gguf", _SMALL_LLAMA, kind, std=0.05).path
+
+
+@cuda_only
+@pytest.mark.parametrize("kind", GREEDY_FILES)
+def test_gguf_greedy_tokens_on_cuda_equal_the_cpu(kind, tiny_models, tmp_path):
+    """float32 on the GPU (Triton kernels, IEEE dots) against the CPU's exact path (each block
+    dequantized exactly, float32 dots; ``exact_kernels``: not the 8-bit-activation kernels, which
+    round the activations): the same greedy tokens."""
+    from conftest import prompts_of
+
+    from pocketllm import LLM, SamplingParams
+
+    path = _greedy_file(kind, tiny_models, tmp_path)
     prompts = prompts_of([1, 7, 30, 65])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(str(path), device=device, dtype="float32", max_model_len=128, num_kv_blocks=64)
+        llm = LLM(str(path), device=device, dtype="float32", max_model_len=128, num_kv_blocks=64,
+                  exact_kernels=True)
         if device == "cuda":
             paths = {m.path for m in llm.engine.runner.model.modules() if hasattr(m, "qtype")}
             assert paths == {"triton"}
@@ -366,7 +384,10 @@ def test_gguf_greedy_tokens_on_cuda_equal_the_cpu(kind, tiny_models, tmp_path):
 
 
 @cuda_only
-def test_dummy_q4_k_m_in_bf16_on_cuda_stays_close(tmp_path):
+@pytest.mark.parametrize("file_type", ["Q4_0", "Q4_K_M", "IQ2_XXS", "IQ3_XXS"])
+def test_dummy_gguf_in_bf16_on_cuda_stays_close(file_type, tmp_path):
+    """bf16 on the GPU (the 8-bit-activation GEMV where it covers the type) against float32 on the
+    CPU's exact path: first-token logits within 5% of their range, for a file of each family."""
     from conftest import prompts_of
     from reference import captured_logits
 
@@ -376,11 +397,11 @@ def test_dummy_q4_k_m_in_bf16_on_cuda_stays_close(tmp_path):
     shape = dict(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
-    path = write_dummy_gguf(tmp_path / "d.gguf", shape, "Q4_K_M").path
+    path = write_dummy_gguf(tmp_path / "d.gguf", shape, file_type).path
     prompt = prompts_of([40], vocab=1000)[0]
     logits = {}
     for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
-        llm = LLM(str(path), device=device, dtype=dtype, max_model_len=128, num_kv_blocks=32)
+        llm = LLM(str(path), device=device, dtype=dtype, max_model_len=128, num_kv_blocks=32, exact_kernels=True)
         with captured_logits(llm) as captured:
             llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
         logits[device] = captured[0][0]

@@ -92,14 +92,15 @@ def _tensors_in(value) -> Iterator[torch.Tensor]:
         yield from value.tensors()
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, buffers and GGUF blocks; memory shared by several (tied
-    embeddings, views of one file) is counted once."""
+def weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of the model's parameters, buffers and GGUF blocks on ``device``; memory shared by
+    several (tied embeddings, views of one file) is counted once.  Off the CPU, host-side views of
+    the file (a table's GGUF source kept for a tied output layer) are not weights held there."""
     held: dict[tuple, int] = {}
     for m in model.modules():
         for value in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
             for t in _tensors_in(value):
-                if t.device.type != "meta":
+                if t.device.type == device.type:
                     key = (t.device, t.data_ptr())
                     held[key] = max(held.get(key, 0), t.numel() * t.element_size())
     return sum(held.values())
@@ -173,10 +174,13 @@ class LLMEngine:
                     if hasattr(m, "cpu_kernels"):
                         m.cpu_kernels = True
         self.load_time = time.perf_counter() - t0
-        self.weight_bytes = weight_bytes(model)  # before the runner binds the KV cache to it
+        self.weight_bytes = weight_bytes(model, self.device)  # before the runner binds the KV cache to it
 
         if self.device.type == "cuda" and args.num_kv_blocks is None:
+            torch.cuda.empty_cache()  # what loading left in the allocator's cache is free for the KV cache
             free, _ = torch.cuda.mem_get_info(self.device)
+            log.info("GPU memory after loading: %s free, %s held by this process's tensors", _size(free),
+                     _size(torch.cuda.memory_allocated(self.device)))
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = free - (1 - args.gpu_memory_utilization) * total
             # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.

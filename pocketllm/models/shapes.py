@@ -4,13 +4,20 @@
 """
 from __future__ import annotations
 
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
 SHAPES: dict[str, dict] = {
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                       max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      rope_scaling=dict(_LLAMA31_ROPE),
                       tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "llama3-70b": dict(architectures=["LlamaForCausalLM"], hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       rope_scaling=dict(_LLAMA31_ROPE),
+                       tie_word_embeddings=False, torch_dtype="bfloat16"),
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,

@@ -82,7 +82,7 @@ _IQ3_XXS = tl.constexpr(int(T.IQ3_XXS))
 _IQ3_S = tl.constexpr(int(T.IQ3_S))
 _IQ1_S = tl.constexpr(int(T.IQ1_S))
 _IQ1_M = tl.constexpr(int(T.IQ1_M))
-_KS = tl.constexpr(384)  # lattice tables (_value_table): where the grid's int32 words start
+_KS = tl.constexpr(128)  # lattice tables (_value_table): where the grid's int32 words start
 _IQ1_DELTA = tl.constexpr(float(gq.IQ1_S.delta))
 
 
@@ -622,18 +622,15 @@ _LATTICE = {T.IQ2_XXS: 0, T.IQ2_XS: 0, T.IQ2_S: 0, T.IQ3_XXS: 0, T.IQ3_S: 0, T.I
 @cache
 def _value_table(device: torch.device, qtype: GGMLQuantizationType) -> torch.Tensor:
     """The type's table on ``device``: the value table (float32 [16]) of IQ4_NL / IQ4_XS / MXFP4;
-    for a lattice type int32 [384 + grid words]: llama.cpp's 128 sign masks (``ksigns``), the same
-    as byte masks (two words each, 0xFF where negative: the int8 kernels' signs), then the grid's
-    bytes (plus ``_LATTICE``'s bias: IQ1's values -1..1 as 0..2) as words; else a placeholder."""
+    for a lattice type int32 [128 + grid words]: llama.cpp's 128 sign masks (``ksigns``), then the
+    grid's bytes (plus ``_LATTICE``'s bias: IQ1's values -1..1 as 0..2) as words; else a placeholder."""
     if qtype in _LATTICE:
         cls = getattr(gq, qtype.name)
         cls.init_grid()
         grid = (np.asarray(cls.grid).reshape(cls.grid_shape) + _LATTICE[qtype]).astype(np.uint8)
         words = np.frombuffer(grid.tobytes(), dtype="<i4")
         ks = np.frombuffer(bytes(gq.IQ2_XXS.ksigns), dtype=np.uint8)
-        byte_masks = np.where((ks[:, None] >> np.arange(8)) & 1, 0xFF, 0).astype(np.uint8)  # [128, 8]
-        masks = np.frombuffer(byte_masks.tobytes(), dtype="<i4")
-        return torch.from_numpy(np.concatenate([ks.astype(np.int32), masks, words]).astype(np.int32)).to(device)
+        return torch.from_numpy(np.concatenate([ks.astype(np.int32), words]).astype(np.int32)).to(device)
     name = _TABLES.get(qtype)
     values = getattr(gq, name).kvalues if name else [0.0] * 16
     return torch.tensor(values, dtype=torch.float32, device=device)
@@ -714,7 +711,7 @@ def _split_k(n_tiles: int, n_blocks: int, bpi: int, device: torch.device, progra
     (P / (slots * ceil(P / slots))), else the fullest.  Splitting costs a float32 partial sum per split and output element, added in
     split order by a second kernel (deterministic)."""
     if n_tiles >= _num_sms(device):
-        # Measured on the H200 (benchmarks/results/h200-triton-gguf-kernels.txt, split sweep): once
+        # Measured on the H200 (benchmarks/results/h200-triton-gguf-kernels.txt at ea7eee4, split sweep): once
         # every SM has a tile, more splits only cost (Q4_K 4096x4096: 1 split 32.1 us, 2: 34.7 us).
         return 1
     slots = max(1, programs_per_sm * _num_sms(device))

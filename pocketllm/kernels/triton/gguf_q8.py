@@ -179,19 +179,28 @@ def _q6_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
 
 
 @triton.jit
+def _byte_masks(bits):
+    """Four sign bits (bits 0-3 of ``bits``) as a word of byte masks: byte j 0xFF where bit j is set
+    (the four copies of the nibble, shifted by 0 / 7 / 14 / 21, never overlap)."""
+    return (((bits & 15) * 0x00204081) & 0x01010101) * 0xFF
+
+
+@triton.jit
 def _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
-    # per group of 32: 4 grid indices (8 weights each), a word of 4 sign indices and the scale
+    # per group of 32: a word of 4 grid indices (8 weights each), a word of 4 sign indices and the
+    # scale.  One gather per 8 weights for the signs (ksigns, expanded to byte masks in registers)
+    # and two for the grid bytes.
     sg = tl.arange(0, 8)[None, None, :, None]
     g8 = tl.arange(0, 4)[None, None, None, :]
     m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
     b4 = b[:, :, None, None] + 8 * sg
-    e = _u8(b4 + g8, m4)
+    e = (_u32(b4, m4) >> (8 * g8)) & 0xFF
     aux = _u32(b4 + 4, m4)
-    si = 128 + 2 * ((aux >> (7 * g8)) & 127)  # the sign index's two byte-mask words
+    sgn = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
     x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
     s = tl.zeros_like(e)
     for i in tl.static_range(2):
-        msk = tl.load(lut_ptr + si + i)
+        msk = _byte_masks(sgn >> (4 * i))
         s = _dp4a((tl.load(lut_ptr + _KS + 2 * e + i) ^ msk) + (msk & 0x01010101), _x(x4 + i, xm4), s, EMU)
     s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
     db = _f16(h[:, :, None, None], m4) * (0.5 + _u2f((aux >> 28) & 15)) * 0.25
@@ -256,9 +265,15 @@ def _quantize_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, n_groups, stride_xm, stride_
 
 
 Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS})
-# Tiles as gguf.GEMV_CONFIG (BLOCK_N rows, BLOCK_K weights a row a step); per-type overrides
-GEMV_Q8_CONFIG = dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, PROGRAMS_PER_SM=8)
-GEMV_Q8_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {}
+# Tiles as gguf.GEMV_CONFIG (BLOCK_N rows, BLOCK_K weights a row a step); per-type overrides.  The
+# fastest of `bench_triton_gguf.py --sweep --sweep-regimes gemv_q8` on the H200 over the 8B shapes
+# (results/h200-triton-gguf-q8-sweep.txt): longer steps than the float kernel's, more bytes in
+# flight (the default before, 2 rows x 1024, read Q4_K at 1.2 TB/s, this at 1.6).
+GEMV_Q8_CONFIG = dict(BLOCK_N=4, BLOCK_K=2048, num_warps=2, PROGRAMS_PER_SM=8)
+GEMV_Q8_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
+    T.Q6_K: dict(BLOCK_N=8, num_warps=8, PROGRAMS_PER_SM=2),
+    T.Q8_0: dict(BLOCK_N=1),
+}
 _QUANT_GROUPS = 16
 
 
