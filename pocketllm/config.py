@@ -117,6 +117,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     hidden_act: str = "silu"
+    # Mixture of experts (0 experts: a dense MLP): each token's top `num_experts_per_tok` of
+    # `num_experts` gated MLPs of width `moe_intermediate_size`; `norm_topk_prob`: the selected
+    # experts' router probabilities renormalised to sum to 1 (Qwen3-MoE's switch)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     # Family-specific keys (sliding windows, soft-capping, ...) stay in the raw dict.
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -165,6 +172,10 @@ class ModelConfig:
             bos_token_id=get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             hidden_act=get("hidden_act") or get("hidden_activation") or "silu",
+            num_experts=get("num_experts") or get("num_local_experts") or 0,
+            num_experts_per_tok=get("num_experts_per_tok", 0),
+            moe_intermediate_size=get("moe_intermediate_size") or get("intermediate_size"),
+            norm_topk_prob=bool(get("norm_topk_prob", False)),
             raw=cfg,
         )
 

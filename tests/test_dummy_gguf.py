@@ -100,9 +100,14 @@ def test_engine_runs_every_type(qtype, tmp_path):
     assert all(torch.isfinite(t).all() for t in logits)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+_MOE = {"Qwen3MoeForCausalLM": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                    norm_topk_prob=True),
+        "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *_MOE])
 def test_engine_generates_from_a_dummy_file(arch, tmp_path):
-    shape = dict(LLAMA, architectures=[arch], num_hidden_layers=2)
+    shape = dict(LLAMA, architectures=[arch], num_hidden_layers=2, **_MOE.get(arch, {}))
     if arch != "LlamaForCausalLM":
         shape.pop("rope_scaling")
         shape["tie_word_embeddings"] = arch == "Qwen2ForCausalLM"
@@ -114,6 +119,24 @@ def test_engine_generates_from_a_dummy_file(arch, tmp_path):
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
     assert all(torch.isfinite(t).all() for t in logits)
+
+
+def test_mixture_of_experts_shapes():
+    """The named MoE shapes' tensors: a router and stacked [experts, rows, cols] expert matrices per
+    layer, and the published parameter counts (Qwen3-30B-A3B 30.5B, Mixtral-8x7B 46.7B)."""
+    from pocketllm.loaders.dummy_gguf import _tensor_shapes
+    from pocketllm.models.shapes import SHAPES
+
+    for name, arch, billions in (("qwen3-30b-a3b", "qwen3moe", 30.5), ("mixtral-8x7b", "llama", 46.7)):
+        hp = SHAPES[name]
+        shapes = dict(_tensor_shapes(arch, hp))
+        e = hp.get("num_experts") or hp["num_local_experts"]
+        inter = hp.get("moe_intermediate_size") or hp["intermediate_size"]
+        assert shapes["blk.0.ffn_gate_inp.weight"] == (e, hp["hidden_size"])
+        assert shapes["blk.0.ffn_gate_exps.weight"] == shapes["blk.0.ffn_up_exps.weight"] == (e, inter, hp["hidden_size"])
+        assert shapes["blk.0.ffn_down_exps.weight"] == (e, hp["hidden_size"], inter)
+        assert "blk.0.ffn_gate.weight" not in shapes
+        assert round(sum(int(np.prod(s)) for s in shapes.values()) / 1e9, 1) == billions
 
 
 def test_cli_writes_a_named_shape(tmp_path, capsys):

@@ -83,13 +83,14 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_models, tmp_path):
 
 
 def test_unsupported_rope_scaling_fails_before_weights_load(tiny_models, tmp_path):
-    dst = tmp_path / "yarn"
+    dst = tmp_path / "longrope"
     dst.mkdir()
     cfg = json.loads((tiny_models["llama"][1] / "config.json").read_text())
     cfg.pop("rope_parameters", None)
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
     (dst / "config.json").write_text(json.dumps(cfg))  # no weights at all: selection must fail first
-    with pytest.raises(UnsupportedFeatureError, match="yarn.*supported: default, freq_factors, linear, llama3"):
+    with pytest.raises(UnsupportedFeatureError,
+                       match="longrope.*supported: default, freq_factors, linear, llama3, yarn"):
         LLM(str(dst))
 
 

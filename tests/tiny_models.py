@@ -25,6 +25,17 @@ CONFIGS = {
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
                    sliding_window=8, query_pre_attn_scalar=32,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]),
+    # mixture of experts: top 2 of 6 renormalised, q/k norm, a dense MLP on layer 1 (mlp_only_layers);
+    # YaRN rope scaling (prompts and generations run past its original 64 positions)
+    "qwen3_moe": dict(arch="Qwen3MoeForCausalLM", hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                      tie_word_embeddings=False,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    # mixture of experts in every layer: top 2 of 4, always renormalised; checkpoint names w1/w2/w3
+    "mixtral": dict(arch="MixtralForCausalLM", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False),
 }
 
 
@@ -43,7 +54,7 @@ def make_model(kind: str, root: Path):
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():  # default init is tiny; scale up so logits are not all near-ties
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (experts' weights are [experts, out, in])
                 p.normal_(0.0, 0.08)
             elif "norm" in name:  # random norm weights exercise each norm's exact form
                 p.normal_(1.0 if kind != "gemma3" else 0.0, 0.1)

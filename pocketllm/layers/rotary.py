@@ -7,7 +7,7 @@ import torch
 
 from pocketllm.errors import UnsupportedFeatureError
 
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "freq_factors", "yarn")
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -31,8 +31,43 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if kind == "yarn":
+        # YaRN (arXiv 2309.00071) as transformers computes it: interpolated frequencies below the
+        # correction range, the original ones above it, a linear ramp between (over head_dim / 2)
+        factor, base = float(scaling["factor"]), float(theta)
+        old_len = float(scaling["original_max_position_embeddings"])
+
+        def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_len
+            return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        # divided as transformers divides (1 / (factor * p), not inv_freq / factor): the same bits
+        pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        return 1.0 / (factor * pos_freqs) * (1 - extrapolate) + 1.0 / pos_freqs * extrapolate
     raise UnsupportedFeatureError(
         f"rope scaling {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_SCALING)}")
+
+
+def attention_scaling(scaling: dict | None) -> float:
+    """What the cos/sin tables are multiplied by: YaRN's attention factor (given, or from the
+    scaling factor and DeepSeek's mscale pair); 1 for the other kinds."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale()
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -43,9 +78,10 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        scale = attention_scaling(scaling)
         # Tables in float32: positions beyond a few thousand lose precision in bf16.
-        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+        self.register_buffer("cos", (freqs.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale).to(device), persistent=False)
 
         self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.cpu_kernels = False  # the CPU fast path: rotated in place by one kernel call

@@ -135,10 +135,14 @@ def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, shape:
 
 
 def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """GGUF name -> shape (rows first) of every tensor of a llama / qwen2 / qwen3 model."""
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise UnsupportedFeatureError(f"dummy GGUF files are written for llama, qwen2 and qwen3, not {arch}")
+    """GGUF name -> shape (rows first) of every tensor of a llama / qwen2 / qwen3 model, or of the
+    mixtures of experts qwen3moe and llama with experts (Mixtral): a router and stacked
+    [experts, rows, cols] expert matrices in place of the MLP."""
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe"):
+        raise UnsupportedFeatureError(f"dummy GGUF files are written for llama, qwen2, qwen3 and qwen3moe, not {arch}")
     h, inter, v = hp["hidden_size"], hp["intermediate_size"], hp["vocab_size"]
+    n_exp = hp.get("num_local_experts") or hp.get("num_experts") or 0
+    e_inter = hp.get("moe_intermediate_size") or inter
     nh = hp["num_attention_heads"]
     nkv = hp.get("num_key_value_heads") or nh
     hd = hp.get("head_dim") or h // nh
@@ -152,12 +156,16 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (nh * hd, h)),
                 (b + "attn_k.weight", (nkv * hd, h)), (b + "attn_v.weight", (nkv * hd, h)),
-                (b + "attn_output.weight", (h, nh * hd)), (b + "ffn_norm.weight", (h,)),
-                (b + "ffn_gate.weight", (inter, h)), (b + "ffn_up.weight", (inter, h)),
-                (b + "ffn_down.weight", (h, inter))]
+                (b + "attn_output.weight", (h, nh * hd)), (b + "ffn_norm.weight", (h,))]
+        if n_exp:
+            out += [(b + "ffn_gate_inp.weight", (n_exp, h)), (b + "ffn_gate_exps.weight", (n_exp, e_inter, h)),
+                    (b + "ffn_up_exps.weight", (n_exp, e_inter, h)), (b + "ffn_down_exps.weight", (n_exp, h, e_inter))]
+        else:
+            out += [(b + "ffn_gate.weight", (inter, h)), (b + "ffn_up.weight", (inter, h)),
+                    (b + "ffn_down.weight", (h, inter))]
         if arch == "qwen2":
             out += [(b + f"attn_{p}.bias", (n,)) for p, n in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd))]
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
     return out
 
@@ -183,7 +191,8 @@ def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", fi
     tensors = sorted(_tensor_shapes(arch, hp), key=lambda t: mixes.layer_order(t[0]))
     n_head = hp["num_attention_heads"]
     types = mixes.tensor_types(tensors, ftype, n_layer=hp["num_hidden_layers"], n_head=n_head,
-                               n_head_kv=hp.get("num_key_value_heads") or n_head, pure=pure)
+                               n_head_kv=hp.get("num_key_value_heads") or n_head,
+                               n_expert=hp.get("num_local_experts") or hp.get("num_experts") or 0, pure=pure)
     for t in set(types.values()) - _FLOATS - set(_SCALE_FIELDS):
         raise UnsupportedFeatureError(f"dummy GGUF files cannot hold {t.name} tensors")
     n_params = sum(int(np.prod(s)) for _, s in tensors)

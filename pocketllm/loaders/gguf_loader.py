@@ -26,7 +26,10 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# llama.cpp writes Mixtral as `llama` with expert tensors
+MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -38,7 +41,10 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# The experts' stacked [n_expert, rows, cols] tensors: expert e's matrix is mlp.experts.{e}.<proj>
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Gemma 3 has four norms per layer; llama.cpp names them differently.
 _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -81,8 +87,12 @@ class GGUFModelFile:
                if k.startswith(f"{self.arch}.") and len(f.data) < 64}
         if self.arch == "gemma3":
             raw.update(self._gemma3_settings(self.arch_meta("attention.key_length", hidden // heads)))
+        experts = self.arch_meta("expert_count", 0)
+        if experts:  # layers without a router keep a dense MLP
+            raw["mlp_only_layers"] = [i for i in range(self.arch_meta("block_count"))
+                                      if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors]
         return ModelConfig(
-            architecture=ARCHITECTURES[self.arch],
+            architecture=(MOE_ARCHITECTURES if experts else ARCHITECTURES)[self.arch],
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=self.arch_meta("feed_forward_length"),
@@ -100,6 +110,12 @@ class GGUFModelFile:
             bos_token_id=self.meta("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[e for e in eos if e is not None],
             hidden_act="gelu_pytorch_tanh" if self.arch == "gemma3" else "silu",
+            num_experts=experts,
+            num_experts_per_tok=self.arch_meta("expert_used_count", 0),
+            moe_intermediate_size=self.arch_meta("expert_feed_forward_length") or self.arch_meta("feed_forward_length"),
+            # llama.cpp renormalises the selected experts' weights for both families (qwen3moe's
+            # converter drops norm_topk_prob: every released Qwen3-MoE sets it)
+            norm_topk_prob=True,
             raw={"gguf_arch": self.arch, **raw},
         )
 
@@ -126,7 +142,14 @@ class GGUFModelFile:
         kind = self.arch_meta("rope.scaling.type")
         if kind in (None, "none"):
             return None
-        return {"rope_type": kind, "factor": self.arch_meta("rope.scaling.factor", 1.0)}
+        scaling = {"rope_type": kind, "factor": self.arch_meta("rope.scaling.factor", 1.0)}
+        if kind == "yarn":  # the keys convert_hf_to_gguf writes, back to transformers' names
+            for key, ours in (("original_context_length", "original_max_position_embeddings"),
+                              ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                              ("yarn_attn_factor", "attention_factor")):
+                if (value := self.arch_meta(f"rope.scaling.{key}")) is not None:
+                    scaling[ours] = value
+        return scaling
 
     def release(self) -> None:
         """After loading: drop the parsed metadata, and let the kernel reclaim file pages that were
@@ -145,6 +168,8 @@ class GGUFModelFile:
             return f"{_GLOBAL_NAMES[stem]}.{kind}"
         m = _BLOCK.match(name)
         table = _GEMMA3_LAYER_NAMES if self.arch == "gemma3" else _LAYER_NAMES
+        if m is not None and m.group(2) in EXPERT_NAMES:  # one name per expert: "{}" for its index
+            return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
         if m is None or m.group(2) not in table:
             raise UnsupportedFeatureError(f"unexpected GGUF tensor {name!r} for architecture {self.arch!r}")
         return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
@@ -161,13 +186,21 @@ class GGUFModelFile:
             if self.arch == "llama" and stem in ("attn_q", "attn_k"):
                 heads = cfg.num_heads if stem == "attn_q" else cfg.num_kv_heads
                 data = unpermute_rows(data.reshape(shape[0], -1), heads)
-            if t.tensor_type in _DENSE:
-                tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
-                if self.arch == "gemma3" and name.endswith("norm.weight"):
-                    tensor = tensor - 1.0  # the converter stored 1 + w; our Gemma norm adds the 1
-                yield name, tensor.to(dtype=dtype, device=device)
+            if len(shape) == 3:  # stacked experts: rows of expert e are rows e * R .. (e + 1) * R
+                rows = data.reshape(shape[0] * shape[1], -1)
+                for e in range(shape[0]):
+                    part = rows[e * shape[1]:(e + 1) * shape[1]]
+                    yield name.format(e), self._tensor(part, t.tensor_type, shape[1:], name, dtype, device)
             else:
-                yield name, QuantizedTensor(_mapped_bytes(data.reshape(shape[0], -1)), t.tensor_type, shape)
+                yield name, self._tensor(data, t.tensor_type, shape, name, dtype, device)
+
+    def _tensor(self, data: np.ndarray, qtype, shape: tuple[int, ...], name: str, dtype, device):
+        if qtype in _DENSE:
+            tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+            if self.arch == "gemma3" and name.endswith("norm.weight"):
+                tensor = tensor - 1.0  # the converter stored 1 + w; our Gemma norm adds the 1
+            return tensor.to(dtype=dtype, device=device)
+        return QuantizedTensor(_mapped_bytes(data.reshape(shape[0], -1)), qtype, shape)
 
 
 def _mapped_bytes(a: np.ndarray) -> torch.Tensor:

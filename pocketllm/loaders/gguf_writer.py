@@ -41,7 +41,7 @@ from pocketllm.quant.quantize import SUPPORTED, quantize
 logger = logging.getLogger(__name__)
 T = GGMLQuantizationType
 
-HF_TO_GGUF_ARCH = {hf: arch for arch, hf in ARCHITECTURES.items()}
+HF_TO_GGUF_ARCH = {**{hf: arch for arch, hf in ARCHITECTURES.items()}, "MixtralForCausalLM": "llama"}
 
 
 @dataclass
@@ -170,6 +170,11 @@ def _add_arch_metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rope: dict, voca
     w.add_vocab_size(vocab_size)
     if arch == "llama":
         w.add_rope_dimension_count(_head_dim(hp))
+    if n_expert := hp.get("num_local_experts") or hp.get("num_experts"):
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(hp["num_experts_per_tok"])
+        if hp.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
     if gemma:
         if hp.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
@@ -471,6 +476,11 @@ _HF_GLOBAL = {hf: g for g, hf in _GLOBAL_NAMES.items()}
 _HF_LAYER = {arch: {hf: g for g, hf in (_GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES).items()}
              for arch in ARCHITECTURES}
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# one expert's matrix (Qwen3-MoE's names, Mixtral's): stacked into blk.N.ffn_*_exps
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                        r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_STEM = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+                "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 _SKIP = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
 
 
@@ -481,7 +491,7 @@ def gguf_name(hf: str, arch: str) -> str | None:
     stem, _, kind = hf.rpartition(".")
     if stem in _HF_GLOBAL:
         return f"{_HF_GLOBAL[stem]}.{kind}"
-    m = _HF_BLOCK.match(hf)
+    m = _HF_BLOCK.match(hf.replace(".block_sparse_moe.", ".mlp."))
     if m and m.group(2) in _HF_LAYER[arch]:
         return f"blk.{m.group(1)}.{_HF_LAYER[arch][m.group(2)]}.{m.group(3)}"
     raise UnsupportedFeatureError(f"unexpected tensor {hf!r} for architecture {arch!r}")
@@ -501,7 +511,6 @@ class _Tensor:
 
 
 def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
-    import torch
     from safetensors import safe_open
 
     from pocketllm.loaders.safetensors_loader import safetensors_files
@@ -511,19 +520,23 @@ def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
     n_kv = hp.get("num_key_value_heads") or n_head
     gemma = arch == "gemma3"
     out: list[_Tensor] = []
+    experts: dict[str, dict[int, tuple]] = {}  # stacked name -> expert -> (file, tensor, shape)
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for hf in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 if hf == "lm_head.weight" and tied:
                     continue  # llama.cpp uses token_embd for the output
+                if m := _HF_EXPERT.match(hf):
+                    stacked = f"blk.{m.group(1)}.{_EXPERT_STEM[m.group(3)]}.weight"
+                    experts.setdefault(stacked, {})[int(m.group(2))] = (path, hf, tuple(f.get_slice(hf).get_shape()))
+                    continue
                 name = gguf_name(hf, arch)
                 if name is None:
                     continue
                 shape = tuple(f.get_slice(hf).get_shape())
 
                 def load(path=path, hf=hf, name=name):
-                    with safe_open(str(path), framework="pt") as g:
-                        data = g.get_tensor(hf).to(torch.float32).numpy()
+                    data = _read_tensor(path, hf)
                     if arch == "llama" and re.search(r"\.attn_[qk]\.", name):
                         data = permute_rows(data, n_head if ".attn_q." in name else n_kv)
                     if gemma and hf.endswith("norm.weight"):
@@ -531,6 +544,14 @@ def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
                     return np.ascontiguousarray(data, dtype=np.float32)
 
                 out.append(_Tensor(name, shape, load))
+    for name, parts in experts.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ConfigurationError(f"{model_dir}: experts of {name} are missing")
+
+        def load_experts(parts=parts):
+            return np.stack([_read_tensor(*parts[e][:2]) for e in range(len(parts))])
+
+        out.append(_Tensor(name, (len(parts), *parts[0][2]), load_experts))
     names = [t.name for t in out]
     if len(set(names)) != len(names):
         raise ConfigurationError(f"{model_dir} holds some tensors twice")
@@ -539,6 +560,15 @@ def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
         factors = llama3_rope_factors(hp, rope.get("full_attention", rope))
         out.append(_Tensor("rope_freqs.weight", factors.shape, lambda: factors))
     return out
+
+
+def _read_tensor(path: Path, name: str) -> np.ndarray:
+    """One safetensors tensor as float32."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(name).to(torch.float32).numpy()
 
 
 def _size_label(n_params: int) -> str:

@@ -28,6 +28,8 @@ class CausalLM(torch.nn.Module):
     }
     # checkpoint tensors that hold nothing we need
     ignored = re.compile(r"rotary_emb\.inv_freq$")
+    # checkpoint module name -> ours, anywhere in a tensor's name (e.g. Mixtral's block_sparse_moe)
+    renamed_modules: dict[str, str] = {}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -60,6 +62,8 @@ class CausalLM(torch.nn.Module):
         for name, tensor in weights:
             if self.ignored.search(name):
                 continue
+            for theirs, ours in self.renamed_modules.items():
+                name = name.replace(f".{theirs}.", f".{ours}.")
             m = _SUFFIX.search(name)
             if m is None:
                 raise ConfigurationError(f"unexpected checkpoint tensor {name!r}")

@@ -19,7 +19,7 @@ class RuntimeCapabilities:
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
     quantizations: frozenset[str] = GGUF_TYPES
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
-    rope_scaling: frozenset[str] = frozenset({"default", "linear", "llama3", "freq_factors"})
+    rope_scaling: frozenset[str] = frozenset({"default", "linear", "llama3", "freq_factors", "yarn"})
     prefix_caching: bool = True
     cuda_graphs: bool = False
     max_batch_size: int | None = None

@@ -63,9 +63,9 @@ class Attention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device, intermediate_size: int | None = None):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(h, [i, i], cfg.mlp_bias, dtype, device)
         self.down_proj = Linear(i, [h], cfg.mlp_bias, dtype, device)
         self.act = _ACTIVATIONS[cfg.hidden_act]
@@ -87,10 +87,10 @@ class MLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: Attention, dtype, device):
+    def __init__(self, cfg: ModelConfig, attn: Attention, mlp: torch.nn.Module, dtype, device):
         super().__init__()
         self.self_attn = attn
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
@@ -124,13 +124,17 @@ class LlamaForCausalLM(CausalLM):
         qkv_bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = cfg.attention_bias if self.o_bias is None else self.o_bias
         layers = [DecoderLayer(cfg, Attention(cfg, rotary, qkv_bias, o_bias, self.qk_norm, dtype, device),
-                               dtype, device) for _ in range(cfg.num_layers)]
+                               self.make_mlp(cfg, i, dtype, device), dtype, device) for i in range(cfg.num_layers)]
         self.model = LlamaModel(cfg, layers, dtype, device)
         self.rotary = rotary
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device)
         self.cpu_kernels = False  # the CPU fast path: decode-only steps' layers in one C call
         self._cpu_decoder = None  # built at the first such step (the KV cache is bound by then)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
+        """Layer ``layer``'s feed-forward block (mixture-of-experts runtimes override this)."""
+        return MLP(cfg, dtype, device)
 
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)

@@ -16,6 +16,8 @@ _RUNTIMES = {
     "Qwen2ForCausalLM": ("pocketllm.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pocketllm.models.qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("pocketllm.models.gemma3", "Gemma3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("pocketllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("pocketllm.models.mixtral", "MixtralForCausalLM"),
 }
 
 

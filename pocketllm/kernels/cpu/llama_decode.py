@@ -74,7 +74,8 @@ class LlamaDecoder:
         a0 = layers[0].self_attn
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None or mlp.act_code not in (0, 1) or attn.scale != a0.scale:
+            # (a mixture-of-experts block has no act_code: not covered)
+            if attn.q_norm is not None or getattr(mlp, "act_code", None) not in (0, 1) or attn.scale != a0.scale:
                 return None
             projs = [_proj(x, keep) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):

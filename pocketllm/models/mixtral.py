@@ -1,0 +1,28 @@
+"""Mixtral: the Llama op sequence with a mixture of experts in every layer (top-2 of 8 in the
+released models; the two router probabilities renormalised)."""
+from __future__ import annotations
+
+import torch
+
+from pocketllm.config import ModelConfig
+from pocketllm.layers.moe import SparseMoE
+from pocketllm.models.base import CausalLM
+from pocketllm.models.capabilities import RuntimeCapabilities
+from pocketllm.models.llama import MLP, LlamaForCausalLM
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    # Routing groups tokens by expert on the host (a sync per layer): no CUDA graphs.
+    capabilities = RuntimeCapabilities(cuda_graphs=False)
+    # experts.{e}.w1 / w3 / w2: gate, up, down
+    packed_modules = {**CausalLM.packed_modules,
+                      "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
+    renamed_modules = {"block_sparse_moe": "mlp"}
+
+    @classmethod
+    def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
+        return {"sliding_window"} if cfg.raw.get("sliding_window") else {"full"}
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
+        return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, True,
+                         lambda: MLP(cfg, dtype, device), dtype, device)

@@ -1,0 +1,96 @@
+"""Mixture-of-experts runtimes (Qwen3-MoE, Mixtral) beyond the shared parity suite (test_parity runs
+them against transformers like every tiny model): GGUF round trips, which experts a step runs, and
+what is refused before loading."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import prompts_of
+from reference import captured_logits, hf_greedy, hf_last_logits
+from pocketllm import LLM, SamplingParams
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.layers.moe import SparseMoE
+
+MOE = ["qwen3_moe", "mixtral"]
+
+
+def _last_logits(path, prompts):
+    llm = LLM(str(path), dtype="float32", exact_kernels=True)
+    with captured_logits(llm) as captured:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
+    return llm, captured[0]
+
+
+@pytest.mark.parametrize("kind", MOE)
+def test_gguf_f32_equals_transformers(kind, tiny_models, tmp_path):
+    """The stacked expert tensors (blk.N.ffn_*_exps) and the router (ffn_gate_inp) written and read
+    back: F32 files give transformers' logits and greedy tokens."""
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    model, src = tiny_models[kind]
+    path = write_gguf(src, tmp_path / f"{kind}.F32.gguf", "F32").path
+    prompts = prompts_of([1, 9, 30])
+    llm, rows = _last_logits(path, prompts)
+    assert type(llm.engine.runner.model).__name__ == model.config.architectures[0]
+    for prompt, row in zip(prompts, rows):
+        assert float((row - hf_last_logits(model, prompt)).abs().max()) < 1e-4
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 24) for p in prompts]
+
+
+@pytest.mark.parametrize("kind", MOE)
+def test_gguf_q8_0_round_trip_stays_close(kind, tiny_models, tmp_path):
+    """`quantize` to Q8_0 (the experts quantized as stacked [experts, rows, cols] tensors; rows that
+    do not fit 32-blocks fall back as llama-quantize does): it loads, experts kept quantized, and
+    the logits stay within a few percent of transformers'."""
+    import gguf
+
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    model, src = tiny_models[kind]
+    path = write_gguf(src, tmp_path / f"{kind}.Q8_0.gguf", "Q8_0").path
+    types = {t.name.split(".", 2)[2]: t.tensor_type.name for t in gguf.GGUFReader(path).tensors
+             if t.name.startswith("blk.0.")}
+    assert types["ffn_gate_exps.weight"] == "Q8_0" and types["ffn_gate_inp.weight"] == "F32"
+    prompts = prompts_of([4, 21])
+    llm, rows = _last_logits(path, prompts)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert experts[0].gate_up_proj.quantized is not None
+    for prompt, row in zip(prompts, rows):
+        ref = hf_last_logits(model, prompt)
+        assert float((row - ref).abs().max()) < 0.1 * float(ref.abs().max())
+
+
+def test_a_step_runs_only_the_selected_experts(tiny_models):
+    """Each expert runs once per layer and step, on exactly the tokens that selected it; experts no
+    token selected do not run."""
+    _, src = tiny_models["mixtral"]
+    llm = LLM(str(src), dtype="float32", exact_kernels=True)
+    moe = llm.engine.runner.model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoE)
+    routed, calls = [], {}
+    moe.register_forward_pre_hook(lambda m, args: routed.append(m.route(args[0])[1]))
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_pre_hook(lambda m, args, e=e: calls.setdefault(len(routed), []).append(
+            (e, args[0].shape[0])))
+    llm.generate([{"prompt_token_ids": p} for p in prompts_of([3, 11])],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(routed) == 4  # one prefill step, three decode steps
+    for step, ids in enumerate(routed, start=1):
+        counts = torch.bincount(ids.flatten(), minlength=len(moe.experts))
+        assert calls[step] == [(e, int(n)) for e, n in enumerate(counts.tolist()) if n]
+
+
+def test_mixtral_with_a_sliding_window_is_refused_before_loading(tiny_models, tmp_path):
+    _, src = tiny_models["mixtral"]
+    path = tmp_path / "mixtral-swa"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
+    with pytest.raises(UnsupportedFeatureError, match="attention kind 'sliding_window'.*supported: full"):
+        LLM(str(path), dtype="float32")
