@@ -1,6 +1,6 @@
-"""Mixture-of-experts runtimes (Qwen3-MoE, Mixtral) beyond the shared parity suite (test_parity runs
-them against transformers like every tiny model): GGUF round trips, which experts a step runs, and
-what is refused before loading."""
+"""Mixture-of-experts runtimes (Qwen3-MoE, Mixtral, gpt-oss) beyond the shared parity suite
+(test_parity runs them against transformers like every tiny model): GGUF round trips, which experts
+a step runs, and what is refused before loading."""
 from __future__ import annotations
 
 import json
@@ -93,4 +93,16 @@ def test_mixtral_with_a_sliding_window_is_refused_before_loading(tiny_models, tm
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
     with pytest.raises(UnsupportedFeatureError, match="attention kind 'sliding_window'.*supported: full"):
+        LLM(str(path), dtype="float32")
+
+
+def test_gpt_oss_mxfp4_checkpoints_are_refused_before_loading(tiny_models, tmp_path):
+    """The released gpt-oss checkpoints hold their experts in MXFP4 (`quantization_config`); until
+    they load, they are refused by name before any tensor is read."""
+    _, src = tiny_models["gpt_oss"]
+    path = tmp_path / "gpt-oss-mxfp4"
+    path.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(UnsupportedFeatureError, match="GptOssForCausalLM.*quantization type 'MXFP4'.*supported: BF16"):
         LLM(str(path), dtype="float32")

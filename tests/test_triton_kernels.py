@@ -17,8 +17,9 @@ from pocketllm.layers.rotary import _rotate, inv_frequencies
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def reference_attention(q, k_cache, v_cache, rows, scale, window=None, softcap=None):
-    """Dense per-request attention over the cache, from first principles."""
+def reference_attention(q, k_cache, v_cache, rows, scale, window=None, softcap=None, sinks=None):
+    """Dense per-request attention over the cache, from first principles (``sinks`` [Hq]: an extra
+    logit per head in the softmax, attending to nothing)."""
     out = torch.empty_like(q, dtype=torch.float32)
     bs = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
@@ -36,7 +37,10 @@ def reference_attention(q, k_cache, v_cache, rows, scale, window=None, softcap=N
         if window:
             visible &= kpos > qpos - window
         s = s.masked_fill(~visible.to(s.device), float("-inf"))
-        out[q0:q0 + qlen] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
+        if sinks is not None:
+            s = torch.cat((s, sinks.float()[:, None, None].expand(-1, qlen, 1)), -1)
+        p = s.softmax(-1)[..., :ctx]
+        out[q0:q0 + qlen] = torch.einsum("hqk,khd->qhd", p, vv)
         q0 += qlen
     assert bs > 0
     return out
@@ -89,6 +93,24 @@ def test_split_key_decode_matches_reference(splits):
                                 1, 0.125, num_splits=splits)
     torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
     assert kattn.decode_splits(1, 8, torch.device("cpu")) == 16 and kattn.decode_splits(64, 8, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_sinks_match_reference(splits):
+    """gpt-oss's sinks, with a window, in prefill tiles and in split decode rows (the sink counted once)."""
+    q, kc, vc, rows, tables, lens, qsl = make_step([(1, 30), (12, 41), (1, 3)], 4, 2, 32, seed=2)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    ref = reference_attention(q, kc, vc, rows, 0.1, 8, sinks=sinks)
+    out = kattn.paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV),
+                                12, 0.1, 8, sinks=sinks.to(DEV))
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
+    decode = [0, 2]  # the decode rows alone, split over their keys
+    q1, t1 = torch.cat((q[:1], q[-1:])), tables[decode]
+    ref1 = reference_attention(q1, kc, vc, [rows[i] for i in decode], 0.1, sinks=sinks)
+    out1 = kattn.paged_attention(q1.to(DEV), kc.to(DEV), vc.to(DEV), t1.to(DEV), lens[decode].to(DEV),
+                                 torch.tensor([0, 1, 2], dtype=torch.int32).to(DEV), 1, 0.1, num_splits=splits,
+                                 sinks=sinks.to(DEV))
+    torch.testing.assert_close(out1.cpu(), ref1, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("window,softcap", [(8, None), (None, 20.0), (5, 30.0)])

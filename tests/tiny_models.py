@@ -36,6 +36,12 @@ CONFIGS = {
     "mixtral": dict(arch="MixtralForCausalLM", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
+    # sinks, window 8 on layers 0 and 2, YaRN, biased router and experts, softmax over the top 2 of 4
+    # logits; a SwiGLU limit low enough that the clamps act
+    "gpt_oss": dict(arch="GptOssForCausalLM", hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.3, tie_word_embeddings=False,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 
@@ -58,6 +64,8 @@ def make_model(kind: str, root: Path):
                 p.normal_(0.0, 0.08)
             elif "norm" in name:  # random norm weights exercise each norm's exact form
                 p.normal_(1.0 if kind != "gemma3" else 0.0, 0.1)
+            elif kind == "gpt_oss":  # biases and sinks (zeros or uninitialised otherwise)
+                p.normal_(0.0, 0.5 if name.endswith("sinks") else 0.05)
     path = root / kind
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.eos_token_id = None

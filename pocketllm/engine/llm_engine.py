@@ -129,6 +129,10 @@ class LLMEngine:
         else:
             self.model_config = (ModelConfig.from_hf_dict(SHAPES[args.model]) if args.model in SHAPES
                                  else ModelConfig.from_hf_dir(path if path.is_dir() else path.parent))
+            # a checkpoint quantized by a Hugging Face method (MXFP4, AWQ, GPTQ, ...) is checked as
+            # GGUF types are: against what the runtime declares, before any weight is read
+            method = (self.model_config.raw.get("quantization_config") or {}).get("quant_method")
+            quant_types = {str(method).upper()} if method else set()
         cfg = self.model_config
 
         self.device = resolve_device(args.device)

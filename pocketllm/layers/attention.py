@@ -78,15 +78,19 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None = None, softcap: float | None = None,
-                    cpu_kernels: bool = False) -> torch.Tensor:
+                    cpu_kernels: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]. `cpu_kernels`:
-    the CPU fast path writes the cache and attends the decode rows in C (layer_ops)."""
+    the CPU fast path writes the cache and attends the decode rows in C (layer_ops). `sinks`
+    [Hq] float32: a logit per head that joins every row's softmax and attends to nothing (gpt-oss;
+    the torch path and the Triton kernel, not the C kernels)."""
+    assert sinks is None or not cpu_kernels, "the CPU fast path's attention has no sinks"
     if meta.block_tables is not None:
         from pocketllm.kernels.triton import attention as kernels
 
         kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                       meta.query_start_loc, meta.max_query_len, scale, window, softcap)
+                                       meta.query_start_loc, meta.max_query_len, scale, window, softcap,
+                                       sinks=sinks)
     n = meta.num_decodes
     if cpu_kernels:
         from pocketllm.kernels.cpu import layer_ops
@@ -110,26 +114,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         flat = tables.reshape(-1)
         kd = k_cache.index_select(0, flat).view(n, -1, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
         vd = v_cache.index_select(0, flat).view(n, -1, hkv, d).transpose(1, 2)
-        out[:n] = _sdpa(q[:n].unsqueeze(2), kd, vd, dec_mask, scale, softcap).squeeze(2)
+        out[:n] = _sdpa(q[:n].unsqueeze(2), kd, vd, dec_mask, scale, softcap, sinks).squeeze(2)
     for span, mask in zip(meta.prefills, pre_masks):
         s, ql, cl = span.query_start, span.query_len, span.context_len
         kp = k_cache.index_select(0, span.block_ids).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
         vp = v_cache.index_select(0, span.block_ids).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
         qp = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
-        out[s:s + ql] = _sdpa(qp, kp, vp, mask, scale, softcap)[0].transpose(0, 1)
+        out[s:s + ql] = _sdpa(qp, kp, vp, mask, scale, softcap, sinks)[0].transpose(0, 1)
     return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-          softcap: float | None) -> torch.Tensor:
-    if softcap is None:
+          softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                               scale=scale, enable_gqa=True)
-    # Soft-capped scores (Gemma 2 style) need the explicit path.
+    # Soft-capped scores (Gemma 2 style) and sinks need the explicit path.
     group = q.shape[1] // k.shape[1]
     k = k.to(q.dtype).repeat_interleave(group, dim=1)
     v = v.to(q.dtype).repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.matmul(torch.softmax(torch.cat((scores, sink), -1), dim=-1)[..., :-1].to(q.dtype), v)
+    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)

@@ -15,20 +15,25 @@ from pocketllm.layers.linear import Linear
 
 
 class SparseMoE(torch.nn.Module):
-    """``gate``: the router, a [num_experts, hidden] projection (no bias). Routing as
-    transformers' Qwen3-MoE and Mixtral compute it: softmax over all experts in float32, the top k
-    (torch.topk's order and ties), renormalised to sum to 1 when ``renormalize``."""
+    """``gate``: the router, a [num_experts, hidden] projection. Routing as transformers computes
+    it: Qwen3-MoE and Mixtral take a softmax over all experts in float32, then the top k
+    (torch.topk's order and ties), renormalised to sum to 1 when ``renormalize``; gpt-oss
+    (``softmax_of_top_k``, a router bias) takes the top k logits, then a softmax over those."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 make_expert: Callable[[], torch.nn.Module], dtype, device):
+                 make_expert: Callable[[], torch.nn.Module], dtype, device, router_bias: bool = False,
+                 softmax_of_top_k: bool = False):
         super().__init__()
         assert 0 < top_k <= num_experts, (top_k, num_experts)
-        self.top_k, self.renormalize = top_k, renormalize
-        self.gate = Linear(hidden_size, [num_experts], dtype=dtype, device=device)
+        self.top_k, self.renormalize, self.softmax_of_top_k = top_k, renormalize, softmax_of_top_k
+        self.gate = Linear(hidden_size, [num_experts], router_bias, dtype=dtype, device=device)
         self.experts = torch.nn.ModuleList(make_expert() for _ in range(num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) for the tokens x [T, hidden]."""
+        if self.softmax_of_top_k:
+            logits, ids = torch.topk(self.gate(x).float(), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1), ids
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:

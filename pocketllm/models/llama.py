@@ -21,10 +21,22 @@ _ACTIVATIONS = {
 _KERNEL_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}  # codes of kernels.triton.fused
 
 
+class Sinks(torch.nn.Module):
+    """A learned logit per attention head that joins each softmax and attends to nothing (gpt-oss's
+    `self_attn.sinks`); float32, as the scores it joins."""
+
+    def __init__(self, num_heads: int, device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(num_heads, device=device), requires_grad=False)
+
+    def load(self, tensor: torch.Tensor, shard: int = 0, kind: str = "weight") -> None:
+        self.weight.data.copy_(tensor)
+
+
 class Attention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool, dtype, device, window: int | None = None, scale: float | None = None,
-                 softcap: float | None = None, norm_offset: float = 0.0):
+                 softcap: float | None = None, norm_offset: float = 0.0, sinks: bool = False):
         super().__init__()
         d = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
@@ -36,6 +48,7 @@ class Attention(torch.nn.Module):
         self.rotary = rotary
         self.window, self.softcap = window, softcap
         self.scale = d ** -0.5 if scale is None else scale
+        self.sinks = Sinks(cfg.num_heads, device) if sinks else None
         self.k_cache = self.v_cache = None  # bound by the runner
         self.cpu_kernels = False  # the CPU fast path's cache write and decode attention
 
@@ -45,7 +58,8 @@ class Attention(torch.nn.Module):
         qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
-        if self.cpu_kernels and meta.cpu_decode_only:  # rotary, cache write and attention: one call
+        fast = self.cpu_kernels and self.sinks is None  # the C kernels have no sinks
+        if fast and meta.cpu_decode_only:  # rotary, cache write and attention: one call
             from pocketllm.kernels.cpu import layer_ops
 
             if self.q_norm is not None:
@@ -57,8 +71,8 @@ class Attention(torch.nn.Module):
             return self.o_proj(o.reshape(t, -1))
         qk = self.rotary(positions, qk)  # queries and keys rotate in one pass
         q, k = qk[:, :hq], qk[:, hq:]
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                            self.window, self.softcap, self.cpu_kernels)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap,
+                            fast, None if self.sinks is None else self.sinks.weight)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -123,7 +137,7 @@ class LlamaForCausalLM(CausalLM):
         rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling, device)
         qkv_bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = cfg.attention_bias if self.o_bias is None else self.o_bias
-        layers = [DecoderLayer(cfg, Attention(cfg, rotary, qkv_bias, o_bias, self.qk_norm, dtype, device),
+        layers = [DecoderLayer(cfg, self.make_attention(cfg, i, rotary, qkv_bias, o_bias, dtype, device),
                                self.make_mlp(cfg, i, dtype, device), dtype, device) for i in range(cfg.num_layers)]
         self.model = LlamaModel(cfg, layers, dtype, device)
         self.rotary = rotary
@@ -131,6 +145,11 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device)
         self.cpu_kernels = False  # the CPU fast path: decode-only steps' layers in one C call
         self._cpu_decoder = None  # built at the first such step (the KV cache is bound by then)
+
+    def make_attention(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                       dtype, device) -> Attention:
+        """Layer ``layer``'s attention (runtimes with per-layer windows or sinks override this)."""
+        return Attention(cfg, rotary, qkv_bias, o_bias, self.qk_norm, dtype, device)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
         """Layer ``layer``'s feed-forward block (mixture-of-experts runtimes override this)."""

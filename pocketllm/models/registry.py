@@ -18,6 +18,7 @@ _RUNTIMES = {
     "Gemma3ForCausalLM": ("pocketllm.models.gemma3", "Gemma3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("pocketllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("pocketllm.models.mixtral", "MixtralForCausalLM"),
+    "GptOssForCausalLM": ("pocketllm.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -75,7 +75,8 @@ class LlamaDecoder:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             # (a mixture-of-experts block has no act_code: not covered)
-            if attn.q_norm is not None or getattr(mlp, "act_code", None) not in (0, 1) or attn.scale != a0.scale:
+            if (attn.q_norm is not None or attn.sinks is not None or getattr(mlp, "act_code", None) not in (0, 1)
+                    or attn.scale != a0.scale):
                 return None
             projs = [_proj(x, keep) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):

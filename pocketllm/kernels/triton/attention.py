@@ -39,13 +39,13 @@ def _find_seq(query_start_loc, qb, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
+        q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, seq_lens, query_start_loc, sinks,
         scale, softcap, window, num_seqs, num_q_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, PRECISION: tl.constexpr,
         NUM_SPLITS: tl.constexpr):
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -83,6 +83,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:  # the head's sink logit starts the softmax (in the first split only): exp(0) = 1, no value
+        sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, TILE_N)
     for start in range(kv_begin, kv_end, TILE_N):
@@ -158,8 +162,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, scale: float, window: int | None = None,
                     softcap: float | None = None, out: torch.Tensor | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
-    """q [T, Hq, D] (any row/head strides, unit last stride) -> out [T, Hq, D].
+                    num_splits: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] (any row/head strides, unit last stride) -> out [T, Hq, D]. ``sinks`` [Hq]
+    float32: a logit per head in every row's softmax denominator (gpt-oss).
 
     block_tables [R, W] int32, seq_lens [R] int32, query_start_loc [R + 1] int32; the step's
     K/V must already be in the cache. `max_query_len` only picks the tile shape (and, when
@@ -187,13 +192,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (t // block_q + num_seqs, hkv, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
-        scale, softcap or 0.0, window or 0, num_seqs, hq,
+        out if sinks is None else sinks, scale, softcap or 0.0, window or 0, num_seqs, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(max(d, 16)),
         KV_BLOCK=kv_block, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
-        USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no TF32
         NUM_SPLITS=num_splits)
     if num_splits > 1:

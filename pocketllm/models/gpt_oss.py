@@ -1,0 +1,92 @@
+"""gpt-oss: attention with biases and a learned sink logit per head, sliding-window layers
+alternating with full ones (`layer_types`), YaRN rope, and a mixture of experts whose router takes
+the top k logits before its softmax, with biased experts and a clamped SwiGLU.
+
+Checkpoints hold the experts fused, x @ W style: `mlp.experts.gate_up_proj` [experts, hidden,
+2 * inter] with gate and up columns interleaved, `down_proj` [experts, inter, hidden], and their
+biases. They are split here into each expert's gate, up and down `Linear` weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from pocketllm.config import ModelConfig
+from pocketllm.layers.linear import Linear, QuantizedTensor
+from pocketllm.layers.moe import SparseMoE
+from pocketllm.layers.rotary import RotaryEmbedding
+from pocketllm.models.capabilities import RuntimeCapabilities
+from pocketllm.models.llama import Attention, LlamaForCausalLM
+
+
+class GptOssExpert(torch.nn.Module):
+    """down(clamp(up) + 1) * g * sigmoid(alpha * g)), g = min(gate, limit): transformers' GptOssExperts
+    for one expert."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = Linear(h, [i, i], True, dtype, device)
+        self.down_proj = Linear(i, [h], True, dtype, device)
+        self.alpha = float(cfg.raw.get("swiglu_alpha", 1.702))
+        self.limit = float(cfg.raw.get("swiglu_limit", 7.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    # Grouping tokens by expert syncs with the host: no CUDA graphs. The CPU fast path's C attention
+    # has no sinks (the layers take the torch path there). No GGUF `gpt-oss` files yet: float weights.
+    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}),
+                                       quantizations=frozenset({"F32", "F16", "BF16"}))
+    qkv_bias = o_bias = True
+    renamed_modules = {"router": "gate"}
+
+    @classmethod
+    def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
+        return {"sliding_window" if t == "sliding_attention" else "full" for t in _layer_types(cfg)}
+
+    def make_attention(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                       dtype, device) -> Attention:
+        window = cfg.raw.get("sliding_window") if _layer_types(cfg)[layer] == "sliding_attention" else None
+        return Attention(cfg, rotary, qkv_bias, o_bias, False, dtype, device, window=window, sinks=True)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
+        return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, False,
+                         lambda: GptOssExpert(cfg, dtype, device), dtype, device, router_bias=True,
+                         softmax_of_top_k=True)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        super().load_weights(_split_experts(weights))
+
+
+def _layer_types(cfg: ModelConfig) -> list[str]:
+    types = cfg.raw.get("layer_types")
+    if types is None:  # the released configs alternate, sliding first
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_layers)]
+    return types
+
+
+def _split_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The fused expert tensors as each expert's gate / up / down weights and biases ([out, in]
+    `Linear` layout); the sinks as a module's weight."""
+    for name, tensor in weights:
+        stem, _, leaf = name.rpartition(".")
+        if leaf == "sinks":
+            yield f"{name}.weight", tensor
+        elif leaf in ("gate_up_proj", "gate_up_proj_bias"):
+            kind = "bias" if leaf.endswith("_bias") else "weight"
+            for e, w in enumerate(tensor):
+                w = w.T if kind == "weight" else w  # [hidden, 2 * inter] -> [2 * inter, hidden]
+                yield f"{stem}.{e}.gate_proj.{kind}", w[0::2]
+                yield f"{stem}.{e}.up_proj.{kind}", w[1::2]
+        elif leaf in ("down_proj", "down_proj_bias") and stem.endswith(".experts"):
+            kind = "bias" if leaf.endswith("_bias") else "weight"
+            for e, w in enumerate(tensor):
+                yield f"{stem}.{e}.down_proj.{kind}", w.T if kind == "weight" else w
+        else:
+            yield name, tensor
