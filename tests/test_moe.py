@@ -96,13 +96,62 @@ def test_mixtral_with_a_sliding_window_is_refused_before_loading(tiny_models, tm
         LLM(str(path), dtype="float32")
 
 
-def test_gpt_oss_mxfp4_checkpoints_are_refused_before_loading(tiny_models, tmp_path):
-    """The released gpt-oss checkpoints hold their experts in MXFP4 (`quantization_config`); until
-    they load, they are refused by name before any tensor is read."""
-    _, src = tiny_models["gpt_oss"]
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] float -> OpenAI's MXFP4 (blocks [..., rows, cols / 32, 16] uint8, E8M0
+    exponents [..., rows, cols / 32] uint8): each 32-block scaled so its largest magnitude fits 6,
+    every value rounded to the nearest FP4 code; weights 2b and 2b + 1 in byte b, low nibble first."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    x = g / torch.exp2(exp)[..., None]
+    code = (x.abs()[..., None] - _FP4).abs().argmin(-1) | ((x < 0).long() << 3)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_equal_transformers_dequantization(tiny_models, tmp_path):
+    """A gpt-oss checkpoint whose experts are in OpenAI's MXFP4 layout (as released): the blocks stay
+    quantized (GGUF MXFP4) and the model computes what transformers computes with the weights its
+    own MXFP4 decoder (`convert_moe_packed_tensors`) makes of the same bytes."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model, src = tiny_models["gpt_oss"]
     path = tmp_path / "gpt-oss-mxfp4"
     path.mkdir()
+    state = load_file(src / "model.safetensors")
+    reference = transformers.GptOssForCausalLM(model.config).eval()
+    ref_state = dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _to_mxfp4(state.pop(name).transpose(1, 2).float())  # x @ W -> rows = out
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        ref_state[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # x @ W again
+    reference.load_state_dict(ref_state)
+    save_file(state, str(path / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
-    with pytest.raises(UnsupportedFeatureError, match="GptOssForCausalLM.*quantization type 'MXFP4'.*supported: BF16"):
+
+    prompts = prompts_of([1, 9, 30])
+    llm, rows = _last_logits(path, prompts)
+    expert = llm.engine.runner.model.model.layers[0].mlp.experts[0]
+    assert expert.gate_up_proj.quantized.qtype.name == "MXFP4"
+    for prompt, row in zip(prompts, rows):
+        assert float((row - hf_last_logits(reference, prompt)).abs().max()) < 1e-4
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, 16) for p in prompts]
+
+
+def test_checkpoints_of_other_quantization_methods_are_refused_before_loading(tiny_models, tmp_path):
+    """A Hugging Face quantization method a runtime does not declare (AWQ here) is refused by name,
+    with what is supported, before any tensor is read."""
+    _, src = tiny_models["llama"]
+    path = tmp_path / "llama-awq"
+    path.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(UnsupportedFeatureError, match="quantization type 'AWQ'; supported: BF16, F16, F32"):
         LLM(str(path), dtype="float32")

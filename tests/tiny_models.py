@@ -38,7 +38,7 @@ CONFIGS = {
                     tie_word_embeddings=False),
     # sinks, window 8 on layers 0 and 2, YaRN, biased router and experts, softmax over the top 2 of 4
     # logits; a SwiGLU limit low enough that the clamps act
-    "gpt_oss": dict(arch="GptOssForCausalLM", hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+    "gpt_oss": dict(arch="GptOssForCausalLM", hidden_size=64, intermediate_size=64, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.3, tie_word_embeddings=False,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),

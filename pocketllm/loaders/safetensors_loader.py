@@ -28,4 +28,6 @@ def iter_safetensors(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tupl
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                t = f.get_tensor(name)
+                # uint8 tensors are packed codes (MXFP4 blocks and exponents), not numbers to convert
+                yield name, t if t.dtype == torch.uint8 else t.to(dtype)

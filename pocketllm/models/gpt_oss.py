@@ -4,13 +4,18 @@ the top k logits before its softmax, with biased experts and a clamped SwiGLU.
 
 Checkpoints hold the experts fused, x @ W style: `mlp.experts.gate_up_proj` [experts, hidden,
 2 * inter] with gate and up columns interleaved, `down_proj` [experts, inter, hidden], and their
-biases. They are split here into each expert's gate, up and down `Linear` weights.
+biases. They are split here into each expert's gate, up and down `Linear` weights. The released
+checkpoints hold them in MXFP4 instead (`<proj>_blocks` [experts, rows, in / 32, 16] of packed
+4-bit codes, `<proj>_scales` [experts, rows, in / 32] of E8M0 exponents, rows = out): those are
+re-packed, bit for bit, into GGUF's MXFP4 blocks and stay quantized.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from gguf import GGMLQuantizationType
 
 from pocketllm.config import ModelConfig
 from pocketllm.layers.linear import Linear, QuantizedTensor
@@ -40,9 +45,10 @@ class GptOssExpert(torch.nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     # Grouping tokens by expert syncs with the host: no CUDA graphs. The CPU fast path's C attention
-    # has no sinks (the layers take the torch path there). No GGUF `gpt-oss` files yet: float weights.
+    # has no sinks (the layers take the torch path there). Float weights, or the MXFP4 experts of
+    # the released safetensors checkpoints (GGUF `gpt-oss` files are not read yet).
     capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}),
-                                       quantizations=frozenset({"F32", "F16", "BF16"}))
+                                       quantizations=frozenset({"F32", "F16", "BF16", "MXFP4"}))
     qkv_bias = o_bias = True
     renamed_modules = {"router": "gate"}
 
@@ -71,12 +77,18 @@ def _layer_types(cfg: ModelConfig) -> list[str]:
     return types
 
 
-def _split_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _split_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """The fused expert tensors as each expert's gate / up / down weights and biases ([out, in]
     `Linear` layout); the sinks as a module's weight."""
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 projection -> its blocks / scales so far
     for name, tensor in weights:
         stem, _, leaf = name.rpartition(".")
-        if leaf == "sinks":
+        if leaf.endswith(("_blocks", "_scales")):
+            parts = packed.setdefault(name[:-7], {})
+            parts[leaf[-6:]] = tensor
+            if len(parts) == 2:
+                yield from _mxfp4_experts(name[:-7], parts["blocks"], parts["scales"])
+        elif leaf == "sinks":
             yield f"{name}.weight", tensor
         elif leaf in ("gate_up_proj", "gate_up_proj_bias"):
             kind = "bias" if leaf.endswith("_bias") else "weight"
@@ -90,3 +102,22 @@ def _split_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
                 yield f"{stem}.{e}.down_proj.{kind}", w.T if kind == "weight" else w
         else:
             yield name, tensor
+
+
+def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> Iterator[tuple[str, QuantizedTensor]]:
+    """OpenAI's MXFP4 layout -> GGUF MXFP4 blocks, per expert. Both hold 32 weights a block as an
+    E8M0 exponent and 16 bytes of 4-bit codes with the same meaning; OpenAI packs weights 2b and
+    2b + 1 into byte b (low nibble first), GGUF weights j and j + 16 into byte j."""
+    stem, _, proj = name.rpartition(".")  # ...mlp.experts, gate_up_proj | down_proj
+    n_exp, rows, groups, _ = blocks.shape
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(n_exp, rows, groups, 32)
+    ggml = torch.cat((scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)), dim=-1)
+    ggml = ggml.reshape(n_exp, rows, groups * 17)
+    k = groups * 32
+    for e in range(n_exp):
+        if proj == "gate_up_proj":  # gate and up rows interleaved
+            for i, part in enumerate(("gate_proj", "up_proj")):
+                yield (f"{stem}.{e}.{part}.weight",
+                       QuantizedTensor(ggml[e, i::2].contiguous(), GGMLQuantizationType.MXFP4, (rows // 2, k)))
+        else:
+            yield f"{stem}.{e}.down_proj.weight", QuantizedTensor(ggml[e].contiguous(), GGMLQuantizationType.MXFP4, (rows, k))
