@@ -155,3 +155,17 @@ def test_checkpoints_of_other_quantization_methods_are_refused_before_loading(ti
     (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq"}}))
     with pytest.raises(UnsupportedFeatureError, match="quantization type 'AWQ'; supported: BF16, F16, F32"):
         LLM(str(path), dtype="float32")
+
+
+@pytest.mark.parametrize("shape,billions", [("qwen3-30b-a3b", 30.5), ("mixtral-8x7b", 46.7), ("gpt-oss-20b", 20.9)])
+def test_named_shapes_build_the_published_parameter_counts(shape, billions):
+    """The runtimes of the named MoE shapes (random-weight benchmarks: `--load-format dummy`),
+    built on the meta device: the published total parameter counts."""
+    from pocketllm.config import EngineArgs, ModelConfig
+    from pocketllm.models.registry import select_runtime
+    from pocketllm.models.shapes import SHAPES
+
+    cfg = ModelConfig.from_hf_dict(SHAPES[shape])
+    runtime = select_runtime(cfg, EngineArgs.from_kwargs(model=shape, load_format="dummy"), "cpu", "bfloat16")
+    model = runtime.model_class(cfg, dtype=torch.bfloat16, device="meta", max_model_len=256)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == billions
