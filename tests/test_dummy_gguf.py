@@ -102,7 +102,8 @@ def test_engine_runs_every_type(qtype, tmp_path):
 
 _MOE = {"Qwen3MoeForCausalLM": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                                     norm_topk_prob=True),
-        "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2)}
+        "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+        "GptOssForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_bias=True)}
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *_MOE])
@@ -111,7 +112,8 @@ def test_engine_generates_from_a_dummy_file(arch, tmp_path):
     if arch != "LlamaForCausalLM":
         shape.pop("rope_scaling")
         shape["tie_word_embeddings"] = arch == "Qwen2ForCausalLM"
-    path = write_dummy_gguf(tmp_path / "d.gguf", shape, "Q4_K_M").path
+    # gpt-oss as released: MXFP4 experts, Q8_0 for the rest
+    path = write_dummy_gguf(tmp_path / "d.gguf", shape, "MXFP4_MOE" if "GptOss" in arch else "Q4_K_M").path
     llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16)
     assert llm.engine.model_config.architecture == arch
     with captured_logits(llm) as logits:
@@ -123,11 +125,12 @@ def test_engine_generates_from_a_dummy_file(arch, tmp_path):
 
 def test_mixture_of_experts_shapes():
     """The named MoE shapes' tensors: a router and stacked [experts, rows, cols] expert matrices per
-    layer, and the published parameter counts (Qwen3-30B-A3B 30.5B, Mixtral-8x7B 46.7B)."""
+    layer, and the published parameter counts (Qwen3-30B-A3B 30.5B, Mixtral-8x7B 46.7B, gpt-oss-20b 20.9B)."""
     from pocketllm.loaders.dummy_gguf import _tensor_shapes
     from pocketllm.models.shapes import SHAPES
 
-    for name, arch, billions in (("qwen3-30b-a3b", "qwen3moe", 30.5), ("mixtral-8x7b", "llama", 46.7)):
+    for name, arch, billions in (("qwen3-30b-a3b", "qwen3moe", 30.5), ("mixtral-8x7b", "llama", 46.7),
+                                 ("gpt-oss-20b", "gpt-oss", 20.9)):
         hp = SHAPES[name]
         shapes = dict(_tensor_shapes(arch, hp))
         e = hp.get("num_experts") or hp["num_local_experts"]

@@ -169,3 +169,29 @@ def test_named_shapes_build_the_published_parameter_counts(shape, billions):
     runtime = select_runtime(cfg, EngineArgs.from_kwargs(model=shape, load_format="dummy"), "cpu", "bfloat16")
     model = runtime.model_class(cfg, dtype=torch.bfloat16, device="meta", max_model_len=256)
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == billions
+
+
+def test_gpt_oss_gguf_equals_transformers(tiny_models, tmp_path):
+    """gpt-oss written to GGUF as llama.cpp's converter lays it out (gate/up de-interleaved into
+    ffn_gate_exps / ffn_up_exps, expert biases, attn_sinks, post_attention_norm) and read back:
+    transformers' logits. GGUF fixes the SwiGLU limit at gpt-oss's 7.0, so the tiny model is
+    rebuilt with it; a file of another limit is refused."""
+    import transformers
+
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    model, src = tiny_models["gpt_oss"]
+    with pytest.raises(UnsupportedFeatureError, match="swiglu_limit 7.0"):
+        write_gguf(src, tmp_path / "refused.gguf", "F32")
+    ckpt = tmp_path / "gpt-oss-7"
+    shutil.copytree(src, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": 7.0}))
+    reference = transformers.GptOssForCausalLM(transformers.GptOssConfig.from_pretrained(ckpt)).eval()
+    reference.load_state_dict(model.state_dict())
+    path = write_gguf(ckpt, tmp_path / "gpt-oss.F32.gguf", "F32").path
+    prompts = prompts_of([1, 9, 30])
+    llm, rows = _last_logits(path, prompts)
+    assert type(llm.engine.runner.model).__name__ == "GptOssForCausalLM"
+    for prompt, row in zip(prompts, rows):
+        assert float((row - hf_last_logits(reference, prompt)).abs().max()) < 1e-4

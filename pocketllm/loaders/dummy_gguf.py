@@ -138,8 +138,9 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
     """GGUF name -> shape (rows first) of every tensor of a llama / qwen2 / qwen3 model, or of the
     mixtures of experts qwen3moe and llama with experts (Mixtral): a router and stacked
     [experts, rows, cols] expert matrices in place of the MLP."""
-    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe"):
-        raise UnsupportedFeatureError(f"dummy GGUF files are written for llama, qwen2, qwen3 and qwen3moe, not {arch}")
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss"):
+        raise UnsupportedFeatureError(
+            f"dummy GGUF files are written for llama, qwen2, qwen3, qwen3moe and gpt-oss, not {arch}")
     h, inter, v = hp["hidden_size"], hp["intermediate_size"], hp["vocab_size"]
     n_exp = hp.get("num_local_experts") or hp.get("num_experts") or 0
     e_inter = hp.get("moe_intermediate_size") or inter
@@ -156,13 +157,20 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (nh * hd, h)),
                 (b + "attn_k.weight", (nkv * hd, h)), (b + "attn_v.weight", (nkv * hd, h)),
-                (b + "attn_output.weight", (h, nh * hd)), (b + "ffn_norm.weight", (h,))]
+                (b + "attn_output.weight", (h, nh * hd)),
+                (b + ("post_attention_norm" if arch == "gpt-oss" else "ffn_norm") + ".weight", (h,))]
         if n_exp:
             out += [(b + "ffn_gate_inp.weight", (n_exp, h)), (b + "ffn_gate_exps.weight", (n_exp, e_inter, h)),
                     (b + "ffn_up_exps.weight", (n_exp, e_inter, h)), (b + "ffn_down_exps.weight", (n_exp, h, e_inter))]
         else:
             out += [(b + "ffn_gate.weight", (inter, h)), (b + "ffn_up.weight", (inter, h)),
                     (b + "ffn_down.weight", (h, inter))]
+        if arch == "gpt-oss":  # biases everywhere, the sinks
+            out += [(b + f"attn_{p}.bias", (n,)) for p, n in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd),
+                                                               ("output", h))]
+            out += [(b + "attn_sinks.weight", (nh,)), (b + "ffn_gate_inp.bias", (n_exp,)),
+                    (b + "ffn_gate_exps.bias", (n_exp, e_inter)), (b + "ffn_up_exps.bias", (n_exp, e_inter)),
+                    (b + "ffn_down_exps.bias", (n_exp, h))]
         if arch == "qwen2":
             out += [(b + f"attn_{p}.bias", (n,)) for p, n in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd))]
         if arch in ("qwen3", "qwen3moe"):

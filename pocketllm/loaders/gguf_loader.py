@@ -27,9 +27,10 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # llama.cpp writes Mixtral as `llama` with expert tensors
-MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -48,6 +49,14 @@ EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_dow
 # Gemma 3 has four norms per layer; llama.cpp names them differently.
 _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# gpt-oss: its post-attention norm under llama.cpp's ATTN_POST_NORM name, and the sinks
+_GPT_OSS_LAYER_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm"},
+                        "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
+
+
+def layer_names(arch: str) -> dict[str, str]:
+    """GGUF per-layer tensor stem -> the Hugging Face module path, for ``arch``."""
+    return {"gemma3": _GEMMA3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
 _DENSE = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -87,6 +96,10 @@ class GGUFModelFile:
                if k.startswith(f"{self.arch}.") and len(f.data) < 64}
         if self.arch == "gemma3":
             raw.update(self._gemma3_settings(self.arch_meta("attention.key_length", hidden // heads)))
+        if self.arch == "gpt-oss":  # sliding-window layers: even ones unless a pattern says otherwise
+            raw["sliding_window"] = self.arch_meta("attention.sliding_window")
+            if isinstance(pattern := self.arch_meta("attention.sliding_window_pattern"), list):
+                raw["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
         experts = self.arch_meta("expert_count", 0)
         if experts:  # layers without a router keep a dense MLP
             raw["mlp_only_layers"] = [i for i in range(self.arch_meta("block_count"))
@@ -149,6 +162,8 @@ class GGUFModelFile:
                               ("yarn_attn_factor", "attention_factor")):
                 if (value := self.arch_meta(f"rope.scaling.{key}")) is not None:
                     scaling[ours] = value
+            if self.arch == "gpt-oss":  # its config's (transformers'); llama.cpp always truncates
+                scaling["truncate"] = False
         return scaling
 
     def release(self) -> None:
@@ -167,7 +182,7 @@ class GGUFModelFile:
         if stem in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[stem]}.{kind}"
         m = _BLOCK.match(name)
-        table = _GEMMA3_LAYER_NAMES if self.arch == "gemma3" else _LAYER_NAMES
+        table = layer_names(self.arch)
         if m is not None and m.group(2) in EXPERT_NAMES:  # one name per expert: "{}" for its index
             return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
         if m is None or m.group(2) not in table:
@@ -186,7 +201,7 @@ class GGUFModelFile:
             if self.arch == "llama" and stem in ("attn_q", "attn_k"):
                 heads = cfg.num_heads if stem == "attn_q" else cfg.num_kv_heads
                 data = unpermute_rows(data.reshape(shape[0], -1), heads)
-            if len(shape) == 3:  # stacked experts: rows of expert e are rows e * R .. (e + 1) * R
+            if "{}" in name:  # stacked experts (or their biases): expert e's rows are e * R .. (e + 1) * R
                 rows = data.reshape(shape[0] * shape[1], -1)
                 for e in range(shape[0]):
                     part = rows[e * shape[1]:(e + 1) * shape[1]]

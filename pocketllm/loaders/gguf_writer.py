@@ -29,12 +29,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
-from pocketllm.loaders.gguf_loader import (
-    _GEMMA3_LAYER_NAMES,
-    _GLOBAL_NAMES,
-    _LAYER_NAMES,
-    ARCHITECTURES,
-)
+from pocketllm.loaders.gguf_loader import _GLOBAL_NAMES, ARCHITECTURES, layer_names
 from pocketllm.quant import mixes
 from pocketllm.quant.quantize import SUPPORTED, quantize
 
@@ -173,8 +168,13 @@ def _add_arch_metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rope: dict, voca
     if n_expert := hp.get("num_local_experts") or hp.get("num_experts"):
         w.add_expert_count(n_expert)
         w.add_expert_used_count(hp["num_experts_per_tok"])
-        if hp.get("moe_intermediate_size"):
-            w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        if hp.get("moe_intermediate_size") or arch == "gpt-oss":
+            w.add_expert_feed_forward_length(hp.get("moe_intermediate_size") or hp["intermediate_size"])
+    if arch == "gpt-oss":
+        # llama.cpp fixes the clamped SwiGLU's constants for gpt-oss files; nothing records others
+        if (hp.get("swiglu_limit", 7.0), hp.get("swiglu_alpha", 1.702)) != (7.0, 1.702):
+            raise UnsupportedFeatureError("gpt-oss GGUF files hold swiglu_limit 7.0 and swiglu_alpha 1.702 only")
+        w.add_sliding_window(hp["sliding_window"])
     if gemma:
         if hp.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
@@ -473,8 +473,7 @@ def _is_sentencepiece_json(model_dir: Path) -> bool:
 # ---- tensors -----------------------------------------------------------------------------------------------
 
 _HF_GLOBAL = {hf: g for g, hf in _GLOBAL_NAMES.items()}
-_HF_LAYER = {arch: {hf: g for g, hf in (_GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES).items()}
-             for arch in ARCHITECTURES}
+_HF_LAYER = {arch: {hf: g for g, hf in layer_names(arch).items()} for arch in ARCHITECTURES}
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # one expert's matrix (Qwen3-MoE's names, Mixtral's): stacked into blk.N.ffn_*_exps
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -491,7 +490,9 @@ def gguf_name(hf: str, arch: str) -> str | None:
     stem, _, kind = hf.rpartition(".")
     if stem in _HF_GLOBAL:
         return f"{_HF_GLOBAL[stem]}.{kind}"
-    m = _HF_BLOCK.match(hf.replace(".block_sparse_moe.", ".mlp."))
+    if hf.endswith(".sinks"):  # gpt-oss's: a bare parameter
+        hf += ".weight"
+    m = _HF_BLOCK.match(hf.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate."))
     if m and m.group(2) in _HF_LAYER[arch]:
         return f"blk.{m.group(1)}.{_HF_LAYER[arch][m.group(2)]}.{m.group(3)}"
     raise UnsupportedFeatureError(f"unexpected tensor {hf!r} for architecture {arch!r}")
@@ -526,6 +527,9 @@ def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
             for hf in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 if hf == "lm_head.weight" and tied:
                     continue  # llama.cpp uses token_embd for the output
+                if arch == "gpt-oss" and (fused := _GPT_OSS_EXPERTS.match(hf)):
+                    out += _gpt_oss_experts(path, hf, fused, tuple(f.get_slice(hf).get_shape()))
+                    continue
                 if m := _HF_EXPERT.match(hf):
                     stacked = f"blk.{m.group(1)}.{_EXPERT_STEM[m.group(3)]}.weight"
                     experts.setdefault(stacked, {})[int(m.group(2))] = (path, hf, tuple(f.get_slice(hf).get_shape()))
@@ -559,6 +563,31 @@ def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
     if arch == "llama" and (rope.get("full_attention", rope).get("rope_type") or "").lower() == "llama3":
         factors = llama3_rope_factors(hp, rope.get("full_attention", rope))
         out.append(_Tensor("rope_freqs.weight", factors.shape, lambda: factors))
+    return out
+
+
+# gpt-oss's fused experts, x @ W style, gate and up interleaved (models/gpt_oss.py)
+_GPT_OSS_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+
+
+def _gpt_oss_experts(path: Path, hf: str, m: re.Match, shape: tuple[int, ...]) -> list[_Tensor]:
+    """llama.cpp's converter's split: gate_up [E, H, 2I] -> ffn_gate_exps / ffn_up_exps [E, I, H]
+    (columns 0::2 / 1::2, transposed), down [E, I, H] -> ffn_down_exps [E, H, I]; biases alike."""
+    b, proj, bias = f"blk.{m.group(1)}.", m.group(2), bool(m.group(3))
+    kind = "bias" if bias else "weight"
+    if proj == "down_proj":
+        return [_Tensor(f"{b}ffn_down_exps.{kind}", shape if bias else (shape[0], shape[2], shape[1]),
+                        lambda: np.ascontiguousarray(_read_tensor(path, hf) if bias else
+                                                     _read_tensor(path, hf).transpose(0, 2, 1)))]
+    out = []
+    for stem, cols in (("ffn_gate_exps", slice(0, None, 2)), ("ffn_up_exps", slice(1, None, 2))):
+        half = (shape[0], shape[1] // 2) if bias else (shape[0], shape[2] // 2, shape[1])
+
+        def load(cols=cols):
+            t = _read_tensor(path, hf)
+            return np.ascontiguousarray(t[:, cols] if bias else t[:, :, cols].transpose(0, 2, 1))
+
+        out.append(_Tensor(f"{b}{stem}.{kind}", half, load))
     return out
 
 

@@ -31,7 +31,7 @@ class GptOssExpert(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = Linear(h, [i, i], True, dtype, device)
         self.down_proj = Linear(i, [h], True, dtype, device)
         self.alpha = float(cfg.raw.get("swiglu_alpha", 1.702))
@@ -45,10 +45,8 @@ class GptOssExpert(torch.nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     # Grouping tokens by expert syncs with the host: no CUDA graphs. The CPU fast path's C attention
-    # has no sinks (the layers take the torch path there). Float weights, or the MXFP4 experts of
-    # the released safetensors checkpoints (GGUF `gpt-oss` files are not read yet).
-    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}),
-                                       quantizations=frozenset({"F32", "F16", "BF16", "MXFP4"}))
+    # has no sinks (the layers take the torch path there).
+    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}))
     qkv_bias = o_bias = True
     renamed_modules = {"router": "gate"}
 
