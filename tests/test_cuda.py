@@ -39,5 +39,6 @@ def test_bf16_on_cuda_stays_close(tiny):
             far.append(len(p))
     # A mixture of experts may route a token of one prompt to another expert in bf16 than in float32
     # (a near-tie of its router logits): a discrete change, which transformers' own bf16 run of the
-    # tiny Qwen3-MoE shows too. One such prompt is allowed there; dense models get none.
+    # tiny Qwen3-MoE shows too (benchmarks/results/cpu-moe-bf16-drift.json). One such prompt is
+    # allowed there; dense models get none.
     assert len(far) <= (1 if getattr(model.config, "num_experts_per_tok", 0) else 0), far

@@ -29,6 +29,7 @@ from pocketllm.loaders.gguf_writer import (
     _arch_of,
     _minimal_vocab,
     _rope_parameters,
+    expert_count,
     llama3_rope_factors,
     write_file,
 )
@@ -142,7 +143,7 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
         raise UnsupportedFeatureError(
             f"dummy GGUF files are written for llama, qwen2, qwen3, qwen3moe and gpt-oss, not {arch}")
     h, inter, v = hp["hidden_size"], hp["intermediate_size"], hp["vocab_size"]
-    n_exp = hp.get("num_local_experts") or hp.get("num_experts") or 0
+    n_exp = expert_count(hp)
     e_inter = hp.get("moe_intermediate_size") or inter
     nh = hp["num_attention_heads"]
     nkv = hp.get("num_key_value_heads") or nh
@@ -200,7 +201,7 @@ def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", fi
     n_head = hp["num_attention_heads"]
     types = mixes.tensor_types(tensors, ftype, n_layer=hp["num_hidden_layers"], n_head=n_head,
                                n_head_kv=hp.get("num_key_value_heads") or n_head,
-                               n_expert=hp.get("num_local_experts") or hp.get("num_experts") or 0, pure=pure)
+                               n_expert=expert_count(hp), pure=pure)
     for t in set(types.values()) - _FLOATS - set(_SCALE_FIELDS):
         raise UnsupportedFeatureError(f"dummy GGUF files cannot hold {t.name} tensors")
     n_params = sum(int(np.prod(s)) for _, s in tensors)

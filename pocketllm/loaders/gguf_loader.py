@@ -29,8 +29,6 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
-# llama.cpp writes Mixtral as `llama` with expert tensors
-MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -105,7 +103,8 @@ class GGUFModelFile:
             raw["mlp_only_layers"] = [i for i in range(self.arch_meta("block_count"))
                                       if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors]
         return ModelConfig(
-            architecture=(MOE_ARCHITECTURES if experts else ARCHITECTURES)[self.arch],
+            # llama.cpp writes Mixtral as `llama` with expert tensors
+            architecture="MixtralForCausalLM" if self.arch == "llama" and experts else ARCHITECTURES[self.arch],
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=self.arch_meta("feed_forward_length"),

@@ -93,6 +93,11 @@ def _rope_parameters(hp: dict) -> dict:
     return rope
 
 
+def expert_count(hp: dict) -> int:
+    """Experts per mixture-of-experts layer (Qwen3-MoE's key or Mixtral's / gpt-oss's); 0: dense."""
+    return hp.get("num_experts") or hp.get("num_local_experts") or 0
+
+
 def _head_dim(hp: dict) -> int:
     return hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
 
@@ -165,7 +170,7 @@ def _add_arch_metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rope: dict, voca
     w.add_vocab_size(vocab_size)
     if arch == "llama":
         w.add_rope_dimension_count(_head_dim(hp))
-    if n_expert := hp.get("num_local_experts") or hp.get("num_experts"):
+    if n_expert := expert_count(hp):
         w.add_expert_count(n_expert)
         w.add_expert_used_count(hp["num_experts_per_tok"])
         if hp.get("moe_intermediate_size") or arch == "gpt-oss":
@@ -628,7 +633,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, file_type: str = 
     n_layer = hp["num_hidden_layers"]
     is_70b = n_layer == 80 and (arch == "qwen2" or (arch == "llama" and n_head != n_kv))
     types = mixes.tensor_types([(t.name, t.shape) for t in tensors], ftype, n_layer=n_layer, n_head=n_head,
-                               n_head_kv=n_kv, n_expert=hp.get("num_local_experts") or hp.get("num_experts") or 0,
+                               n_head_kv=n_kv, n_expert=expert_count(hp),
                                is_70b=is_70b, pure=pure, output_type=_ggml_type(output_type),
                                token_embedding_type=_ggml_type(token_embedding_type))
     missing = sorted({t.name for t in types.values()} - {t.name for t in SUPPORTED})

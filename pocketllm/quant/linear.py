@@ -427,12 +427,10 @@ class GGUFLinear(torch.nn.Module):
 
 
 def _dequantize_rows(rows: torch.Tensor, qtype: GGMLQuantizationType, k: int, device: torch.device,
-                     dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                     dtype: torch.dtype) -> torch.Tensor:
     """GGUF rows (uint8 [n, row_bytes]) dequantized, exactly, into a dense [n, k] ``dtype`` tensor
-    on ``device`` (``out`` if given), ``_LOAD_ROWS`` rows at a time (no float32 copy of the whole
-    matrix)."""
-    if out is None:
-        out = torch.empty((rows.shape[0], k), dtype=dtype, device=device)
+    on ``device``, ``_LOAD_ROWS`` rows at a time (no float32 copy of the whole matrix)."""
+    out = torch.empty((rows.shape[0], k), dtype=dtype, device=device)
     gpu = None
     if device.type == "cuda":  # the Triton decoder, where it covers the type (an ulp off: FMA)
         from pocketllm.kernels.triton import gguf as kg

@@ -99,6 +99,12 @@ def _u8(p, mask):
 
 
 @triton.jit
+def _half_byte(p, i, mask):
+    """4-bit field ``i`` of the bytes at ``p`` (low nibble first), as int32."""
+    return (_u8(p + i // 2, mask) >> (4 * (i % 2))) & 15
+
+
+@triton.jit
 def _f16(p, mask):
     """The little-endian fp16 at byte pointer ``p`` as float32 (headers keep fp16 fields 2-aligned)."""
     return tl.load(p.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
@@ -264,7 +270,7 @@ def _q3_k(b, h, s, j0, mask):
 def _iq4_xs(b, h, s, j0, mask, lut_ptr):
     # h: fp16 d, 16-bit word of 2-bit scale highs, 4 bytes of 4-bit scale lows | b: 8 x 16 bytes
     hi = (_u8(h + 2 + s // 4, mask) >> (2 * (s % 4))) & 3
-    lo = (_u8(h + 4 + s // 2, mask) >> (4 * (s % 2))) & 0xF
+    lo = _half_byte(h + 4, s, mask)
     a = _f16(h, mask) * _u2f(lo | (hi << 4), 32.0)
     return _table(lut_ptr, _nibbles(b + 16 * s, j0, mask)), a, 0.0
 
@@ -329,7 +335,7 @@ def _iq2_xs(b, h, s, j0, mask, lut_ptr):
     # h: fp16 d, 8 bytes of 4-bit scales | b: 16-bit words of a 9-bit grid index, 7-bit sign index
     w, lane = _lanes()
     q = _u16(b + 4 * s + 2 * (w // 2), mask)
-    sc = (_u8(h + 2 + s // 2, mask) >> (4 * (s % 2))) & 15
+    sc = _half_byte(h + 2, s, mask)
     a = _f16(h, mask) * (0.5 + _u2f(sc)) * 0.25
     return _signed(_grid8(lut_ptr, q & 511, w, lane), tl.load(lut_ptr + (q >> 9)), w, lane), a, 0.0
 
@@ -341,7 +347,7 @@ def _iq2_s(b, h, s, j0, mask, lut_ptr):
     w, lane = _lanes()
     e = 2 * s + w // 2
     idx = _u8(b + e, mask) | (((_u8(h + 2 + e // 4, mask) >> (2 * (e % 4))) & 3) << 8)
-    sc = (_u8(h + 10 + s // 2, mask) >> (4 * (s % 2))) & 15
+    sc = _half_byte(h + 10, s, mask)
     a = _f16(h, mask) * (0.5 + _u2f(sc)) * 0.25
     return _signed(_grid8(lut_ptr, idx, w, lane), _u8(b + 32 + e, mask), w, lane), a, 0.0
 
@@ -365,7 +371,7 @@ def _iq3_s(b, h, s, j0, mask, lut_ptr):
     e = j0 // 4 + w  # entry in the group
     idx = _u8(b + 8 * s + e, mask) | (((_u8(h + 2 + s, mask) >> e) & 1) << 8)
     signs = _u8(h + 10 + 4 * s + j0 // 8 + w // 2, mask)
-    a = _f16(h, mask) * _u2f(2 * ((_u8(h + 42 + s // 2, mask) >> (4 * (s % 2))) & 15) + 1)
+    a = _f16(h, mask) * _u2f(2 * _half_byte(h + 42, s, mask) + 1)
     return _signed(_grid4(lut_ptr, idx, lane), signs, w, lane), a, 0.0
 
 
@@ -388,7 +394,7 @@ def _iq1_m(b, h, s, j0, mask, lut_ptr):
     # words of 3-bit scales whose top nibbles hold the fp16 d | b: 32 bytes of grid index lows
     w, lane = _lanes()
     e = 2 * s + w // 2
-    hq = (_u8(h + e // 2, mask) >> (4 * (e % 2))) & 15
+    hq = _half_byte(h, e, mask)
     idx = _u8(b + e, mask) | ((hq & 7) << 8)
     delta = tl.where((hq & 8) != 0, -_IQ1_DELTA, _IQ1_DELTA)
     dbits = ((_u16(h + 16, mask) >> 12) | ((_u16(h + 18, mask) >> 8) & 0xF0)

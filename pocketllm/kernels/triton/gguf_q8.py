@@ -78,7 +78,7 @@ def _x(p, mask):
 # block [1, B]; xd, xs: float pointers to its 32-blocks' scale and scaled sum [1, B].
 
 @triton.jit
-def _q8_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+def _q8_0(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     t = tl.arange(0, 8)[None, None, :]
     q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
     s = tl.sum(_dp4a(q, _x(xw[:, :, None] + t, xm[:, :, None]), 0, EMU), axis=2)
@@ -86,7 +86,7 @@ def _q8_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _q4_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+def _q4_0(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     # 16 bytes: low nibbles are weights 0-15, high nibbles 16-31; codes - 8
     t = tl.arange(0, 4)[None, None, :]
     q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
@@ -126,7 +126,7 @@ def _q45_k(b, h, xw, xd, xs, mask, xm, HIGH: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _q2_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+def _q2_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     # 16 sub-blocks of 16: sub-block s is 2-bit field s % 8 // 2 of 16 bytes at 32 * (s // 8) +
     # 16 * (s % 2); h: a byte of 4-bit scale | 4-bit min per sub-block, fp16 d, fp16 dmin
     sb = tl.arange(0, 16)[None, None, :, None]
@@ -146,7 +146,7 @@ def _q2_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _q6_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+def _q6_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     # two halves of 128 weights: ql words A (weights l, l + 64 by nibble) and B (l + 32, l + 96),
     # qh words C (their 2 high bits); codes - 32 (a dp4a of -32s); int8 scales per 16 weights
     hh = tl.arange(0, 2)[None, None, :, None, None]
@@ -231,15 +231,15 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, N, row_bytes,
         if QT == _Q4_K:
             acc += _q45_k(b, h, xw, xd, xs, mask, xm, False, EMU)
         elif QT == _Q6_K:
-            acc += _q6_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+            acc += _q6_k(b, h, xw, xd, xs, mask, xm, EMU)
         elif QT == _Q5_K:
             acc += _q45_k(b, h, xw, xd, xs, mask, xm, True, EMU)
         elif QT == _Q2_K:
-            acc += _q2_k(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+            acc += _q2_k(b, h, xw, xd, xs, mask, xm, EMU)
         elif QT == _Q8_0:
-            acc += _q8_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+            acc += _q8_0(b, h, xw, xd, xs, mask, xm, EMU)
         elif QT == _Q4_0:
-            acc += _q4_0(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+            acc += _q4_0(b, h, xw, xd, xs, mask, xm, EMU)
         else:
             tl.static_assert(QT == _IQ2_XXS, "type without an int8 kernel")
             acc += _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
