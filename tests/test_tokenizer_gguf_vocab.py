@@ -224,3 +224,72 @@ def test_unsupported_vocabularies_are_refused(tmp_path):
         get_tokenizer(write_vocab(tmp_path / "model.gguf", model="bert"))
     with pytest.raises(ConfigurationError):
         get_tokenizer(tmp_path / "missing.gguf")
+
+
+# --- gpt-oss's o200k vocabulary (pre-tokenizer "gpt-4o") against Hugging Face tokenizers
+
+
+O200K_TEXTS = [
+    "Hello world! How's it going? I'M fine, they'll see. We'VE a'lL DON'T",
+    "camelCaseWords HTTPServer XMLHttpRequest iPhone McDonald's",
+    "1234567 3.14159 1,000,000 2024-01-31 0x1F",
+    "日本語のテキスト 한국어 中文abc 🦙🚀 😶\u200d🌫️ ✅",
+    "path/to/file/\nnext line\n\n\n  \r\n\t\ttabs   and  runs of   spaces   ",
+    "...!!!??? (parens) [brackets] {braces} <tags> @#$%^&*",
+    "ÉCOLE école aÉ naïve Ελληνικά ΑΒΓδ e\u0301t\u0301e",
+    " leading space",
+    "",
+    " ",
+    "\n",
+]
+
+
+@pytest.fixture(scope="module")
+def o200k(tmp_path_factory):
+    from tiny_harmony import reference_tokenizer, write_gguf_vocab
+
+    reference = reference_tokenizer()
+    path = write_gguf_vocab(reference, tmp_path_factory.mktemp("o200k") / "o200k.gguf")
+    return get_tokenizer(path), reference
+
+
+@pytest.mark.parametrize("text", O200K_TEXTS)
+def test_gpt4o_matches_tokenizers(o200k, text):
+    ours, reference = o200k
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == reference.encode(text).ids
+    assert ours.encode(text) == ids  # llama.cpp adds no BOS for "gpt-4o" files
+    assert ours.decode(ids) == text
+
+
+def test_gpt4o_splits_as_llama_cpp_where_its_regex_agrees(o200k):
+    """llama.cpp runs its own spelling of the o200k regex (`(?=[\\p{L}])([^a-z])` for the upper-case
+    classes): the same words on text without non-ASCII cased letters or combining marks. Where they
+    differ, the file's tokenizer.json and tiktoken are what the model was trained with."""
+    import regex
+
+    from tiny_harmony import LLAMA_CPP_PATTERN, O200K_PATTERN
+
+    ours, _ = o200k
+
+    def words(text):
+        return [text[a:b] for _, (a, b) in ours._backend.pre_tokenizer.pre_tokenize_str(text)]
+
+    for text in O200K_TEXTS[:6]:
+        assert words(text) == [m.group(0) for m in regex.finditer(LLAMA_CPP_PATTERN, text)]
+    assert words("ÉCOLE aÉ") == regex.findall(O200K_PATTERN, "ÉCOLE aÉ") == ["ÉCOLE", " a", "É"]
+    assert [m.group(0) for m in regex.finditer(LLAMA_CPP_PATTERN, "ÉCOLE aÉ")] == ["É", "COLE", " aÉ"]
+
+
+def test_harmony_end_tokens_and_markup(o200k):
+    """As llama.cpp reads o200k_harmony: <|return|> and <|call|> end a reply, <|end|> does not (it
+    ends one message of it); the message markup survives skip_special_tokens."""
+    ours, reference = o200k
+    ids = {t: reference.token_to_id(t) for t in ("<|return|>", "<|call|>", "<|endoftext|>", "<|end|>")}
+    assert ours.eos_token_id == ids["<|return|>"]
+    assert ours.eos_token_ids == {ids["<|return|>"], ids["<|call|>"], ids["<|endoftext|>"]}
+    reply = "<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    encoded = ours.encode(reply + "<|return|>", add_special_tokens=False)
+    assert encoded == reference.encode(reply + "<|return|>").ids
+    assert ours.decode(encoded, skip_special_tokens=True) == reply
+    assert ours.decode(encoded) == reply + "<|return|>"

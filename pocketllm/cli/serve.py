@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how the model writes tool calls (default: inferred from the chat template)")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                        help="split <think>...</think> reasoning into reasoning_content")
+                        help="split the reasoning (<think>...</think>; gpt-oss's analysis messages) into "
+                             "reasoning_content (default: openai_gptoss for gpt-oss's chat template, else none)")
 
 
 def read_chat_template(path: str | None) -> str | None:

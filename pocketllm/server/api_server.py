@@ -29,9 +29,9 @@ from pocketllm.sampling_params import SamplingParams
 from pocketllm.server import protocol as P
 from pocketllm.server.async_llm import AsyncLLM, EngineUnavailableError, RequestStream
 from pocketllm.server.metrics import RequestTimer, ServerMetrics
-from pocketllm.structured.chat import ReplyParser, template_messages, tool_constraint
-from pocketllm.structured.reasoning import get_reasoning_parser
-from pocketllm.structured.tool_parsers import ToolParser, get_tool_parser, infer_tool_parser
+from pocketllm.structured.chat import ReplyParser, template_messages, template_tools, tool_constraint
+from pocketllm.structured.reasoning import get_reasoning_parser, infer_reasoning_parser
+from pocketllm.structured.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, infer_tool_parser
 
 log = logging.getLogger("pocketllm")
 
@@ -42,8 +42,8 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
     chat_template: str | None = None  # overrides the model's
-    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; default: inferred from the template
-    reasoning_parser: str | None = None  # qwen3 | deepseek_r1
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | openai; default: inferred from the template
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | openai_gptoss; default: openai_gptoss for gpt-oss
     max_request_bytes: int = 4 << 20
     body_timeout: float = 30.0  # seconds a client has to send its request body (then 408)
     max_connections: int = 1024  # concurrent connections and requests; more get 503
@@ -216,7 +216,9 @@ class OpenAIServing:
         self.engine = llm.engine
         if cfg.tool_call_parser is not None:
             get_tool_parser(cfg.tool_call_parser)  # an unknown name fails at start-up
-        self.reasoning = get_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None
+        model_template = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
+        reasoning = cfg.reasoning_parser or infer_reasoning_parser(cfg.chat_template or model_template)
+        self.reasoning = get_reasoning_parser(reasoning) if reasoning else None
 
     # -- building a job --------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> None:
@@ -252,6 +254,7 @@ class OpenAIServing:
             if template is not None:
                 parser = self._tool_parser(template) or get_tool_parser("hermes")
                 dicts = template_messages(dicts, tools, template, parser)
+                tools = template_tools(tools, template)
             return self._tokenizer().apply_chat_template(
                 dicts, tools=tools, add_generation_prompt=add_generation_prompt, chat_template=template,
                 **(template_kwargs or {}))
@@ -276,7 +279,7 @@ class OpenAIServing:
         parser = self._tool_parser(self._template(tools))
         if parser is None and choice == "auto":
             raise P.APIError(400, "\"auto\" tool choice needs a tool-call parser: start the server with "
-                                  "--tool-call-parser (hermes, llama3_json or mistral).", param="tool_choice",
+                                  f"--tool-call-parser ({', '.join(sorted(TOOL_PARSERS))}).", param="tool_choice",
                              code="invalid_value")
         return parser or get_tool_parser("hermes")  # forced calls: the grammar fixes the syntax anyway
 
@@ -288,7 +291,7 @@ class OpenAIServing:
             if forced is not None:
                 constraint, param = forced, "tools"
         if constraint is not None and self.reasoning is not None and isinstance(req, P.ChatCompletionRequest):
-            prefix = self.reasoning.grammar_prefix(opened)
+            prefix = self.reasoning.grammar_prefix(opened, calls="tool_calls" in constraint)
             if prefix is not None:
                 constraint = {**constraint, "reasoning": prefix}
         return constraint, param
@@ -380,7 +383,9 @@ class OpenAIServing:
         parser = self._reply_tool_parser(req, tools) if kind == "chat" else None
         opened = self.reasoning.prompt_state(prompts[0][0]) if kind == "chat" and self.reasoning else None
         constraint, where = self._constraint(req, tools, parser, opened)
-        params = self._params(req, prompts, constraint, where, not (parser and parser.needs_special_tokens))
+        # Reply parsers whose markers are special tokens read them in the text.
+        readers = [p for p in (parser, self.reasoning if kind == "chat" else None) if p is not None]
+        params = self._params(req, prompts, constraint, where, not any(p.needs_special_tokens for p in readers))
         if kind == "completion" and req.echo:
             prompts = self._echo_texts(prompts)
         if params.structured_outputs:  # compiled (and cached) here, so a bad one is a 400 before queueing

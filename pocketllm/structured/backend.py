@@ -17,8 +17,9 @@ from pocketllm.structured.spec import cache_key, kind_of
 log = logging.getLogger("pocketllm")
 
 # Special tokens vanish from decoded text, so grammars may not emit them; these stay usable because
-# tool-call and reasoning syntaxes are written with them.
-_MARKERS = frozenset({"[TOOL_CALLS]", "<|python_tag|>", "<tool_call>", "</tool_call>", "<think>", "</think>"})
+# tool-call and reasoning syntaxes are written with them (the last five: gpt-oss's harmony messages).
+_MARKERS = frozenset({"[TOOL_CALLS]", "<|python_tag|>", "<tool_call>", "</tool_call>", "<think>", "</think>",
+                      "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"})
 
 
 def _flatten(node: dict | None) -> list[dict]:
@@ -38,8 +39,8 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids):
     for text, i in backend.get_vocab(with_added_tokens=True).items():
         if i < vocab_size:
             encoded[i] = text
-    for i in tokenizer.all_special_ids:
-        if i < vocab_size and encoded[i] not in _MARKERS:
+    for i in tokenizer.all_special_ids:  # a marker that stops (Phi-3's <|end|>) stays a stop token only
+        if i < vocab_size and (encoded[i] not in _MARKERS or i in stop_token_ids):
             encoded[i] = ""
     desc = json.loads(backend.to_str())
     kinds = {d.get("type") for d in _flatten(desc.get("decoder")) + _flatten(desc.get("pre_tokenizer"))}

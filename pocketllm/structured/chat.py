@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import re
 
+from pocketllm.structured import harmony
 from pocketllm.structured.reasoning import ReasoningParser
 from pocketllm.structured.tool_parsers import ToolCall, ToolParser
+from pocketllm.tokenizer.chat_template import REASONING_FIELDS
 
 _TOOLS_PROMPT = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n"
@@ -34,11 +36,16 @@ def template_messages(messages: list[dict], tools: list[dict] | None, template: 
     for the others, calls are written in `parser`'s syntax, tool results as `<tool_response>`
     user turns, and the tool list goes in the system message, as Qwen's templates do it."""
     native = "tool_calls" in template
+    harmony_template = harmony.is_harmony_template(template)
     out = []
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
             if native:
                 m = {**m, "tool_calls": [_arguments_value(c) for c in m["tool_calls"]]}
+                if harmony_template and any(m.get(k) for k in REASONING_FIELDS):
+                    # gpt-oss's template refuses a call with both a preamble and reasoning: the
+                    # reasoning wins, as in llama.cpp
+                    m = {k: v for k, v in m.items() if k != "content"}
             else:
                 calls = parser.render([ToolCall(c["function"]["name"], _arguments_text(c)) for c in m["tool_calls"]])
                 m = {"role": "assistant", "content": "\n".join(filter(None, [m.get("content"), calls]))}
@@ -54,6 +61,14 @@ def template_messages(messages: list[dict], tools: list[dict] | None, template: 
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def template_tools(tools: list[dict] | None, template: str) -> list[dict] | None:
+    """The tools as `template` takes them: gpt-oss's writes each tool's description, which requests
+    may leave out (an empty one is given)."""
+    if not tools or not harmony.is_harmony_template(template):
+        return tools
+    return [{**t, "function": {"description": "", **t["function"]}} for t in tools]
 
 
 def tool_constraint(tools: list[dict], tool_choice, parallel: bool, parser: ToolParser) -> dict | None:
@@ -73,6 +88,8 @@ class ReplyParser:
     last call. Either parser may be None."""
 
     def __init__(self, reasoning: ReasoningParser | None, opened: bool | None, tools: ToolParser | None):
+        if tools is None and reasoning is not None:
+            tools = reasoning.content_parser()
         self.reasoning, self.opened, self.tools = reasoning, opened, tools
         self._sent_reasoning = self._sent_content = 0
         self._calls: list[list] = []  # [id, length of the arguments sent] per streamed call

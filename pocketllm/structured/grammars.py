@@ -37,7 +37,7 @@ def _tool_calls(value: dict) -> xgr.Grammar:
         tags.append({"type": "tag", "begin": begin, "end": end,
                      "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1}})
     calls = {"type": "tags_with_separator", "tags": tags, "separator": parser.separator,
-             "at_least_one": True, "stop_after_first": not value.get("parallel", True)}
+             "at_least_one": True, "stop_after_first": not (value.get("parallel", True) and parser.parallel)}
     open_, close = parser.calls_delimiters
     elements = [calls]
     if open_:
@@ -55,13 +55,18 @@ _BUILDERS = {"json": _json_schema, "json_object": _json_object, "regex": xgr.Gra
 
 def _after_reasoning(reasoning: dict, grammar: xgr.Grammar) -> xgr.Grammar:
     """Free text up to the reasoning end tag, then `grammar`. When the prompt did not open the
-    block, the block is optional and starts with its start tag."""
+    block, the block is optional and starts with its start tag. Between them: `then` when given
+    (harmony's answer header), else a little whitespace."""
     block = {"type": "tag", "begin": "" if reasoning["open"] else reasoning["start"],
              "content": {"type": "any_text"}, "end": reasoning["end"]}
     if not reasoning["open"]:
         block = {"type": "optional", "content": block}
     prefix = xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": block})
-    return xgr.Grammar.concat(prefix, xgr.Grammar.from_regex(r"\s{0,4}"), grammar)
+    then = reasoning.get("then")
+    if then == "":
+        return xgr.Grammar.concat(prefix, grammar)
+    gap = xgr.Grammar.from_regex(r"\s{0,4}") if then is None else xgr.Grammar.from_ebnf(f"root ::= {json.dumps(then)}")
+    return xgr.Grammar.concat(prefix, gap, grammar)
 
 
 def build(spec: dict) -> xgr.Grammar:

@@ -1,13 +1,17 @@
 """Reasoning in a model's output, named as vLLM's `--reasoning-parser`: qwen3 and deepseek_r1 both
-write it as `<think>…</think>` before the answer."""
+write it as `<think>…</think>` before the answer; openai_gptoss (gpt-oss) as harmony analysis messages."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pocketllm.errors import ConfigurationError
-from pocketllm.structured.tool_parsers import hold_back
+from pocketllm.structured import harmony
+from pocketllm.structured.tool_parsers import HarmonyToolParser, ToolParser, hold_back
 
 
 class ReasoningParser:
     start, end = "<think>", "</think>"
+    needs_special_tokens = False  # its markers are special tokens, dropped by default when decoding
 
     def __init__(self, name: str, implicit_start: bool):
         self.name = name
@@ -24,8 +28,13 @@ class ReasoningParser:
             return False
         return None
 
-    def grammar_prefix(self, opened: bool | None) -> dict | None:
-        """The `reasoning` entry of `structured_outputs`: the constraint applies after the block."""
+    def content_parser(self) -> ToolParser | None:
+        """What reads the content out of the rest of the reply when the request has no tools."""
+        return None
+
+    def grammar_prefix(self, opened: bool | None, calls: bool = False) -> dict | None:
+        """The `reasoning` entry of `structured_outputs`: the constraint (forced tool `calls` or
+        another) applies after the block."""
         if opened is False:
             return None
         return {"start": self.start, "end": self.end, "open": bool(opened)}
@@ -50,10 +59,45 @@ class ReasoningParser:
         return body[:at], body[at + len(self.end):].lstrip()
 
 
-REASONING_PARSERS = {"qwen3": False, "deepseek_r1": True}  # name -> implicit start
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss: reasoning is the analysis messages; the rest of the reply stays in harmony."""
+
+    needs_special_tokens = True
+
+    def __init__(self):
+        super().__init__("openai_gptoss", False)
+
+    def prompt_state(self, prompt: str) -> bool | None:
+        return None  # each reply may or may not start with an analysis message
+
+    def content_parser(self) -> ToolParser:
+        return HarmonyToolParser(calls=False)
+
+    def grammar_prefix(self, opened: bool | None, calls: bool = False) -> dict:
+        # One analysis message may come first; then the answer's header, unless the constraint is
+        # forced calls, whose grammar writes their own headers.
+        return {"start": f"{harmony.CHANNEL}analysis{harmony.MESSAGE}", "end": f"{harmony.END}{harmony.START}assistant",
+                "open": False, "then": "" if calls else f"{harmony.CHANNEL}final{harmony.MESSAGE}"}
+
+    def split(self, text: str, opened: bool | None, final: bool = True) -> tuple[str, str]:
+        reply = harmony.parse(text, final)
+        return reply.reasoning, harmony.without_reasoning(text, reply)
+
+
+REASONING_PARSERS: dict[str, Callable[[], ReasoningParser]] = {
+    "qwen3": lambda: ReasoningParser("qwen3", False),
+    "deepseek_r1": lambda: ReasoningParser("deepseek_r1", True),
+    "openai_gptoss": HarmonyReasoningParser,
+}
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     if name not in REASONING_PARSERS:
         raise ConfigurationError(f"unknown reasoning parser {name!r}; choose one of {sorted(REASONING_PARSERS)}")
-    return ReasoningParser(name, REASONING_PARSERS[name])
+    return REASONING_PARSERS[name]()
+
+
+def infer_reasoning_parser(template: str | None) -> str | None:
+    """Only harmony's reasoning is found from the template alone: other families' templates show
+    whether a model may think, not whether it does."""
+    return "openai_gptoss" if template and harmony.is_harmony_template(template) else None

@@ -3,6 +3,7 @@
 - hermes (Hermes, Qwen 2.5/3, ChatML models): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
 - llama3_json (Llama 3.1+): the reply is `{"name": ..., "parameters": {...}}`, calls joined by "; "
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
+- openai (gpt-oss): a harmony message `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`
 
 Each parser extracts calls from a finished text (malformed calls leave the whole text as content),
 gives a streaming view of an unfinished one, and names the delimiters the forced-call grammar uses.
@@ -17,6 +18,7 @@ import string
 from dataclasses import dataclass
 
 from pocketllm.errors import ConfigurationError
+from pocketllm.structured import harmony
 
 _DECODER = json.JSONDecoder()
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -92,6 +94,7 @@ class ToolParser:
     separator: str  # between calls
     calls_delimiters: tuple[str, str] = ("", "")  # around all the calls
     needs_special_tokens = False  # its markers are special tokens, dropped by default when decoding
+    parallel = True  # whether one reply may hold several calls
 
     def call_delimiters(self, name: str) -> tuple[str, str]:
         """What comes before and after one call's arguments object."""
@@ -262,8 +265,37 @@ class MistralToolParser(ToolParser):
         return text[:at], self._partial_sequence(text, pos + 1, self.separator)
 
 
+class HarmonyToolParser(ToolParser):
+    """gpt-oss: each message to `functions.NAME` is a call; final messages and preambles are the
+    content, analysis messages are skipped (the reasoning parser reads them). A call ends the reply
+    (<|call|> is a stop token), so there is one at most. Arguments are kept as written, even when
+    cut short: harmony has no markup to fall back to as content."""
+
+    name = "openai"
+    separator = harmony.CALL + harmony.START + "assistant"
+    needs_special_tokens = True
+    parallel = False
+
+    def __init__(self, calls: bool = True):
+        self.calls = calls  # False: calls are dropped (to tools the request did not offer)
+
+    def call_delimiters(self, name: str) -> tuple[str, str]:
+        return harmony.render_call(name, ""), ""
+
+    def _parts(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
+        reply = harmony.parse(text, final)
+        return reply.content, reply.calls if self.calls else []
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = self._parts(text, True)
+        return _content(content), [ToolCall(name, args) for name, args in calls]
+
+    def extract_partial(self, text: str) -> tuple[str, list[tuple[str | None, str]]]:
+        return self._parts(text, False)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, HarmonyToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -278,6 +310,8 @@ def infer_tool_parser(template: str | None) -> str | None:
     get Hermes' syntax: it is the ChatML convention (Qwen, Hermes, SmolLM3)."""
     if not template:
         return None
+    if harmony.is_harmony_template(template):
+        return "openai"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

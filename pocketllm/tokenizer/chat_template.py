@@ -13,7 +13,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Names a message's reasoning may come under; templates read `reasoning_content` (gpt-oss ones read `thinking`).
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _raise_exception(message: str):
@@ -44,7 +44,7 @@ def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
     # transformers drops None values (APIs send `content: null` with tool calls; templates test `is defined`)
     # and copies the reasoning to every name templates read it under.
     message = {key: value for key, value in message.items() if value is not None}
-    reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+    reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message

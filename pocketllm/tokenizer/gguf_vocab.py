@@ -25,10 +25,14 @@ T = gguf.TokenType
 _END_OF_TURN_TEXTS = frozenset(
     {
         "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-        "<EOT>", "_<EOT>", "<end_of_utterance>", "<eos>", "<turn|>",
+        "<EOT>", "_<EOT>", "<end_of_utterance>", "<eos>", "<turn|>", "<|return|>", "<|call|>",
         "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's <｜end▁of▁sentence｜>
     }
 )  # fmt: skip
+# o200k_harmony (gpt-oss) writes a reply as messages: <|end|> closes one of them, <|return|> and <|call|> end the
+# reply, and the message markup stays in decoded text, where reply parsers read it (llama.cpp does the same).
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
+_HARMONY_MARKUP = frozenset({"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"})
 _SPACE = "\u2581"  # SentencePiece writes spaces as "▁"
 
 
@@ -76,7 +80,11 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     special_tokens = {name: tokens[i] for name, i in ids.items() if i is not None}
     end_ids = {meta.get(K.EOT_ID), meta.get(K.EOM_ID)} | {i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS}
     end_ids.discard(None)
-    _add_special_tokens(backend, tokens, types, end_ids)
+    rendered = set()
+    if all(text in {tokens[i] for i in end_ids} for text in _HARMONY_ENDS):
+        rendered = {i for i, t in enumerate(tokens) if t in _HARMONY_MARKUP}
+        end_ids -= rendered
+    _add_special_tokens(backend, tokens, types, end_ids, rendered)
     # What encode(add_special_tokens=True) adds around a text; `single` is a list as token texts may hold spaces.
     bos = [ids["bos_token"]] if meta.get(K.ADD_BOS, add_bos_default) and ids["bos_token"] is not None else []
     eos = [ids["eos_token"]] if meta.get(K.ADD_EOS, False) and ids["eos_token"] is not None else []
@@ -180,11 +188,14 @@ def _merges_from_scores(tokens: list[str], scores: Sequence[float]) -> list[tupl
     return [(left, right) for *_, left, right in ranked]
 
 
-def _add_special_tokens(backend: Backend, tokens: list[str], types: Sequence[int], end_ids: set[int]) -> None:
+def _add_special_tokens(
+    backend: Backend, tokens: list[str], types: Sequence[int], end_ids: set[int], rendered: set[int]
+) -> None:
     """Control, unknown and user-defined tokens are matched whole in the text (llama.cpp always matches user-defined
     ones, and control ones when parsing specials, as Hugging Face tokenizers always do). Control and unknown
-    tokens, and any end-of-turn token, are special: `decode(skip_special_tokens=True)` drops them."""
-    special = [i for i, t in enumerate(types) if t in (T.CONTROL, T.UNKNOWN) or i in end_ids]
-    plain = [i for i, t in enumerate(types) if t == T.USER_DEFINED and i not in end_ids]
+    tokens, and any end-of-turn token, are special: `decode(skip_special_tokens=True)` drops them; `rendered`
+    control tokens are kept, as user-defined ones are."""
+    special = [i for i, t in enumerate(types) if (t in (T.CONTROL, T.UNKNOWN) or i in end_ids) and i not in rendered]
+    plain = [i for i, t in enumerate(types) if (t == T.USER_DEFINED or i in rendered) and i not in end_ids]
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in plain])
