@@ -71,6 +71,7 @@ def main():
                     help="time these regimes at each M (no value: every one; default: auto)")
     ap.add_argument("--sweep", action="store_true", help="tile configs of each regime's kernel (SWEEP_GRIDS)")
     ap.add_argument("--sweep-regimes", default=",".join(SWEEP_GRIDS), help="with --sweep: which regimes")
+    ap.add_argument("--sweep-m", type=int, default=None, help="with --sweep: this M instead of each regime's")
     ap.add_argument("--warm", default=None, help="I/N: with --sweep, only compile the I-th of N shares of the configs")
     ap.add_argument("--no-splits", action="store_true", help="skip the split-K sweep (Q4_K, Q6_K at M=1)")
     ap.add_argument("--peak", type=float, default=4800.0, help="the GPU's memory bandwidth, GB/s (H200: 4800)")
@@ -84,7 +85,7 @@ def main():
 
     if args.sweep:
         sweep(types, shapes, args.peak, tuple(int(v) for v in args.warm.split("/")) if args.warm else None,
-              args.sweep_regimes.split(","))
+              args.sweep_regimes.split(","), args.sweep_m)
         return
     regimes = args.regimes.split(",")
     print(f"{'type':6s} {'N x K':>11s} {'M':>4s} {'regime':>7s} {'gguf us':>8s} {'bf16 us':>8s} {'speedup':>7s} "
@@ -133,7 +134,7 @@ SWEEP_GRIDS = {  # regime: (M, the config it edits, the grid)
 }
 
 
-def sweep(types, shapes, peak, warm: tuple[int, int] | None = None, regimes=tuple(SWEEP_GRIDS)):
+def sweep(types, shapes, peak, warm: tuple[int, int] | None = None, regimes=tuple(SWEEP_GRIDS), m_over=None):
     """Time every tile config of each regime's grid.  ``warm=(i, n)``: only compile (run once) the
     i-th of n shares of the configs, no timing: several processes fill Triton's cache at once, and
     the timing run then compiles nothing."""
@@ -141,6 +142,7 @@ def sweep(types, shapes, peak, warm: tuple[int, int] | None = None, regimes=tupl
     for regime, (m, cfg, grid) in SWEEP_GRIDS.items():
         if regime not in regimes:
             continue
+        m = m_over or m
         default = dict(cfg)
         for qtype in types:
             if regime == "gemv_q8" and qtype not in q8.Q8_TYPES:

@@ -7,9 +7,10 @@
 #   STAGES="tests bf16 serve gguf peer profile hf" (default: all but prep)
 #     prep: build llama.cpp (from PEERS) and write the GGUF files, nothing measured: a call of its
 #           own, followed within the machine's warm period by one that measures (gguf peer ...)
-#     gguf: PocketLLM on GGUF_FILES: batch 1, and 64 sequences for the 8B files
+#     gguf: PocketLLM on GGUF_FILES: batch 1, and 64 sequences for the files of BATCHED_SHAPES
 #     peer: llama.cpp on the same files (built first when absent)
 #   GGUF_FILES: shape:type pairs (default "llama3-8b:Q4_K_M llama3-8b:IQ2_XXS llama3-70b:IQ2_XXS")
+#   BATCHED_SHAPES: shapes whose files also run 64 sequences (default "llama3-8b qwen3-30b-a3b gpt-oss-20b")
 #   PEERS: a copy of ../shared/peers inside the checkout (default .peer; the device gets only the repo)
 #   DEADLINE=seconds: skip the stages that would start after it (a device call has a time limit)
 #   PACK=1: leave one tarball (the device tool returns at most 8 files) plus h200.md in $OUT
@@ -69,6 +70,7 @@ if has serve 120; then
     kill -TERM $server; wait $server
     tail -n 3 /tmp/serve.log
 fi
+batched() { [[ " ${BATCHED_SHAPES:-llama3-8b qwen3-30b-a3b gpt-oss-20b} " == *" ${1%%:*} "* ]]; }
 gguf_path() { echo "/tmp/${1%%:*}-${1##*:}.gguf"; }  # shape:type -> its file
 gguf_tag() { local t=${1##*:}; echo "${1%%:*}-${t,,}"; }  # shape:type -> the results' name
 write_gguf_files() {
@@ -98,9 +100,11 @@ if has gguf 120; then
         qshape=("$path" --dtype bfloat16 --max-model-len 1024)
         bench latency "${qshape[@]}" --input-len 512 --output-len 128 --batch-size 1 --num-iters 2 \
             --output-json "$OUT/h200-gguf-$tag-latency.json"
-        if [ "${f%%:*}" = llama3-8b ]; then
+        if batched "$f"; then
             bench throughput "${qshape[@]}" "${batch[@]}" --num-prompts 64 --max-concurrency 64 --warmup 1 \
                 --output-json "$OUT/h200-gguf-$tag-throughput.json"
+        fi
+        if [ "${f%%:*}" = llama3-8b ]; then
             if has profile; then
                 timeout 120 $PY benchmarks/profile_gpu_step.py "$path" --batch 1,64 --steps 16 \
                     --output-json "$OUT/h200-gguf-$tag-profile.json" 2>&1 | tail -n 12
@@ -115,7 +119,7 @@ if has peer 120; then
         files=() batched=()
         for f in $GGUF_FILES; do
             files+=("$(gguf_path "$f")")
-            [ "${f%%:*}" = llama3-8b ] && batched+=("$(gguf_path "$f")")
+            batched "$f" && batched+=("$(gguf_path "$f")")
         done
         batched_list=$(IFS=,; echo "${batched[*]}")
         timeout 400 $PY benchmarks/llamacpp.py "${files[@]}" --batched 64 --batched-files "$batched_list" \

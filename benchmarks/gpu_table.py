@@ -15,11 +15,16 @@ MATMUL = 790e12  # bf16 FLOP/s measured on the lent H200
 # Llama-3.1-8B's shape: parameters, and KV bytes per token (32 layers x 8 heads x 128 x K,V x bf16)
 PARAMS = 8.03e9
 KV_PER_TOKEN = 32 * 8 * 128 * 2 * 2
-KV_PER_TOKEN_OF = {"llama3-8b": KV_PER_TOKEN, "llama3-70b": 80 * 8 * 128 * 2 * 2}
+KV_PER_TOKEN_OF = {"llama3-8b": KV_PER_TOKEN, "llama3-70b": 80 * 8 * 128 * 2 * 2,
+                   "qwen3-30b-a3b": 48 * 4 * 128 * 2 * 2, "gpt-oss-20b": 24 * 8 * 64 * 2 * 2}
+MOE_SHAPES = {"qwen3-30b-a3b", "gpt-oss-20b"}  # a step reads the active experts only: no whole-file ceiling
 # The GGUF issue's goals, PocketLLM / llama.cpp on the same file: (shape-type, figure) -> ratio
 GGUF_GOALS = {("llama3-8b-q4_k_m", "batch 1 decode"): 1.3, ("llama3-8b-iq2_xxs", "batch 1 decode"): 1.2,
               ("llama3-8b-q4_k_m", "64 seqs decode"): 2.0, ("llama3-8b-q4_k_m", "64 seqs prefill"): 2.0,
-              ("llama3-8b-iq2_xxs", "64 seqs decode"): 1.5, ("llama3-70b-iq2_xxs", "batch 1 decode"): 1.2}
+              ("llama3-8b-iq2_xxs", "64 seqs decode"): 1.5, ("llama3-70b-iq2_xxs", "batch 1 decode"): 1.2,
+              # the MoE issue's
+              ("qwen3-30b-a3b-q4_k_m", "batch 1 decode"): 1.2, ("qwen3-30b-a3b-q4_k_m", "64 seqs decode"): 2.0,
+              ("gpt-oss-20b-mxfp4_moe", "batch 1 decode"): 1.0, ("gpt-oss-20b-mxfp4_moe", "64 seqs decode"): 2.0}
 GPU_MEMORY_GOAL = 1.05  # GPU weight bytes / the file's tensor bytes
 # Peers measured on the same card (the anchors, 2026-11-30; 512 prompt / 128 generated).
 LLAMA_CPP = {"bf16_b1": 208.6, "bf16_64_decode": 5783, "bf16_64_prefill": 25717, "bf16_16_decode": 1932}
@@ -58,10 +63,11 @@ def gguf_table(d: Path) -> list[str]:
         else:
             memory = f"{lat['weight_bytes'] / tensor:.3f}" if tensor and lat.get("weight_bytes") else ""
         b1, b64 = row_at(lat, 1), row_at(tp, 64)
+        tensor_ceiling = None if shape in MOE_SHAPES else tensor
         figures = [("batch 1 decode", b1 and b1["decode_tok_s"], theirs.get("batch1", {}).get("decode_tok_s"),
-                    BANDWIDTH / (tensor + kv) if tensor else None),
+                    BANDWIDTH / (tensor + kv) if tensor_ceiling else None),
                    ("64 seqs decode", b64 and b64["decode_tok_s"], theirs.get("batch64", {}).get("decode_tok_s"),
-                    64 * BANDWIDTH / (tensor + 64 * kv) if tensor else None),
+                    64 * BANDWIDTH / (tensor + 64 * kv) if tensor_ceiling else None),
                    ("64 seqs prefill", b64 and b64["prefill_tok_s"], theirs.get("batch64", {}).get("prefill_tok_s"),
                     None)]
         for name, ours, peer_value, ceiling in figures:

@@ -41,7 +41,8 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
     _, _, targs = kg._type_args(qtype, k)
     if regime == "gemv":
         fn, c = kg._gemv_kernel, dict(kg.GEMV_CONFIG, **(cfg or {}))
-        extra, opts = {"STAGES": c["num_stages"], "HAS_C": qtype in kg._OFFSET_TYPES}, {"num_warps": c["num_warps"]}
+        extra = {"STAGES": c["num_stages"], "HAS_C": qtype in kg._OFFSET_TYPES, "GROUPED": False}
+        opts = {"num_warps": c["num_warps"]}
     elif regime == "dot":
         fn, c = kg._dot_kernel, dict(kg.DOT_CONFIG, **(cfg or {}))
         extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}

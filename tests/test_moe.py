@@ -86,6 +86,43 @@ def test_a_step_runs_only_the_selected_experts(tiny_models):
         assert calls[step] == [(e, int(n)) for e, n in enumerate(counts.tolist()) if n]
 
 
+def test_grouped_expert_path_equals_the_sorted_path(tiny_models, tmp_path, monkeypatch):
+    """Experts on the Triton kernels (interpreted here) are stacked after loading, one copy, and
+    steps of up to GROUPED_MAX_TOKENS tokens multiply every (token, expert) pair in one launch
+    (what the CUDA graphs capture): the same greedy tokens as the sorted path on the C kernels,
+    logits within float32 rounding."""
+    from pocketllm.kernels.triton import gguf as kg
+    from pocketllm.loaders.gguf_writer import write_gguf
+    from pocketllm.quant import linear as qlinear
+
+    _, src = tiny_models["mixtral"]
+    path = write_gguf(src, tmp_path / "mixtral.Q8_0.gguf", "Q8_0").path
+    tuned = kg.kernel_config  # 16-row tiles: fewer programs for the interpreter
+    monkeypatch.setattr(kg, "kernel_config", lambda regime, qtype: {**tuned(regime, qtype), "BLOCK_N": 16})
+    prompts = prompts_of([3, 7])
+    runs = {}
+    for devices in ({"cuda"}, {"cuda", "cpu"}):
+        monkeypatch.setattr(qlinear, "TRITON_DEVICES", devices)
+        llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, exact_kernels=True)
+        moe = llm.engine.runner.model.model.layers[0].mlp
+        grouped = "cpu" in devices
+        assert (moe.stacks is not None) == grouped
+        if grouped:
+            (gate_up,) = moe.stacks[0].parts  # Q8_0 gate and up: one part
+            assert moe.experts[1].gate_up_proj.quantized._store.data_ptr() == gate_up.stacked[gate_up.n].data_ptr()
+            sorted_calls = []
+            moe.experts[0].register_forward_pre_hook(lambda m, a: sorted_calls.append(1))
+        with captured_logits(llm) as logits:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        if grouped:
+            assert not sorted_calls
+        runs[grouped] = ([o.outputs[0].token_ids for o in outs], torch.cat(logits))
+    (tokens_s, logits_s), (tokens_g, logits_g) = runs[False], runs[True]
+    assert tokens_g == tokens_s
+    assert float((logits_g - logits_s).abs().max()) < 1e-4 * float(logits_s.abs().max())
+
+
 def test_mixtral_with_a_sliding_window_is_refused_before_loading(tiny_models, tmp_path):
     _, src = tiny_models["mixtral"]
     path = tmp_path / "mixtral-swa"

@@ -138,6 +138,38 @@ def test_int8_activation_gemv(qtype):
     assert torch.equal(exact, kg.gguf_matmul(x[:1], packed, qtype, k, packed=True, regime="gemv"))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.MXFP4, T.IQ2_XXS], ids=lambda t: t.name)
+def test_grouped_gemv_multiplies_each_pair_by_its_expert(qtype):
+    """Mixture-of-experts products in one launch: row p is x[p // x_div] @ W[ids[p]].T for a stack
+    of expert matrices (repeated and unused experts, both x_div of a layer), float32 activations
+    on the exact kernel and bf16 ones (8-bit activations where the type has an int8 kernel)."""
+    n, k, experts = 24, 512, 3
+    raw, w = make(qtype, n=experts * n, k=k, seed=30 + qtype.value)
+    stacked = kg.pack_gguf(raw, qtype, k)
+    g = torch.Generator().manual_seed(qtype.value)
+    ids = torch.tensor([2, 0, 2, 2, 0, 0]).to(DEV)  # three tokens, two experts each; expert 1 unused
+    for x_div, rows in ((2, 3), (1, 6)):
+        x = torch.randn(rows, k, generator=g).to(DEV)
+        for xt in (x, x.to(torch.bfloat16)):
+            y = kg.gguf_grouped_gemv(xt, stacked, qtype, k, n, ids, x_div)
+            assert y.shape == (6, n) and y.dtype == xt.dtype
+            for p, e in enumerate(ids.tolist()):
+                check(y[p:p + 1], xt[p // x_div:p // x_div + 1], w[e * n:(e + 1) * n])
+
+
+def test_grouped_dense_gemv():
+    from pocketllm.kernels.triton.moe import grouped_dense_gemv
+
+    g = torch.Generator().manual_seed(5)
+    n, k = 40, 700  # neither a multiple of the tiles
+    w = torch.randn(4 * n, k, generator=g).to(DEV)
+    x = torch.randn(3, k, generator=g).to(DEV)
+    ids = torch.tensor([3, 1, 3, 0, 1, 1]).to(DEV)
+    y = grouped_dense_gemv(x, w, n, ids, x_div=2)
+    ref = torch.stack([x[p // 2] @ w[e * n:(e + 1) * n].T for p, e in enumerate(ids.tolist())])
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-4)
+
+
 def test_auto_regime_thresholds(monkeypatch):
     raw, w = make(T.Q4_K)
     packed = kg.pack_gguf(raw, T.Q4_K, K)
@@ -430,14 +462,15 @@ def sm90_resources(qtype, regime, dtype="bf16", block_m=16, cfg=None, k=4096):
     c = dict(kg.kernel_config(regime, qtype), **(cfg or {}))
     if regime == "gemv":
         fn = kg._gemv_kernel
-        extra, opts = {"STAGES": c["num_stages"], "HAS_C": qtype in kg._OFFSET_TYPES}, {"num_warps": c["num_warps"]}
+        extra = {"STAGES": c["num_stages"], "HAS_C": qtype in kg._OFFSET_TYPES, "GROUPED": False}
+        opts = {"num_warps": c["num_warps"]}
     elif regime == "dot":
         fn = kg._dot_kernel
         extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
     elif regime == "gemv_q8":
         fn, opts = kg._q8()._gemv_q8_kernel, {"num_warps": c["num_warps"]}
         targs = dict(QT=targs["QT"], BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"])
-        extra = {"EMU": False}
+        extra = {"EMU": False, "GROUPED": False}
     else:
         fn, extra, opts = kg._dequant_kernel, {"GATHER": False}, {"num_warps": c["num_warps"]}
     consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=kg._blocks_per_step(qtype, c["BLOCK_K"]), **extra)

@@ -4,6 +4,14 @@ it, and their outputs are summed weighted by the router's probabilities.
 The experts are ordinary gated MLPs (each its own `Linear` layers), so whatever a checkpoint holds
 them in (safetensors, or one of the GGUF encodings on its CPU or GPU kernels) they multiply as a
 dense model's MLP does, and a step touches only the experts its tokens selected.
+
+Two ways through the experts:
+- sorted by expert (the CPU, and large steps on the GPU): the (token, slot) pairs are grouped by
+  expert on the host (one sync), and each selected expert runs once on all its tokens;
+- grouped (the GPU, steps of up to GROUPED_MAX_TOKENS tokens: decode): after loading, each
+  projection of all experts is re-bound as one stack (`ExpertStack`, the same bytes, one copy),
+  and every pair is multiplied in one launch by `kernels/triton/moe.py`, with no host sync, so
+  decode steps run in CUDA graphs (the runtimes declare graphs up to that batch).
 """
 from __future__ import annotations
 
@@ -11,7 +19,92 @@ from collections.abc import Callable
 
 import torch
 
-from pocketllm.layers.linear import Linear
+from pocketllm.layers.linear import ConcatLinear, Linear
+from pocketllm.quant.linear import GGUFLinear
+
+GROUPED_MAX_TOKENS = 64  # up to this many tokens a step, the grouped path (and the graphs' largest batch)
+
+
+class ExpertStack:
+    """One projection (``gate_up_proj`` or ``down_proj``) of every expert as stacks of E matrices:
+    GGUF blocks on the Triton path, or dense weights on the GPU; a projection whose parts have
+    different GGUF types (a ConcatLinear) is a stack per part. Each expert's own layer keeps
+    working on views of them: one copy of the weights."""
+
+    def __init__(self, parts: list[list[torch.nn.Module]]):
+        self.parts = [_PartStack(p) for p in parts]
+
+    @staticmethod
+    def of(layers: list[Linear]) -> ExpertStack | None:
+        """The stack of these experts' layers, or None where the grouped kernels do not cover them
+        (the CPU's kernels, experts of different encodings)."""
+        per_expert = [_parts(layer) for layer in layers]
+        parts = [list(p) for p in zip(*per_expert)]
+        if any(len(p) != len(parts) for p in per_expert) or not all(_PartStack.covers(p) for p in parts):
+            return None
+        return ExpertStack(parts)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
+        """[P, N]: row p = x[p // x_div] @ W[ids[p]].T (+ its bias)."""
+        ys = [part(x, ids, x_div) for part in self.parts]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
+def _parts(layer: Linear) -> list[torch.nn.Module]:
+    """What computes a layer: its GGUF layer(s), or the dense `Linear` itself."""
+    q = layer.quantized
+    if q is None:
+        return [layer]
+    return list(q.parts) if isinstance(q, ConcatLinear) else [q]
+
+
+class _PartStack:
+    """The same part of every expert's projection (a GGUFLinear each, or a dense `Linear` each)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        first = modules[0]
+        dense = isinstance(first, Linear)
+        self.n = sum(first.out_sizes) if dense else first.out_features
+        self.k = first.in_features
+        self.qtype = None if dense or first.path != "triton" else first.qtype
+        weights = [m.weight.data if dense else m._store for m in modules]
+        self.stacked = torch.cat(weights)
+        biases = [m.bias for m in modules]
+        self.bias = None if biases[0] is None else torch.stack([b.data for b in biases])  # [E, N]
+        for i, m in enumerate(modules):  # the experts' own layers hold views: one copy
+            view = self.stacked[i * self.n:(i + 1) * self.n]
+            if dense:
+                m.weight.data = view
+            else:
+                m._store = view
+            if self.bias is not None:
+                if dense:
+                    m.bias.data = self.bias[i]
+                else:
+                    m.bias = self.bias[i]
+
+    @staticmethod
+    def covers(modules: list[torch.nn.Module]) -> bool:
+        if all(isinstance(m, Linear) for m in modules):
+            return all(m.weight.is_cuda for m in modules)
+        if not all(isinstance(m, GGUFLinear) for m in modules):
+            return False
+        if all(m.path == "triton" for m in modules):
+            return len({m.qtype for m in modules}) == 1
+        return all(m.path == "dense" and m._store.is_cuda for m in modules)  # dequantized at load
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
+        if self.qtype is not None:
+            from pocketllm.kernels.triton.gguf import gguf_grouped_gemv
+
+            y = gguf_grouped_gemv(x, self.stacked, self.qtype, self.k, self.n, ids, x_div)
+        else:
+            from pocketllm.kernels.triton.moe import grouped_dense_gemv
+
+            y = grouped_dense_gemv(x.to(self.stacked.dtype), self.stacked, self.n, ids, x_div)
+        if self.bias is not None:
+            y = y + self.bias[ids.reshape(-1)]
+        return y
 
 
 class SparseMoE(torch.nn.Module):
@@ -28,6 +121,13 @@ class SparseMoE(torch.nn.Module):
         self.top_k, self.renormalize, self.softmax_of_top_k = top_k, renormalize, softmax_of_top_k
         self.gate = Linear(hidden_size, [num_experts], router_bias, dtype=dtype, device=device)
         self.experts = torch.nn.ModuleList(make_expert() for _ in range(num_experts))
+        self.stacks: tuple[ExpertStack, ExpertStack] | None = None  # (gate_up, down), after loading
+
+    def finish_loading(self) -> None:
+        """Stack the experts' projections where the grouped kernels take them."""
+        gate_up = ExpertStack.of([e.gate_up_proj for e in self.experts])
+        down = ExpertStack.of([e.down_proj for e in self.experts]) if gate_up is not None else None
+        self.stacks = (gate_up, down) if down is not None else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) for the tokens x [T, hidden]."""
@@ -42,6 +142,14 @@ class SparseMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.stacks is not None and x.shape[0] <= GROUPED_MAX_TOKENS:
+            gate_up, down = self.stacks
+            t, k = ids.shape
+            h = self.experts[0].activation(gate_up(x, ids, k))  # [T * k, inter]: pair p is token p // k's
+            y = down(h, ids, 1).view(t, k, -1).float()
+            return torch.einsum("tkh,tk->th", y, weights).to(x.dtype)
+        assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), \
+            "a CUDA graph was captured over more tokens than the grouped expert path takes"
         # (token, slot) pairs grouped by expert: each selected expert runs once on its tokens
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)

@@ -98,3 +98,6 @@ class CausalLM(torch.nn.Module):
         if missing:
             raise ConfigurationError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                                      + (" ..." if len(missing) > 8 else ""))
+        for module in self.modules():  # layers that re-lay their weights once all are in (expert stacks)
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()

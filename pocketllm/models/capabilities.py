@@ -22,6 +22,7 @@ class RuntimeCapabilities:
     rope_scaling: frozenset[str] = frozenset({"default", "linear", "llama3", "freq_factors", "yarn"})
     prefix_caching: bool = True
     cuda_graphs: bool = False
+    cuda_graph_max_batch: int | None = None  # decode batches above this run eagerly (None: max_num_seqs)
     max_batch_size: int | None = None
     # How sliding-window layers hold KV: "full" = the whole sequence, like global layers (exact
     # accounting, more memory than they read); "window" would free blocks that fall out of it.

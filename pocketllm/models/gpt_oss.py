@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 
 from pocketllm.config import ModelConfig
 from pocketllm.layers.linear import Linear, QuantizedTensor
-from pocketllm.layers.moe import SparseMoE
+from pocketllm.layers.moe import GROUPED_MAX_TOKENS, SparseMoE
 from pocketllm.layers.rotary import RotaryEmbedding
 from pocketllm.models.capabilities import RuntimeCapabilities
 from pocketllm.models.llama import Attention, LlamaForCausalLM
@@ -38,15 +38,19 @@ class GptOssExpert(torch.nn.Module):
         self.limit = float(cfg.raw.get("swiglu_limit", 7.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    # Grouping tokens by expert syncs with the host: no CUDA graphs. The CPU fast path's C attention
-    # has no sinks (the layers take the torch path there).
-    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}))
+    # Decode steps take the grouped expert path (no host sync): graphs up to its batch. The CPU fast
+    # path's C attention has no sinks (the layers take the torch path there).
+    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}), cuda_graphs=True,
+                                       cuda_graph_max_batch=GROUPED_MAX_TOKENS)
     qkv_bias = o_bias = True
     renamed_modules = {"router": "gate"}
 

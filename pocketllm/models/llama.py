@@ -87,17 +87,20 @@ class MLP(torch.nn.Module):
         self.cpu_kernels = False  # the CPU fast path's fused gated activation (where it has this one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> act(gate) * up [T, I]."""
         if gate_up.is_cuda:
             from pocketllm.kernels.triton.fused import gated_act
 
-            return self.down_proj(gated_act(gate_up, self.act_code))
+            return gated_act(gate_up, self.act_code)
         if self.cpu_kernels and self.act_code in (0, 1):
             from pocketllm.kernels.cpu import layer_ops
 
-            return self.down_proj(layer_ops.gated_act(gate_up, self.act_code))
+            return layer_ops.gated_act(gate_up, self.act_code)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.act(gate) * up
 
 
 class DecoderLayer(torch.nn.Module):

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from pocketllm.config import ModelConfig
-from pocketllm.layers.moe import SparseMoE
+from pocketllm.layers.moe import GROUPED_MAX_TOKENS, SparseMoE
 from pocketllm.models.base import CausalLM
 from pocketllm.models.capabilities import RuntimeCapabilities
 from pocketllm.models.llama import MLP, LlamaForCausalLM
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    # Routing groups tokens by expert on the host (a sync per layer): no CUDA graphs.
-    capabilities = RuntimeCapabilities(cuda_graphs=False)
+    # Decode steps take the grouped expert path (no host sync): graphs up to its batch.
+    capabilities = RuntimeCapabilities(cuda_graphs=True, cuda_graph_max_batch=GROUPED_MAX_TOKENS)
     # experts.{e}.w1 / w3 / w2: gate, up, down
     packed_modules = {**CausalLM.packed_modules,
                       "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}

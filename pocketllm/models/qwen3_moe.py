@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from pocketllm.config import ModelConfig
-from pocketllm.layers.moe import SparseMoE
+from pocketllm.layers.moe import GROUPED_MAX_TOKENS, SparseMoE
 from pocketllm.models.capabilities import RuntimeCapabilities
 from pocketllm.models.llama import MLP
 from pocketllm.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    # Routing groups tokens by expert on the host (a sync per layer): no CUDA graphs.
-    capabilities = RuntimeCapabilities(cuda_graphs=False)
+    # Decode steps take the grouped expert path (no host sync): graphs up to its batch.
+    capabilities = RuntimeCapabilities(cuda_graphs=True, cuda_graph_max_batch=GROUPED_MAX_TOKENS)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
         step = cfg.raw.get("decoder_sparse_step") or 1

@@ -91,7 +91,8 @@ class ModelRunner:
         if self.use_kernels and model.capabilities.cuda_graphs and not enforce_eager:
             from pocketllm.runner.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, device, max_num_seqs, -(-max_model_len // block_size))
+            largest = min(max_num_seqs, model.capabilities.cuda_graph_max_batch or max_num_seqs)
+            self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size))
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:

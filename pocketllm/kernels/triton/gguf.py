@@ -475,21 +475,27 @@ def _chunks(S: tl.constexpr, SPB: tl.constexpr, BPI: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, lut_ptr, y_ptr, N, row_bytes, hdr_start, n_blocks, blocks_per_split,
-                 stride_xm, stride_ys, stride_ym,
+def _gemv_kernel(x_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, row_bytes, hdr_start, n_blocks, blocks_per_split,
+                 x_div, stride_xm, stride_ys, stride_ym,
                  QT: tl.constexpr, S: tl.constexpr, SPB: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
-                 HAS_C: tl.constexpr, BLOCK_N: tl.constexpr, BPI: tl.constexpr, STAGES: tl.constexpr):
+                 HAS_C: tl.constexpr, BLOCK_N: tl.constexpr, BPI: tl.constexpr, STAGES: tl.constexpr,
+                 GROUPED: tl.constexpr):
     """y[split, m, n] = this split's part of sum_k x[m, k] * W[n, k], float32, one activation row
     per program (axis 1).  Per chunk a * sum(v * x) + c * sum(x): scales stay out of the inner
-    product, and a chunk's sums stay inside a thread."""
+    product, and a chunk's sums stay inside a thread.  GROUPED (mixture-of-experts): W is a stack
+    of matrices of N rows, row m of the output uses matrix ids[m] and activation row m // x_div."""
     pid_n, m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # tiles on axis 0: up to 2**31
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_off = (n.to(tl.int64) * row_bytes)[:, None, None, None]
+    rows, x_m = n.to(tl.int64), m  # the weight rows and the activation row of this program
+    if GROUPED:
+        rows += tl.load(ids_ptr + m).to(tl.int64) * N
+        x_m = m // x_div
+    row_off = (rows * row_bytes)[:, None, None, None]
     mask_n = (n < N)[:, None, None, None]
     blk_off, s, j0, k = _chunks(S, SPB, BPI)
     b0 = pid_s * blocks_per_split
     b_end = tl.minimum(b0 + blocks_per_split, n_blocks)
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    x_row = x_ptr + x_m.to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N, BPI * SPB * (S // 16), 1, 1), dtype=tl.float32)
     for bs in tl.range(b0, b_end, BPI, num_stages=STAGES):
         blk = bs + blk_off
@@ -803,14 +809,47 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     args = (x, qweight, _value_table(x.device, qtype), out)
     if regime == "gemv":
         _gemv_kernel[(triton.cdiv(n, block_n), m, splits)](
-            *args, n, qweight.shape[1], hdr_start, n_blocks, per_split, x.stride(0), out.stride(0), out.stride(1),
-            **targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n, BPI=bpi, STAGES=cfg["num_stages"],
-            num_warps=cfg["num_warps"])
+            *args, out, n, qweight.shape[1], hdr_start, n_blocks, per_split, 1, x.stride(0), out.stride(0),
+            out.stride(1), **targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n, BPI=bpi, STAGES=cfg["num_stages"],
+            GROUPED=False, num_warps=cfg["num_warps"])
     else:
         _dot_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
             *args, m, n, qweight.shape[1], hdr_start, n_blocks, per_split, x.stride(0), out.stride(0), out.stride(1),
             **targs, BLOCK_M=block_m, BLOCK_N=block_n, BPI=bpi, WIDEN=_INTERPRET,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out[0] if splits == 1 else _sum_splits(out, x.dtype)
+
+
+def gguf_grouped_gemv(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int,
+                      ids: torch.Tensor, x_div: int = 1) -> torch.Tensor:
+    """Mixture-of-experts products: ``stacked`` holds E packed GGUF matrices of ``n`` rows
+    (``pack_gguf`` of [E * n, k]); row p of the result [P, n] is ``x[p // x_div] @ W[ids[p]].T`` for
+    the P = ``ids.numel()`` ids.  One launch, no host sync (CUDA-graph capturable), the GEMV's
+    tiles; bf16 / fp16 activations of an int8-kernel type go through 8-bit activations as the
+    dense ``auto`` regime does.  ``ids`` are not checked (in [0, E))."""
+    qtype = _check(stacked, qtype, k, packed=True)
+    if stacked.shape[0] % n or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"stacked [{stacked.shape[0]}, *] is not whole matrices of {n} rows, or x is not [*, {k}]")
+    ids = ids.reshape(-1).contiguous()
+    p = ids.numel()
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        x = x.float()
+    x = x.contiguous()
+    if p == 0:
+        return x.new_zeros(0, n)
+    if x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
+        return _q8().gemv_q8(x, stacked, qtype, k, ids=ids, n=n, x_div=x_div)
+    n_blocks, hdr_start, targs = _type_args(qtype, k)
+    cfg = kernel_config("gemv", qtype)
+    block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
+    split_k = _split_k(triton.cdiv(n, block_n) * p, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
+    per_split = _blocks_per_split(n_blocks, bpi, split_k)
+    splits = triton.cdiv(n_blocks, per_split)
+    out = torch.empty((splits, p, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), p, splits)](
+        x, stacked, _value_table(x.device, qtype), out, ids, n, stacked.shape[1], hdr_start, n_blocks, per_split,
+        x_div, x.stride(0), out.stride(0), out.stride(1), **targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n,
+        BPI=bpi, STAGES=cfg["num_stages"], GROUPED=True, num_warps=cfg["num_warps"])
     return out[0] if splits == 1 else _sum_splits(out, x.dtype)
 
 

@@ -208,19 +208,24 @@ def _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, N, row_bytes, hdr_start, n_blocks,
-                    blocks_per_split, stride_xq, stride_xd, stride_ys, stride_ym,
+def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, row_bytes, hdr_start, n_blocks,
+                    blocks_per_split, x_div, stride_xq, stride_xd, stride_ys, stride_ym,
                     QT: tl.constexpr, BS: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BPI: tl.constexpr, EMU: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BPI: tl.constexpr, EMU: tl.constexpr, GROUPED: tl.constexpr):
     """y[split, m, n] = this split's part of sum_k x[m, k] * W[n, k], float32; x as int8 words
-    ``xq`` with ``xd`` / ``xs`` per 32; BPI blocks of BS weights a step."""
+    ``xq`` with ``xd`` / ``xs`` per 32; BPI blocks of BS weights a step.  GROUPED: as
+    ``gguf._gemv_kernel`` (matrix ids[m] of a stack, activation row m // x_div)."""
     pid_n, m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = w_ptr + (n.to(tl.int64) * row_bytes)[:, None]
+    rows, x_m = n.to(tl.int64), m  # the weight rows and the activation row of this program
+    if GROUPED:
+        rows += tl.load(ids_ptr + m).to(tl.int64) * N
+        x_m = m // x_div
+    row = w_ptr + (rows * row_bytes)[:, None]
     b0 = pid_s * blocks_per_split
     b_end = tl.minimum(b0 + blocks_per_split, n_blocks)
-    xq_row = xq_ptr.to(tl.pointer_type(tl.int32)) + m.to(tl.int64) * stride_xq
-    xd_row, xs_row = xd_ptr + m * stride_xd, xs_ptr + m * stride_xd
+    xq_row = xq_ptr.to(tl.pointer_type(tl.int32)) + x_m.to(tl.int64) * stride_xq
+    xd_row, xs_row = xd_ptr + x_m * stride_xd, xs_ptr + x_m * stride_xd
     acc = tl.zeros((BLOCK_N, BPI), dtype=tl.float32)
     for bs in range(b0, b_end, BPI):
         blk = (bs + tl.arange(0, BPI))[None, :]
@@ -291,11 +296,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int,
-            split_k: int | None = None) -> torch.Tensor:
+            split_k: int | None = None, *, ids: torch.Tensor | None = None, n: int | None = None,
+            x_div: int = 1) -> torch.Tensor:
     """``x @ W.T`` through 8-bit activations for ``W`` packed by ``gguf.pack_gguf`` (a type of
-    ``Q8_TYPES``); x [M, k] contiguous, the result [M, N] in x's dtype."""
-    m, n = x.shape[0], packed.shape[0]
+    ``Q8_TYPES``); x [M, k] contiguous, the result [M, N] in x's dtype.  With ``ids`` (int64 [P]):
+    ``packed`` is a stack of matrices of ``n`` rows and the result [P, n] as ``gguf_grouped_gemv``."""
     xq, xd, xs = quantize_activations(x)
+    if ids is None:
+        m, n = x.shape[0], packed.shape[0]
+    else:
+        m = ids.numel()
     n_blocks, hdr_start, targs = _type_args(qtype, k)
     cfg = kernel_config("gemv_q8", qtype)
     block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
@@ -305,9 +315,9 @@ def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, 
     splits = triton.cdiv(n_blocks, per_split)
     out = torch.empty((splits, m, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     _gemv_q8_kernel[(triton.cdiv(n, block_n), m, splits)](
-        xq, xd, xs, packed, _value_table(x.device, qtype), out, n, packed.shape[1], hdr_start, n_blocks,
-        per_split, xq.stride(0) // 4, xd.stride(0), out.stride(0), out.stride(1),
+        xq, xd, xs, packed, _value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1],
+        hdr_start, n_blocks, per_split, x_div, xq.stride(0) // 4, xd.stride(0), out.stride(0), out.stride(1),
         QT=int(qtype), BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"], BLOCK_N=block_n, BPI=bpi,
-        EMU=_INTERPRET, num_warps=cfg["num_warps"])
+        EMU=_INTERPRET, GROUPED=ids is not None, num_warps=cfg["num_warps"])
     return out[0] if splits == 1 else _sum_splits(out, x.dtype)
 
