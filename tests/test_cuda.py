@@ -42,3 +42,20 @@ def test_bf16_on_cuda_stays_close(tiny):
     # tiny Qwen3-MoE shows too (benchmarks/results/cpu-moe-bf16-drift.json). One such prompt is
     # allowed there; dense models get none.
     assert len(far) <= (1 if getattr(model.config, "num_experts_per_tok", 0) else 0), far
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gpt_oss"])
+def test_sliding_window_groups_on_cuda_equal_transformers(tiny_models, kind):
+    """A block table per KV group through the Triton kernel and, for gpt-oss, the decode graphs'
+    static tables: prompts several windows long, chunked, in a cache small enough to preempt."""
+    model, path = tiny_models[kind]
+    prompts = prompts_of([3, 24, 57, 100, 150], seed=5)
+    llm = LLM(str(path), device="cuda", dtype="float32", block_size=8, max_num_batched_tokens=16,
+              num_kv_blocks=40, max_model_len=192)
+    assert llm.engine.kv_layout.is_hybrid
+    assert (llm.engine.runner.graphs is not None) == llm.engine.runtime.capabilities.cuda_graphs
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 32) for p in prompts]
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    llm.engine.check_no_leaks()

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from pocketllm.engine.block_pool import BlockPool
-from pocketllm.engine.kv_cache_manager import KVCacheManager, hash_block
+from pocketllm.engine.kv_cache_manager import NO_BLOCK, KVCacheManager, hash_block
+from pocketllm.engine.kv_groups import KVLayout
 from pocketllm.engine.request import Request, RequestStatus
 from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.sampling_params import SamplingParams
@@ -14,8 +15,8 @@ def req(rid, tokens, max_tokens=8):
     return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
-def make(num_blocks=10, **kw):
-    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True, hash_salt=b"test")
+def make(num_blocks=10, windows=(None,), **kw):
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True, hash_salt=b"test", windows=windows)
     cfg = SchedulerConfig(max_num_seqs=kw.pop("max_num_seqs", 8),
                           max_num_batched_tokens=kw.pop("budget", 64), max_model_len=64, **kw)
     return Scheduler(cfg, kv), kv
@@ -88,7 +89,7 @@ def test_freed_blocks_keep_their_hash_until_evicted_in_lru_order():
     sched.add_request(d)
     run_step(sched)
     assert d.block_ids == [3, 4, 5, 2, 1]
-    assert set(kv.pool.cached) == {kv.pool.blocks[0].block_hash} | {
+    assert {h for _, h in kv.pool.cached} == {kv.pool.blocks[0].block_hash} | {
         kv.pool.blocks[i].block_hash for i in d.block_ids[:5]}
     sched.finish_request("d", RequestStatus.FINISHED_ABORTED)
     assert kv.num_free_blocks == 6
@@ -142,3 +143,135 @@ def test_abort_frees_blocks_immediately():
     assert kv.num_free_blocks == 7
     sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert kv.num_free_blocks == 10 and not sched.running
+
+
+# -- KV groups: a full-attention group and sliding-window groups on one pool -----------------------
+
+def test_layer_groups_split_unequal_kinds_into_equal_groups():
+    # Gemma 3 27B: a global layer every sixth of 62 -> 10 global, 52 sliding: groups of 10 layers
+    layout = KVLayout.of([None if (i + 1) % 6 == 0 else 1024 for i in range(62)])
+    assert layout.layers_per_block == 10
+    assert layout.windows == (None,) + (1024,) * 6
+    assert [len(g.layers) for g in layout.groups] == [10, 9, 9, 9, 9, 8, 8]
+    assert sorted(i for g in layout.groups for i in g.layers) == list(range(62))
+    # every layer has one place: (group, KV tensor), tensors < layers_per_block
+    place = layout.placement(62)
+    assert len(set(place)) == 62 and max(t for _, t in place) == 9
+    # gpt-oss: 12 sliding + 12 full -> two groups of 12; counts within 25% pad to the larger
+    assert KVLayout.of([128, None] * 12).layers_per_block == 12
+    assert KVLayout.of([128] * 12 + [None] * 13).layers_per_block == 13
+    # no sliding layers: one group of every layer, as before
+    plain = KVLayout.of([None] * 5)
+    assert not plain.is_hybrid and plain.layers_per_block == 5 and plain.groups[0].layers == (0, 1, 2, 3, 4)
+    assert plain.blocks_for(33, 16, 2048) == 3 and plain.max_tokens(10, 16, 2048) == 160
+
+
+def test_a_request_holds_its_window_and_the_full_sequence_on_exact_blocks():
+    """Window 8, blocks of 4: a query at position p sees p - 7 .. p, so the sliding group keeps at
+    most ceil(7 / 4) + 1 = 3 blocks (plus a chunk's), and releases the rest to the pool as the
+    window moves, at the next allocation."""
+    sched, kv = make(num_blocks=20, windows=(None, 8), budget=8)
+    a = req("a", list(range(20)), max_tokens=3)
+    sched.add_request(a)
+    run_step(sched)  # tokens 0..7
+    assert a.block_tables == [[0, 1], [2, 3]]
+    run_step(sched)  # 8..15: the query at 8 still sees position 1
+    assert a.block_tables == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    run_step(sched)  # 16..19: the query at 16 sees 9.. -> logical blocks 0 and 1 released
+    assert a.block_tables == [[0, 1, 4, 5, 8], [NO_BLOCK, NO_BLOCK, 6, 7, 9]]
+    assert kv.pool.free_queue.block_ids()[-2:] == [2, 3]  # released blocks join the LRU tail
+    run_step(sched)  # decode at 20: sees 13.. -> logical block 2 released
+    assert a.block_tables == [[0, 1, 4, 5, 8, 10], [NO_BLOCK] * 3 + [7, 9, 11]]
+    assert kv.num_held_blocks(a) == 9 and kv.num_free_blocks == 20 - 9
+    # the released blocks were registered first: they stay findable by their hash
+    assert all(kv.pool.lookup(a.block_hashes[i], 1) is kv.pool.blocks[b] for i, b in enumerate([2, 3, 6]))
+    run_step(sched)
+    assert a.is_finished and a.block_tables == [] and kv.num_free_blocks == 20
+    kv.pool.check_integrity()
+
+
+def test_hybrid_prefix_hit_adopts_the_full_chain_and_the_window_before_it():
+    sched, kv = make(num_blocks=20, windows=(None, 8), budget=8)
+    a = req("a", list(range(20)), max_tokens=3)
+    sched.add_request(a)
+    while sched.has_work():
+        run_step(sched)
+    b = req("b", list(range(20)), max_tokens=1)
+    sched.add_request(b)
+    out = run_step(sched)
+    # 4 full blocks hit (the 20th token is recomputed); the query at 16 sees 9..16: the sliding
+    # group adopts logical blocks 2 and 3 (released by `a` as its window moved) and nothing before
+    assert b.num_cached_tokens == 16 and [s.num_tokens for s in out.scheduled] == [4]
+    assert kv.num_hit_tokens == 16
+    b2 = req("b2", list(range(20)), max_tokens=1)
+    sched.add_request(b2)
+    sched.schedule()
+    assert b2.block_tables[0][:4] == [0, 1, 4, 5] and b2.block_tables[1][:4] == [NO_BLOCK, NO_BLOCK, 6, 7]
+    assert kv.pool.blocks[6].ref_cnt == 1 and kv.pool.blocks[2].ref_cnt == 0  # only the window is held
+    sched.finish_request("b2", RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 20
+    # Without logical block 3 in the sliding group, a hit must end where its window is cached:
+    # blocks 1 and 2 are -> 3 blocks (12 tokens), the full group's chain cut to match.
+    kv.pool.unregister(kv.pool.blocks[7])
+    c = req("c", list(range(20)), max_tokens=1)
+    sched.add_request(c)
+    sched.schedule()
+    assert c.num_cached_tokens == 12
+    assert c.block_tables[0][:3] == [0, 1, 4] and c.block_tables[1][:3] == [NO_BLOCK, 3, 6]
+    sched.finish_request("c", RequestStatus.FINISHED_ABORTED)
+    # A window reaching back to the first block: a hit needs every block from there.
+    sched2, kv2 = make(num_blocks=20, windows=(16,))
+    d = req("d", list(range(9)), max_tokens=1)
+    sched2.add_request(d)
+    run_step(sched2)
+    e = req("e", list(range(9)), max_tokens=1)
+    sched2.add_request(e)
+    sched2.schedule()
+    assert e.num_cached_tokens == 8 and e.block_tables == [[0, 1, e.block_tables[0][2]]]
+    kv.pool.check_integrity()
+    kv2.pool.check_integrity()
+
+
+def test_hybrid_preemption_and_cancellation_mid_prefill_free_every_group():
+    sched, kv = make(num_blocks=24, windows=(None, 8, 8), budget=8)
+    a = req("a", list(range(40)), max_tokens=4)
+    sched.add_request(a)
+    for _ in range(3):  # 24 of 40 prompt tokens: sliding blocks already released
+        run_step(sched)
+    assert not a.prefill_done and a.block_tables[1][0] == NO_BLOCK
+    held = kv.num_held_blocks(a)
+    assert kv.num_free_blocks == 24 - held
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 24 and a.block_tables == []
+    # Preemption: a newer request mid-prefill is the victim when the older one needs blocks.
+    old, new = req("old", list(range(100, 112)), max_tokens=30), req("new", list(range(200, 240)), max_tokens=2)
+    sched.add_request(old)
+    run_step(sched)
+    run_step(sched)
+    sched.add_request(new)
+    preempted = []
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        out = run_step(sched)
+        for victim in out.preempted:
+            assert victim.block_tables == [] and not victim.prefill_done
+            preempted.append(victim.request_id)
+        kv.pool.check_integrity()
+        assert kv.num_free_blocks + sum(kv.num_held_blocks(r) for r in sched.running) == 24
+    assert preempted and set(preempted) == {"new"}
+    assert old.num_output_tokens == 30 and new.num_output_tokens == 2
+    assert kv.num_free_blocks == 24
+
+
+def test_failed_step_forgets_released_blocks_nobody_holds():
+    sched, kv = make(num_blocks=20, windows=(None, 8), budget=8)
+    a = req("a", list(range(20)), max_tokens=8)
+    sched.add_request(a)
+    for _ in range(4):
+        run_step(sched)
+    released = [kv.pool.blocks[i] for i in (2, 3)]  # sliding logical blocks 0 and 1, released, hashed
+    assert all(b.ref_cnt == 0 and b.block_hash is not None for b in released)
+    kv.forget_exclusive_blocks(a)
+    assert all(b.block_hash is None for b in released)
+    assert all(kv.pool.blocks[i].block_hash is None for i in a.block_tables[0][:a.num_hashed_blocks])

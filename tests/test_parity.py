@@ -18,6 +18,17 @@ def reference(tiny):
     return path, prompts, [hf_greedy(model, p, NEW) for p in prompts], model
 
 
+def tight_blocks(path) -> int:
+    """A KV cache small enough to force preemption: 9 blocks of every layer (a model with
+    sliding-window layers has blocks of fewer layers, several per token block)."""
+    from pocketllm.config import EngineArgs, ModelConfig
+    from pocketllm.models.registry import select_runtime
+
+    cfg = ModelConfig.from_hf_dir(path)
+    layout = select_runtime(cfg, EngineArgs(model=str(path)), "cpu", "float32").kv_layout
+    return 9 * cfg.num_layers // layout.layers_per_block
+
+
 def run(path, prompts, **engine_args):
     engine_args = {"exact_kernels": True, **engine_args}  # the exact path unless a test says otherwise
     llm = LLM(str(path), dtype="float32", **engine_args)
@@ -51,7 +62,7 @@ def test_batch_invariance(reference):
     assert alone == expected[:3]
     chunked, _, _ = run(path, prompts, max_num_batched_tokens=8)
     assert chunked == expected
-    tight, outs, llm = run(path, prompts, num_kv_blocks=9, max_model_len=128)
+    tight, outs, llm = run(path, prompts, num_kv_blocks=tight_blocks(path), max_model_len=128)
     assert tight == expected
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the small cache should force preemption"
 
@@ -66,7 +77,7 @@ def test_async_scheduling_gives_the_same_tokens(reference):
     assert got == expected
     chunked, _, _ = run(path, prompts, async_scheduling=True, max_num_batched_tokens=8)
     assert chunked == expected
-    tight, outs, _ = run(path, prompts, async_scheduling=True, num_kv_blocks=9, max_model_len=128)
+    tight, outs, _ = run(path, prompts, async_scheduling=True, num_kv_blocks=tight_blocks(path), max_model_len=128)
     assert tight == expected
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the small cache should force preemption"
 
@@ -88,11 +99,11 @@ def test_cpu_fast_path_layer_kernels_match_transformers(reference):
     torch's ops by float rounding alone: the same greedy tokens, through chunked prefill and
     preemption (mixed decode and prefill steps) as well."""
     path, prompts, expected, _ = reference
-    got, _, llm = run(path, prompts, exact_kernels=False)
+    got, _, llm = run(path, prompts, exact_kernels=False, device="cpu")  # the CPU path, also where a GPU is
     norms = [m for m in llm.engine.runner.model.modules() if hasattr(m, "cpu_kernels")]
     assert norms and all(m.cpu_kernels for m in norms)
     assert got == expected
-    tight, outs, _ = run(path, prompts, exact_kernels=False, num_kv_blocks=9, max_model_len=128,
-                         max_num_batched_tokens=8)
+    tight, outs, _ = run(path, prompts, exact_kernels=False, num_kv_blocks=tight_blocks(path), max_model_len=128,
+                         max_num_batched_tokens=8, device="cpu")
     assert tight == expected
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0

@@ -122,6 +122,34 @@ def test_paged_attention_window_and_softcap(window, softcap):
     torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [None, 4])
+def test_window_never_reads_blocks_behind_it(splits):
+    """A sliding KV group's blocks behind the window are released: their table entries point at a
+    block of NaN here, which no tile may load (tiles start TILE_N-aligned, before the window)."""
+    rows_spec = [(1, 70), (20, 90), (1, 5), (1, 41)]
+    q, kc, vc, rows, tables, lens, qsl = make_step(rows_spec, 4, 2, 32, bs=8, seed=4)
+    ref = reference_attention(q, kc, vc, rows, 0.1, 8)
+    used = {b for _, _, blocks in rows for b in blocks}
+    nan_block = min(set(range(kc.shape[0])) - used)
+    kc[nan_block] = vc[nan_block] = float("nan")
+    for i, (qlen, ctx) in enumerate(rows_spec):
+        first_seen = max(0, ctx - qlen - 8 + 1)  # the row's first query sees from here on
+        tables[i, :first_seen // 8] = nan_block
+    assert int((tables == nan_block).sum()) > 10
+    if splits is None:
+        out = kattn.paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV),
+                                    20, 0.1, 8)
+        torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
+    else:  # the decode rows alone, split over their keys
+        dec = [0, 2, 3]
+        q1 = torch.cat((q[:1], q[-2:]))
+        ref1 = reference_attention(q1, kc, vc, [rows[i] for i in dec], 0.1, 8)
+        out1 = kattn.paged_attention(q1.to(DEV), kc.to(DEV), vc.to(DEV), tables[dec].to(DEV), lens[dec].to(DEV),
+                                     torch.tensor([0, 1, 2, 3], dtype=torch.int32).to(DEV), 1, 0.1, 8,
+                                     num_splits=splits)
+        torch.testing.assert_close(out1.cpu(), ref1, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="bfloat16 dot products need a GPU (the interpreter runs fp32)")
 def test_paged_attention_bf16_close():
     q, kc, vc, rows, tables, lens, qsl = make_step([(1, 300), (64, 200), (1, 17)] * 3, 32, 8, 128,

@@ -3,17 +3,21 @@
 A freed block keeps its hash and goes to the tail of the free list; it is evicted lazily,
 only when it is handed out again. So the longer a freed block goes unused, the sooner it
 is reused, and until then a request with the same prefix can take it back.
+
+The index is keyed by (KV group, block hash): with several layer groups (kv_groups) the same
+tokens have a block per group, each holding its own layers' KV.
 """
 from __future__ import annotations
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group", "prev", "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.group = 0  # the KV group whose content the hash names
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
 
@@ -64,7 +68,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[bytes, KVBlock] = {}
+        self.cached: dict[tuple[int, bytes], KVBlock] = {}
 
     @property
     def num_free(self) -> int:
@@ -96,24 +100,26 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def lookup(self, block_hash: bytes) -> KVBlock | None:
-        return self.cached.get(block_hash)
+    def lookup(self, block_hash: bytes, group: int = 0) -> KVBlock | None:
+        return self.cached.get((group, block_hash))
 
-    def register(self, block: KVBlock, block_hash: bytes) -> None:
-        """Make a full, written block findable by its hash. If identical content is already
-        cached in another block, keep that one: this block stays anonymous."""
-        if block.block_hash is not None or block_hash in self.cached:
+    def register(self, block: KVBlock, block_hash: bytes, group: int = 0) -> None:
+        """Make a full, written block of `group` findable by its hash. If identical content is
+        already cached in another block, keep that one: this block stays anonymous."""
+        key = (group, block_hash)
+        if block.block_hash is not None or key in self.cached:
             return
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
+        block.block_hash, block.group = block_hash, group
+        self.cached[key] = block
 
     def unregister(self, block: KVBlock) -> None:
-        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
+        key = (block.group, block.block_hash)
+        if block.block_hash is not None and self.cached.get(key) is block:
+            del self.cached[key]
         block.block_hash = None
 
     def check_integrity(self) -> None:
         referenced = sum(1 for b in self.blocks if b.ref_cnt > 0)
         assert referenced + self.num_free == self.num_blocks, (referenced, self.num_free)
-        for h, b in self.cached.items():
-            assert b.block_hash == h
+        for (g, h), b in self.cached.items():
+            assert b.block_hash == h and b.group == g

@@ -142,9 +142,9 @@ class LLMEngine:
         self.runtime = select_runtime(cfg, args, self.device.type, self.dtype_name, quant_types)
 
         self.block_size = args.block_size
+        self.kv_layout = self.runtime.kv_layout
         kv_dtype = self.dtype
-        per_block = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim \
-            * torch.empty((), dtype=kv_dtype).element_size()
+        per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, kv_dtype)
         if self.device.type == "cpu" or args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
             self._fit_max_model_len(num_blocks, per_block)
@@ -188,17 +188,17 @@ class LLMEngine:
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = free - (1 - args.gpu_memory_utilization) * total
             # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.
-            cap = 4 * args.max_num_seqs * -(-self.max_model_len // self.block_size)
+            cap = 4 * args.max_num_seqs * self._blocks_per_request(self.max_model_len)
             num_blocks = max(0, min(int(budget // per_block), cap))
             self._fit_max_model_len(num_blocks, per_block)
         self.num_blocks = num_blocks
         self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=args.enforce_eager)
+                                  enforce_eager=args.enforce_eager, kv_layout=self.kv_layout)
         salt = "|".join(map(str, (cfg.architecture, self.dtype_name, cfg.num_layers, cfg.num_kv_heads,
                                   cfg.head_dim, self.block_size, path.resolve(), sorted(quant_types))))
         self.kv = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching,
-                                 hashlib.sha256(salt.encode()).digest())
+                                 hashlib.sha256(salt.encode()).digest(), self.kv_layout.windows)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -216,9 +216,11 @@ class LLMEngine:
         self._wait_time = 0.0
         self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)
-        log.info("Loaded %s (%s; weights %s) on %s in %.1f s: %d KV blocks of %d tokens, context %d",
+        groups = f" ({self.kv_layout.describe()})" if self.kv_layout.is_hybrid else ""
+        log.info("Loaded %s (%s; weights %s) on %s in %.1f s: %d KV blocks of %d tokens%s, context %d",
                  cfg.architecture, self._describe_weights(model, quant_types), _size(self.weight_bytes),
-                 self.device, time.perf_counter() - t_start, num_blocks, self.block_size, self.max_model_len)
+                 self.device, time.perf_counter() - t_start, num_blocks, self.block_size, groups,
+                 self.max_model_len)
 
     # -- set-up helpers --------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -235,8 +237,9 @@ class LLMEngine:
         """A max_model_len that was asked for must fit one request in the KV cache. The default one,
         the model's context, is lowered to what fits (as llama.cpp and Ollama do), and one log line
         says why."""
-        if self.args.max_model_len is None and num_blocks > 0:
-            length, why = min(self._context_limits(num_blocks, per_block))
+        limits = self._context_limits(num_blocks, per_block) if num_blocks > 0 else []
+        if self.args.max_model_len is None and limits:
+            length, why = min(limits)
             if length < self.max_model_len:
                 log.info("max_model_len %d (the model's context is %d; %s)", length, self.max_model_len, why)
                 self.max_model_len = length
@@ -244,7 +247,8 @@ class LLMEngine:
 
     def _context_limits(self, num_blocks: int, per_block: int) -> list[tuple[int, str]]:
         """(longest request, why) for each limit on the context besides the model's own."""
-        args, tokens = self.args, num_blocks * self.block_size
+        args = self.args
+        tokens = self.kv_layout.max_tokens(num_blocks, self.block_size, args.max_num_batched_tokens)
         if args.num_kv_blocks is not None:
             cache, more = f"{num_blocks} blocks", "--num-kv-blocks"
         elif self.device.type == "cuda":
@@ -252,7 +256,8 @@ class LLMEngine:
             more = "--gpu-memory-utilization or --num-kv-blocks"
         else:
             cache, more = _size(num_blocks * per_block), "--kv-cache-memory or --num-kv-blocks"
-        limits = [(tokens, f"the KV cache of {cache} holds {tokens} tokens; raise {more} for more")]
+        limits = [] if tokens is None else [
+            (tokens, f"the KV cache of {cache} holds {tokens} tokens; raise {more} for more")]
         if not args.enable_chunked_prefill:  # then a whole prompt must fit in one step
             n = args.max_num_batched_tokens
             limits.append((n, f"without chunked prefill a prompt must fit in one step of "
@@ -275,8 +280,13 @@ class LLMEngine:
             parts.append(f"{', '.join(dense)} dequantized to {self.dtype_name}")
         return "; ".join(parts) or f"GGUF {', '.join(sorted(quant_types))}, {self.dtype_name}"
 
+    def _blocks_per_request(self, num_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` tokens holds at once, every KV group counted
+        (a sliding group holds its window and the step's chunk)."""
+        return self.kv_layout.blocks_for(num_tokens, self.block_size, self.args.max_num_batched_tokens)
+
     def _check_kv_fits(self, num_blocks: int) -> None:
-        need = -(-self.max_model_len // self.block_size)
+        need = self._blocks_per_request(self.max_model_len)
         if num_blocks < need:
             raise ConfigurationError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one request of "

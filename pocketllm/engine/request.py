@@ -54,9 +54,12 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission; -1 = not admitted yet
         self.num_preemptions = 0
 
-        self.block_ids: list[int] = []  # the block table: logical block i lives in block_ids[i]
+        # One block table per KV group (kv_groups): logical block i of group g lives in
+        # block_tables[g][i]; a sliding group's blocks behind its window are NO_BLOCK.
+        self.block_tables: list[list[int]] = []
+        self.num_released: list[int] = []  # per group: leading entries released (NO_BLOCK)
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
-        self.num_hashed_blocks = 0  # leading blocks of block_ids registered in the prefix cache
+        self.num_hashed_blocks = 0  # leading logical blocks registered in the prefix cache
 
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -70,6 +73,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's block table (the full-attention one, when the model has one)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,4 +111,4 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
+                f"computed={self.num_computed_tokens}, blocks={self.block_tables})")

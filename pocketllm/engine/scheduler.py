@@ -133,15 +133,15 @@ class Scheduler:
                     and not leader.prefill_done):
                 skipped.append(self.waiting.popleft())  # wait for the sibling's prompt KV
                 continue
-            cached = self.kv.find_cached_blocks(req) if req.params.prompt_logprobs is None else []
-            num_cached = len(cached) * self.kv.block_size
+            hit = self.kv.find_cached_blocks(req) if req.params.prompt_logprobs is None else None
+            num_cached = hit.num_tokens if hit else 0
             num_new = req.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
             reserve = self.reserve_blocks if self.running else 0
-            if not self.kv.allocate_slots(req, num_new, cached, reserve=reserve):
+            if not self.kv.allocate_slots(req, num_new, hit, reserve=reserve):
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # first admission: count prefix hits once

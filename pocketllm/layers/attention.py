@@ -1,7 +1,8 @@
 """Paged attention over a block-table KV cache: plain torch on the CPU (and the reference for
 the GPU kernels), the Triton kernels of pocketllm.kernels.triton on CUDA.
 
-Each layer owns K and V caches shaped [num_blocks, block_size, num_kv_heads, head_dim];
+Each layer has K and V caches shaped [num_blocks, block_size, num_kv_heads, head_dim] (shared
+with layers of other KV groups, which use other block ids) and reads its KV group's block table:
 a token at position p of a request lives in slot block_ids[p // bs] * bs + p % bs.
 """
 from __future__ import annotations
@@ -18,14 +19,16 @@ class PrefillSpan:
 
     query_start: int
     query_len: int
-    context_len: int  # tokens the chunk attends to, cached prefix included
-    block_ids: torch.Tensor  # [ceil(context_len / bs)]
+    context_len: int  # key positions read, from key_start: the chunk and the prefix it sees
+    block_ids: torch.Tensor  # [ceil(context_len / bs)], the first holding position key_start
     mask: torch.Tensor  # [query_len, context_len] bool, causal with the prefix offset
+    key_start: int = 0  # the first key position read (a block boundary; > 0 for a window)
 
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the runner and shared by every layer. The torch path reads the
+    """Built once per step by the runner and shared by every layer of a KV group; the first
+    group's holds all of them (`groups`, when there are several). The torch path reads the
     per-request masks and spans; the kernel path reads the flat tensors (graph-capturable)."""
 
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written (-1: nowhere)
@@ -34,13 +37,17 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * bs] bool
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths (the CPU kernels)
+    # A sliding group's torch tables start at each row's window and its masks are cut to it: the
+    # window they hold (None: tables from position 0, causal masks).
+    window: int | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
     # kernel path: every request of the step, decodes first
     block_tables: torch.Tensor | None = None  # [R, max_blocks] int32
     seq_lens: torch.Tensor | None = None  # [R] int32, tokens including this step's
     query_start_loc: torch.Tensor | None = None  # [R + 1] int32
     max_query_len: int = 0
-    # Sliding-window layers read a narrower mask, made from the same metadata on first use.
+    groups: list[AttentionMetadata] | None = None  # per KV group (this one first), if several
+    # Sliding-window layers of a full group read a narrower mask, made from the same metadata on first use.
     _window_masks: dict | None = None
 
     @property
@@ -50,6 +57,7 @@ class AttentionMetadata:
 
     def windowed(self, window: int) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Masks for a layer that sees only the last `window` positions (itself included)."""
+        assert self.window is None, "masks already cut to a window"
         if self._window_masks is None:
             self._window_masks = {}
         if window not in self._window_masks:
@@ -103,7 +111,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nb, bs, hkv, d = k_cache.shape
     out = torch.empty_like(q)
-    dec_mask, pre_masks = (meta.decode_mask, [s.mask for s in meta.prefills]) if window is None \
+    dec_mask, pre_masks = (meta.decode_mask, [s.mask for s in meta.prefills]) if window == meta.window \
         else meta.windowed(window)
     if n and cpu_kernels:
         out[:n] = layer_ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,

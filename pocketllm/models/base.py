@@ -36,8 +36,14 @@ class CausalLM(torch.nn.Module):
         self.cfg = cfg
 
     @classmethod
+    def layer_windows(cls, cfg: ModelConfig) -> list[int | None]:
+        """Each layer's attention: None (full) or its sliding window in tokens. The KV layout
+        (pocketllm.engine.kv_groups) is built from it, before the model is."""
+        return [None] * cfg.num_layers
+
+    @classmethod
     def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
-        return {"full"}
+        return {"full" if w is None else "sliding_window" for w in cls.layer_windows(cfg)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -46,9 +52,13 @@ class CausalLM(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        for layer, k, v in zip(self.model.layers, k_caches, v_caches):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                      groups: list[int] | None = None) -> None:
+        """Per layer: its K and V caches (tensors shared by layers of different KV groups) and the
+        KV group whose block table it reads."""
+        groups = groups or [0] * len(k_caches)
+        for layer, k, v, g in zip(self.model.layers, k_caches, v_caches, groups, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache, layer.self_attn.kv_group = k, v, g
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         # On the CPU fast path the output projection (a tied one: the embedding table's) takes a

@@ -24,9 +24,13 @@ class RuntimeCapabilities:
     cuda_graphs: bool = False
     cuda_graph_max_batch: int | None = None  # decode batches above this run eagerly (None: max_num_seqs)
     max_batch_size: int | None = None
-    # How sliding-window layers hold KV: "full" = the whole sequence, like global layers (exact
-    # accounting, more memory than they read); "window" would free blocks that fall out of it.
+    # How sliding-window layers hold KV: "window" = in KV groups of their own whose blocks behind
+    # the window go back to the pool (the layers read their group's table: the Attention of
+    # pocketllm.models.llama); "full" = in the full-attention layers' table, the whole sequence.
     sliding_window_kv: str = "full"
+
+
+SLIDING_WINDOW_KV = frozenset({"full", "window"})  # the KV layouts the engine builds
 
 
 # GGUF types the CUDA platform multiplies in their GGUF encoding (the Triton kernels of

@@ -2,9 +2,9 @@
 rotary bases, q/k RMSNorm, GeGLU, a scaled embedding and four norms per layer (Gemma's
 RMSNorm multiplies by 1 + w).
 
-KV memory: sliding-window layers share the block table of the global layers, so they keep
-KV for the whole sequence (declared in the capabilities as `sliding_window_kv="full"`); the
-scheduler's block accounting is exact for that layout — it charges every layer the full length.
+KV memory: the sliding-window layers form their own KV groups (pocketllm.engine.kv_groups), whose
+block tables keep only the window (`sliding_window_kv="window"`); the global layers keep the whole
+sequence.
 """
 from __future__ import annotations
 
@@ -72,24 +72,24 @@ class Gemma3Model(torch.nn.Module):
 
 class Gemma3ForCausalLM(CausalLM):
     capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}),
-                                       sliding_window_kv="full")
+                                       sliding_window_kv="window")
 
     @classmethod
-    def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
-        return {"sliding_window" if t == "sliding_attention" else "full" for t in layer_types(cfg)}
+    def layer_windows(cls, cfg: ModelConfig) -> list[int | None]:
+        window = cfg.raw.get("sliding_window")
+        return [window if t == "sliding_attention" else None for t in layer_types(cfg)]
 
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu", max_model_len: int = 2048):
         super().__init__(cfg)
         raw = cfg.raw
-        window = raw.get("sliding_window")
         scale = float(raw.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5
         ropes = {kind: RotaryEmbedding(cfg.head_dim, max_model_len, theta, scaling, device)
                  for kind, (theta, scaling) in rope_settings(cfg).items()}
         self.types = layer_types(cfg)
         layers = []
-        for kind in self.types:
+        for kind, window in zip(self.types, self.layer_windows(cfg)):
             attn = Attention(cfg, ropes[kind], cfg.attention_bias, cfg.attention_bias, True, dtype, device,
-                             window=window if kind == "sliding_attention" else None, scale=scale,
+                             window=window, scale=scale,
                              softcap=raw.get("attn_logit_softcapping"), norm_offset=1.0)
             layers.append(Gemma3DecoderLayer(cfg, attn, dtype, device))
         self.model = Gemma3Model(cfg, layers, dtype, device)

@@ -1,6 +1,7 @@
 """gpt-oss: attention with biases and a learned sink logit per head, sliding-window layers
-alternating with full ones (`layer_types`), YaRN rope, and a mixture of experts whose router takes
-the top k logits before its softmax, with biased experts and a clamped SwiGLU.
+alternating with full ones (`layer_types`; their KV groups keep only the window), YaRN rope, and
+a mixture of experts whose router takes the top k logits before its softmax, with biased experts
+and a clamped SwiGLU.
 
 Checkpoints hold the experts fused, x @ W style: `mlp.experts.gate_up_proj` [experts, hidden,
 2 * inter] with gate and up columns interleaved, `down_proj` [experts, inter, hidden], and their
@@ -50,18 +51,19 @@ class GptOssForCausalLM(LlamaForCausalLM):
     # Decode steps take the grouped expert path (no host sync): graphs up to its batch. The CPU fast
     # path's C attention has no sinks (the layers take the torch path there).
     capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}), cuda_graphs=True,
-                                       cuda_graph_max_batch=GROUPED_MAX_TOKENS)
+                                       cuda_graph_max_batch=GROUPED_MAX_TOKENS, sliding_window_kv="window")
     qkv_bias = o_bias = True
     renamed_modules = {"router": "gate"}
 
     @classmethod
-    def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
-        return {"sliding_window" if t == "sliding_attention" else "full" for t in _layer_types(cfg)}
+    def layer_windows(cls, cfg: ModelConfig) -> list[int | None]:
+        window = cfg.raw.get("sliding_window")
+        return [window if t == "sliding_attention" else None for t in _layer_types(cfg)]
 
     def make_attention(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                        dtype, device) -> Attention:
-        window = cfg.raw.get("sliding_window") if _layer_types(cfg)[layer] == "sliding_attention" else None
-        return Attention(cfg, rotary, qkv_bias, o_bias, False, dtype, device, window=window, sinks=True)
+        return Attention(cfg, rotary, qkv_bias, o_bias, False, dtype, device, window=self.layer_windows(cfg)[layer],
+                         sinks=True)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, False,

@@ -50,9 +50,12 @@ class Attention(torch.nn.Module):
         self.scale = d ** -0.5 if scale is None else scale
         self.sinks = Sinks(cfg.num_heads, device) if sinks else None
         self.k_cache = self.v_cache = None  # bound by the runner
+        self.kv_group = 0  # the KV group whose block table this layer reads (bound by the runner)
         self.cpu_kernels = False  # the CPU fast path's cache write and decode attention
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.kv_group:
+            meta = meta.groups[self.kv_group]
         t, hq = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
@@ -170,8 +173,8 @@ class LlamaForCausalLM(CausalLM):
         x, _ = self.model.norm(x, residual)
         return x
 
-    def bind_kv_cache(self, k_caches, v_caches) -> None:
-        super().bind_kv_cache(k_caches, v_caches)
+    def bind_kv_cache(self, k_caches, v_caches, groups=None) -> None:
+        super().bind_kv_cache(k_caches, v_caches, groups)
         self._cpu_decoder = None  # it points at the caches
 
     def _decoder(self):

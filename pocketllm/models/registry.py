@@ -8,8 +8,9 @@ import importlib
 from dataclasses import dataclass
 
 from pocketllm.config import EngineArgs, ModelConfig
+from pocketllm.engine.kv_groups import KVLayout
 from pocketllm.errors import UnsupportedFeatureError
-from pocketllm.models.capabilities import PLATFORMS, RuntimeCapabilities, check
+from pocketllm.models.capabilities import PLATFORMS, SLIDING_WINDOW_KV, RuntimeCapabilities, check
 
 _RUNTIMES = {
     "LlamaForCausalLM": ("pocketllm.models.llama", "LlamaForCausalLM"),
@@ -30,6 +31,7 @@ def supported_architectures() -> list[str]:
 class RuntimeSelection:
     model_class: type
     capabilities: RuntimeCapabilities
+    kv_layout: KVLayout  # which layers share a block table
 
 
 def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
@@ -54,6 +56,11 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
         check("quantization type", qtype, platform.quantizations, f"the {device} platform")
     for kind in cls.attention_kinds(cfg):
         check("attention kind", kind, caps.attention_kinds, where)
+    windows = cls.layer_windows(cfg)
+    if any(w is not None for w in windows):
+        check("sliding-window KV layout", caps.sliding_window_kv, SLIDING_WINDOW_KV, where)
+        if caps.sliding_window_kv == "full":  # one table: the window layers keep the whole sequence
+            windows = [None] * len(windows)
     if args.enable_prefix_caching and not caps.prefix_caching:
         raise UnsupportedFeatureError(f"{where} does not support prefix caching; "
                                       "pass enable_prefix_caching=False")
@@ -61,4 +68,4 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
         raise UnsupportedFeatureError(
             f"{where} supports at most {caps.max_batch_size} sequences per batch; "
             f"lower max_num_seqs (got {args.max_num_seqs})")
-    return RuntimeSelection(cls, caps)
+    return RuntimeSelection(cls, caps, KVLayout.of(windows))

@@ -4,10 +4,12 @@ A pure-decode step is padded to the smallest bucket that holds it and replays th
 graph. Inputs live in persistent device buffers that each step overwrites (through pinned
 staging buffers, without a host sync); padding rows write no KV (slot -1) and attend to one
 stale slot, so their outputs are finite and ignored. All graphs share one memory pool; the
-hidden states a replay returns stay valid until the next replay.
+hidden states a replay returns stay valid until the next replay. Each KV group (a model with
+sliding-window layers has several) has its own static slots and block tables.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pocketllm.layers.attention import AttentionMetadata
@@ -21,8 +23,11 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, device: torch.device, max_batch: int, max_blocks: int):
+    def __init__(self, model: CausalLM, device: torch.device, max_batch: int, max_blocks: int,
+                 windows: tuple[int | None, ...] = (None,)):
         self.model = model
+        self.windows = windows  # per KV group
+        num_groups = len(windows)
         self.sizes = buckets(max_batch)
         self.max_batch, self.max_blocks = max_batch, max_blocks
         n = max_batch
@@ -33,11 +38,13 @@ class DecodeGraphs:
 
         self.ids, self.ids_h = buffers(torch.long, n)
         self.pos, self.pos_h = buffers(torch.long, n)
-        self.slots, self.slots_h = buffers(torch.long, n)
         self.seq_lens, self.seq_lens_h = buffers(torch.int32, n)
-        self.tables, self.tables_h = buffers(torch.int32, n, max_blocks)
+        # per KV group: slots [n] and block tables [n, max_blocks]
+        self.slots, self.slots_h = zip(*(buffers(torch.long, n) for _ in range(num_groups)))
+        self.tables, self.tables_h = zip(*(buffers(torch.int32, n, max_blocks) for _ in range(num_groups)))
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.slots.fill_(-1)
+        for slots in self.slots:
+            slots.fill_(-1)
         self.seq_lens.fill_(1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._copied: torch.cuda.Event | None = None  # the staging buffers are free once it fires
@@ -47,9 +54,13 @@ class DecodeGraphs:
         return batch <= self.max_batch
 
     def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slots[:b], num_decodes=b, block_tables=self.tables[:b],
-                                 seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
-                                 max_query_len=1)
+        metas = [AttentionMetadata(slot_mapping=slots[:b], num_decodes=b, block_tables=tables[:b],
+                                   seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
+                                   max_query_len=1)
+                 for slots, tables in zip(self.slots, self.tables)]
+        if len(metas) > 1:
+            metas[0].groups = metas
+        return metas[0]
 
     @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:
@@ -76,19 +87,25 @@ class DecodeGraphs:
             self._copied.synchronize()  # normally long done: the last step read its tokens back
         self.ids_h[:n] = torch.as_tensor(step.input_ids)
         self.pos_h[:n] = torch.as_tensor(step.positions)
-        self.slots_h[:n] = torch.as_tensor(step.slots)
-        self.slots_h[n:b] = -1
-        tables = self.tables_h.numpy()
         lens = self.seq_lens_h.numpy()
-        for i, (_, ctx, blocks) in enumerate(step.rows):
-            tables[i, :len(blocks)] = blocks
+        for i, (_, ctx) in enumerate(step.rows):
             lens[i] = ctx
         lens[n:b] = 1
-        width = max(len(blocks) for _, _, blocks in step.rows)
-        for dst, src in ((self.ids, self.ids_h), (self.pos, self.pos_h), (self.slots, self.slots_h),
-                         (self.seq_lens, self.seq_lens_h)):
+        for dst, src in ((self.ids, self.ids_h), (self.pos, self.pos_h), (self.seq_lens, self.seq_lens_h)):
             dst[:b].copy_(src[:b], non_blocking=True)
-        self.tables[:n, :width].copy_(self.tables_h[:n, :width], non_blocking=True)
+        for g, rows in enumerate(step.tables):
+            self.slots_h[g][:n] = torch.as_tensor(step.slots[g])
+            self.slots_h[g][n:b] = -1
+            tables = self.tables_h[g].numpy()
+            for i, blocks in enumerate(rows):
+                tables[i, :len(blocks)] = blocks
+            width = max(len(blocks) for blocks in rows)
+            if self.windows[g] is not None:
+                # Entries behind the window are never read by these rows, but stale ones are read
+                # by later padding rows (their one key): no NO_BLOCK may stay in the static table.
+                np.maximum(tables[:n, :width], 0, out=tables[:n, :width])
+            self.slots[g][:b].copy_(self.slots_h[g][:b], non_blocking=True)
+            self.tables[g][:n, :width].copy_(self.tables_h[g][:n, :width], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         if pending is not None:

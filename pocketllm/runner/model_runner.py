@@ -1,8 +1,11 @@
 """Turns a SchedulerOutput into one flattened varlen forward and samples the rows that end.
 
-The KV cache is allocated here once, per layer, and bound to the model's attention layers.
-On the CPU attention runs in torch over per-request masks; on CUDA it runs in the Triton
-kernels over flat metadata tensors, and pure-decode steps replay captured CUDA graphs.
+The KV cache is allocated here once, a K and a V tensor per place of the KV layout's groups
+(pocketllm.engine.kv_groups; one per layer without sliding-window layers), and bound to the model's
+attention layers. Each KV group gets its own slots and block tables in the step's metadata.
+On the CPU attention runs in torch over per-request masks (a sliding group's tables start at its
+window); on CUDA it runs in the Triton kernels over flat metadata tensors, and pure-decode steps
+replay captured CUDA graphs.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pocketllm.engine.kv_cache_manager import NO_BLOCK
+from pocketllm.engine.kv_groups import KVLayout
 from pocketllm.engine.scheduler import SchedulerOutput
 from pocketllm.layers.attention import AttentionMetadata, PrefillSpan
 from pocketllm.models.base import CausalLM
@@ -34,8 +39,9 @@ class StepInputs:
 
     input_ids: list[int]
     positions: list[int]
-    slots: list[int]
-    rows: list[tuple[int, int, list[int]]]  # (query_len, context_len, block ids covering the context)
+    slots: list[list[int]]  # per KV group: each token's cache slot
+    rows: list[tuple[int, int]]  # (query_len, context_len)
+    tables: list[list[list[int]]]  # per KV group, per row: block ids covering the context (NO_BLOCK behind a window)
     num_decodes: int
     logits_rows: list[int]  # token rows whose logits are sampled
     sampling: list  # their requests
@@ -76,15 +82,24 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, seed: int = 0, max_num_seqs: int = 64, max_model_len: int = 2048,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, kv_layout: KVLayout | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
         cfg = model.cfg
+        layout = kv_layout or KVLayout.of([None] * cfg.num_layers)
+        self.windows = layout.windows  # per KV group
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches = [_zeros(shape, kv_dtype, device) for _ in range(cfg.num_layers)]
-        self.v_caches = [_zeros(shape, kv_dtype, device) for _ in range(cfg.num_layers)]
-        model.bind_kv_cache(self.k_caches, self.v_caches)
+        # KV tensor t holds place t of every group: layers of different groups share it, each
+        # through its own group's block ids.
+        self.k_caches = [_zeros(shape, kv_dtype, device) for _ in range(layout.layers_per_block)]
+        self.v_caches = [_zeros(shape, kv_dtype, device) for _ in range(layout.layers_per_block)]
+        place = layout.placement(cfg.num_layers)
+        for layer, (g, _) in zip(model.model.layers, place):
+            w = layer.self_attn.window
+            assert self.windows[g] in (None, w), f"a layer of window {w} in a KV group of window {self.windows[g]}"
+        model.bind_kv_cache([self.k_caches[t] for _, t in place], [self.v_caches[t] for _, t in place],
+                            [g for g, _ in place])
         self.sampler = Sampler(seed, device)
         self.use_kernels = device.type == "cuda"
         self.graphs = None
@@ -92,29 +107,31 @@ class ModelRunner:
             from pocketllm.runner.cuda_graphs import DecodeGraphs
 
             largest = min(max_num_seqs, model.capabilities.cuda_graph_max_batch or max_num_seqs)
-            self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size))
+            self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows)
 
     @staticmethod
-    def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
-        cfg = model.cfg
+    def kv_bytes_per_block(cfg, layout: KVLayout, block_size: int, kv_dtype: torch.dtype) -> int:
+        """K and V of one block id: `layout.layers_per_block` layers' worth."""
         elem = torch.empty((), dtype=kv_dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return 2 * layout.layers_per_block * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def flatten(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        rows: list[tuple[int, int, list[int]]] = []
+        rows: list[tuple[int, int]] = []
+        tables: list[list[int]] = []
         logits_rows: list[int] = []
         sampling = []
         pending: list[tuple[int, int]] = []
         prompt_scores: list[tuple] = []
         prev_rows = None
         # Query-length-1 rows come first; they are most of a busy step, so they get a lean loop.
+        # (Here the first KV group; other groups' slots and tables follow in _other_groups.)
         for sr in out.scheduled[:out.num_decodes]:
             req = sr.request
-            p, blocks, tokens = sr.start, req.block_ids, req.all_token_ids
+            p, blocks, tokens = sr.start, req.block_tables[0], req.all_token_ids
             if p < len(tokens):
                 input_ids.append(tokens[p])
             else:  # the token the previous step is sampling
@@ -124,19 +141,21 @@ class ModelRunner:
                 input_ids.append(0)
             positions.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
-            rows.append((1, p + 1, blocks))  # exactly ceil((p + 1) / bs) blocks: the allocation's invariant
+            rows.append((1, p + 1))
+            tables.append(blocks)  # exactly ceil((p + 1) / bs) blocks: the allocation's invariant
             if sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
         for sr in out.scheduled[out.num_decodes:]:
             req, n, start = sr.request, sr.num_tokens, sr.start
-            blocks = req.block_ids
+            blocks = req.block_tables[0]
             input_ids += req.all_token_ids[start:start + n]
             pos = range(start, start + n)
             positions += pos
             slots += [blocks[p // bs] * bs + p % bs for p in pos]
             ctx = start + n
-            rows.append((n, ctx, blocks[:-(-ctx // bs)]))
+            rows.append((n, ctx))
+            tables.append(blocks[:-(-ctx // bs)])
             if sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
@@ -146,44 +165,97 @@ class ModelRunner:
                 if first < last:
                     prompt_scores.append((req, first, len(input_ids) - ctx + first,
                                           req.prompt_token_ids[first + 1:last + 1]))
-        return StepInputs(input_ids, positions, slots, rows, out.num_decodes, logits_rows, sampling, pending,
-                          prompt_scores)
+        step = StepInputs(input_ids, positions, [slots], rows, [tables], out.num_decodes, logits_rows, sampling,
+                          pending, prompt_scores)
+        if len(self.windows) > 1:
+            self._other_groups(out, step)
+        return step
+
+    def _other_groups(self, out: SchedulerOutput, step: StepInputs) -> None:
+        """The slots and block tables of KV groups 1.. (a model with sliding-window layers)."""
+        bs = self.block_size
+        for g in range(1, len(self.windows)):
+            slots: list[int] = []
+            tables: list[list[int]] = []
+            for sr, (n, ctx) in zip(out.scheduled, step.rows):
+                blocks = sr.request.block_tables[g]
+                slots += [blocks[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
+                tables.append(blocks[:-(-ctx // bs)])
+            step.slots.append(slots)
+            step.tables.append(tables)
 
     def _torch_metadata(self, step: StepInputs) -> AttentionMetadata:
+        metas = [self._torch_group(step, g, w) for g, w in enumerate(self.windows)]
+        if len(metas) > 1:
+            metas[0].groups = metas
+        return metas[0]
+
+    def _torch_group(self, step: StepInputs, g: int, window: int | None) -> AttentionMetadata:
+        """One KV group's metadata. A sliding group's tables start, per row, at the block of the
+        first position its queries see, and its masks and context lengths count from there: the
+        blocks behind the window (released: NO_BLOCK) are never read."""
         dev, bs, n = self.device, self.block_size, step.num_decodes
-        meta = AttentionMetadata(slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
-                                 num_decodes=n)
-        if n:
-            tables = [blocks for _, _, blocks in step.rows[:n]]
-            width = max(len(t) for t in tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+        meta = AttentionMetadata(slot_mapping=torch.tensor(step.slots[g], dtype=torch.long, device=dev),
+                                 num_decodes=n, window=window)
+        tables = step.tables[g]
+        if n and window is None:
+            width = max(len(t) for t in tables[:n])
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:n]],
                                                     dtype=torch.long, device=dev)
-            lens = meta.decode_lens = torch.tensor([ctx for _, ctx, _ in step.rows[:n]], device=dev)
+            lens = meta.decode_lens = torch.tensor([ctx for _, ctx in step.rows[:n]], device=dev)
             meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        elif n:
+            firsts = [max(0, ctx - window) // bs for _, ctx in step.rows[:n]]
+            cut = [t[first:] for t, first in zip(tables[:n], firsts)]
+            assert all(t[0] != NO_BLOCK for t in cut), "a released block inside a decode row's window"
+            width = max(len(t) for t in cut)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in cut],
+                                                    dtype=torch.long, device=dev)
+            # context lengths from each row's first block: the window is their last `window` keys
+            lens = meta.decode_lens = torch.tensor([ctx - first * bs for (_, ctx), first in zip(step.rows[:n], firsts)],
+                                                   device=dev)
+            idx = torch.arange(width * bs, device=dev)[None, :]
+            meta.decode_mask = ((idx < lens[:, None]) & (idx >= lens[:, None] - window))[:, None, None, :]
         q0 = n
-        for ql, ctx, blocks in step.rows[n:]:
+        for (ql, ctx), blocks in zip(step.rows[n:], tables[n:]):
             q_pos = torch.arange(ctx - ql, ctx, device=dev)[:, None]
-            mask = torch.arange(ctx, device=dev)[None, :] <= q_pos
-            meta.prefills.append(PrefillSpan(q0, ql, ctx, torch.tensor(blocks, dtype=torch.long, device=dev), mask))
+            key0 = 0 if window is None else max(0, ctx - ql - window + 1) // bs * bs
+            k_pos = torch.arange(key0, ctx, device=dev)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+                blocks = blocks[key0 // bs:]
+                assert blocks[0] != NO_BLOCK, "a released block inside a prefill chunk's window"
+            meta.prefills.append(PrefillSpan(q0, ql, ctx - key0, torch.tensor(blocks, dtype=torch.long, device=dev),
+                                             mask, key0))
             q0 += ql
         return meta
 
     def _kernel_metadata(self, step: StepInputs) -> AttentionMetadata:
-        width = max(len(b) for _, _, b in step.rows)
-        tables = np.zeros((len(step.rows), width), dtype=np.int32)
-        for i, (_, _, blocks) in enumerate(step.rows):
-            tables[i, :len(blocks)] = blocks
-        qlens = np.array([ql for ql, _, _ in step.rows], dtype=np.int32)
+        """Flat tensors for the Triton kernels, every KV group's tables at their full width (entries
+        behind a sliding group's window stay NO_BLOCK: the kernel starts its keys at the window)."""
+        qlens = np.array([ql for ql, _ in step.rows], dtype=np.int32)
         host = {
-            "slot_mapping": torch.tensor(step.slots, dtype=torch.long),
-            "block_tables": torch.from_numpy(tables),
-            "seq_lens": torch.tensor([ctx for _, ctx, _ in step.rows], dtype=torch.int32),
+            "seq_lens": torch.tensor([ctx for _, ctx in step.rows], dtype=torch.int32),
             "query_start_loc": torch.from_numpy(np.concatenate(([0], np.cumsum(qlens))).astype(np.int32)),
         }
+        for g, group_tables in enumerate(step.tables):
+            width = max(len(b) for b in group_tables)
+            tables = np.zeros((len(step.rows), width), dtype=np.int32)
+            for i, blocks in enumerate(group_tables):
+                tables[i, :len(blocks)] = blocks
+            host[f"slot_mapping{g}"] = torch.tensor(step.slots[g], dtype=torch.long)
+            host[f"block_tables{g}"] = torch.from_numpy(tables)
         if self.device.type == "cuda":
             host = {k: v.pin_memory() for k, v in host.items()}
         dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
-        return AttentionMetadata(num_decodes=step.num_decodes, max_query_len=int(qlens.max()), **dev)
+        metas = [AttentionMetadata(slot_mapping=dev[f"slot_mapping{g}"], num_decodes=step.num_decodes,
+                                   block_tables=dev[f"block_tables{g}"], seq_lens=dev["seq_lens"],
+                                   query_start_loc=dev["query_start_loc"], max_query_len=int(qlens.max()))
+                 for g in range(len(self.windows))]
+        if len(metas) > 1:
+            metas[0].groups = metas
+        return metas[0]
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:

@@ -57,7 +57,7 @@ def _proj(linear, keep: list) -> _Proj | None:
 class LlamaDecoder:
     """Runs all decoder layers of a decode-only step; build() returns None for a model it does not
     cover (projections off the fast path's kernels, q/k norms, activations other than SiLU and
-    tanh GELU), which then keeps its module-by-module forward."""
+    tanh GELU, layers in several KV groups), which then keeps its module-by-module forward."""
 
     def __init__(self, spec: _Model, layers, keep: list):
         self._spec, self._layers, self._keep = spec, layers, keep
@@ -67,7 +67,8 @@ class LlamaDecoder:
     def build(cls, model) -> "LlamaDecoder | None":
         lib = load_cpu_kernels()
         layers = model.model.layers
-        if lib is None or not len(layers):
+        # (layers of several KV groups read several block tables: the one call has one)
+        if lib is None or not len(layers) or any(layer.self_attn.kv_group for layer in layers):
             return None
         keep: list = []
         specs = []

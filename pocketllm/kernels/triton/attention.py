@@ -70,12 +70,14 @@ def _paged_attention_kernel(
     q_pos = context + q_tok
 
     # Keys this tile can see: up to its last query's position; with a window, from the first
-    # query's position - window + 1.
+    # query's position - window + 1 (kv_lo). Tiles start on a TILE_N boundary, but no table entry
+    # or key before kv_lo is loaded: a sliding group's blocks behind the window are released.
     kv_end = tl.minimum(seq_len, context + (local_qb + 1) * BLOCK_Q)
     kv_begin = 0
+    kv_lo = 0
     if USE_WINDOW:
-        kv_begin = tl.maximum(context + local_qb * BLOCK_Q - window + 1, 0)
-        kv_begin = (kv_begin // TILE_N) * TILE_N
+        kv_lo = tl.maximum(context + local_qb * BLOCK_Q - window + 1, 0)
+        kv_begin = (kv_lo // TILE_N) * TILE_N
     if NUM_SPLITS > 1:
         span = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), TILE_N) * TILE_N
         kv_begin = kv_begin + split * span
@@ -92,6 +94,8 @@ def _paged_attention_kernel(
     for start in range(kv_begin, kv_end, TILE_N):
         k_pos = start + offs_n
         n_ok = k_pos < kv_end
+        if USE_WINDOW:
+            n_ok = n_ok & (k_pos >= kv_lo)
         phys = tl.load(block_tables + seq * stride_bt + k_pos // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
         slot_in = k_pos % KV_BLOCK
         k = tl.load(k_cache + phys[:, None] * stride_kb + slot_in[:, None] * stride_ks + kvh * stride_kh
@@ -167,7 +171,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     float32: a logit per head in every row's softmax denominator (gpt-oss).
 
     block_tables [R, W] int32, seq_lens [R] int32, query_start_loc [R + 1] int32; the step's
-    K/V must already be in the cache. `max_query_len` only picks the tile shape (and, when
+    K/V must already be in the cache. With a window, entries for blocks wholly before each tile's
+    first visible key are never read (they may be placeholders). `max_query_len` only picks the tile shape (and, when
     it is 1, how many key splits run; `num_splits` overrides that).
     """
     t, hq, d = q.shape
