@@ -9,6 +9,8 @@ written once into --workdir. llama.cpp is built from ../shared/peers into $LLAMA
 
     python benchmarks/cpu_vs_llamacpp.py [--types Q4_1 Q4_K_M ...] [--paths fast exact]
         # -> benchmarks/results/cpu-vs-llamacpp.json and .md
+    python benchmarks/cpu_vs_llamacpp.py --shape gpt-oss-20b --types MXFP4_MOE --figures tg \
+        --out benchmarks/results/cpu-moe-vs-llamacpp.json    # the MoE issue's CPU figure (~13 GB, mmapped)
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers"
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_TYPES = ["Q4_1", "Q4_K_M", "Q4_0", "Q8_0", "Q5_K_M", "Q6_K", "IQ4_XS"]
-SHAPE = "qwen2.5-1.5b"
+SHAPE = "qwen2.5-1.5b"  # the random-weight files' default shape (--shape)
+FIGURES = ("tg", "pp128", "pp512", "batch8")
 # goals of the CPU-kernels issue: PocketLLM / llama.cpp
 GOALS = {"tg": 1.0, "pp128": 1.0, "pp512": 1.5, "batch8": 1.5}
 
@@ -39,7 +42,7 @@ def llamacpp_bin(threads: int) -> Path:
     return bin_dir()
 
 
-def model_file(qtype: str, workdir: Path, bin_dir: Path) -> Path:
+def model_file(qtype: str, workdir: Path, bin_dir: Path, shape: str = SHAPE) -> Path:
     """The file of a type: the default model for Q4_1, else a random-weight file of SHAPE."""
     if qtype == "Q4_1":
         shared = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,23 +52,25 @@ def model_file(qtype: str, workdir: Path, bin_dir: Path) -> Path:
         return Path(pull_default_model())
     from pocketllm.loaders.dummy_gguf import write_dummy_gguf
 
-    out = workdir / f"{SHAPE}-{qtype}.gguf"
+    out = workdir / f"{shape}-{qtype}.gguf"
     if not out.exists():
         if qtype.startswith("IQ"):  # no dummy blocks for IQ types: llama.cpp quantizes an F16 file
-            f16 = model_file("F16", workdir, bin_dir)
+            f16 = model_file("F16", workdir, bin_dir, shape)
             run([bin_dir / "llama-quantize", f16, out, qtype, "2"])
         else:
-            write_dummy_gguf(out, SHAPE, qtype)
+            write_dummy_gguf(out, shape, qtype)
     return out
 
 
-def llamacpp(path: Path, threads: int, reps: int) -> dict:
-    out = llama_bench(path, "128,512", 64, ngl=0, reps=reps, threads=threads)
-    out["batch8"] = batched_bench(path, 128, 128, 8, ngl=0, threads=threads)["decode_tok_s"]
+def llamacpp(path: Path, threads: int, reps: int, figures=FIGURES) -> dict:
+    prompts = ",".join(p for p in ("128", "512") if f"pp{p}" in figures) or "0"
+    out = llama_bench(path, prompts, 64, ngl=0, reps=reps, threads=threads)
+    if "batch8" in figures:
+        out["batch8"] = batched_bench(path, 128, 128, 8, ngl=0, threads=threads)["decode_tok_s"]
     return out
 
 
-def pocketllm(path: Path, exact: bool, reps: int) -> dict:
+def pocketllm(path: Path, exact: bool, reps: int, figures=FIGURES) -> dict:
     def bench(kind: str, *extra) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             run([sys.executable, "-m", "pocketllm.cli.main", "bench", kind, path, "--max-model-len", "1024",
@@ -73,14 +78,18 @@ def pocketllm(path: Path, exact: bool, reps: int) -> dict:
             return json.loads(Path(f.name).read_text())
 
     short = bench("latency", "--input-len", "128", "--output-len", "64", "--num-iters", reps)
-    long = bench("latency", "--input-len", "512", "--output-len", "2", "--num-iters", reps)
-    batch = bench("throughput", "--input-len", "128", "--output-len", "128", "--num-prompts", "8",
-                  "--max-concurrency", "8")
     r = short["results"][0]
     step_ms = 1e3 / r["decode_tok_s"]
-    return {"tg": r["decode_tok_s"], "pp128": r["prefill_tok_s"], "pp512": long["results"][0]["prefill_tok_s"],
-            "batch8": batch["results"][0]["decode_tok_s"], "weight_bytes": short["weight_bytes"],
-            "step_overhead_share": r["overhead_ms_p50_at_max"] / step_ms}
+    out = {"tg": r["decode_tok_s"], "pp128": r["prefill_tok_s"], "weight_bytes": short["weight_bytes"],
+           "step_overhead_share": r["overhead_ms_p50_at_max"] / step_ms}
+    if "pp512" in figures:
+        long = bench("latency", "--input-len", "512", "--output-len", "2", "--num-iters", reps)
+        out["pp512"] = long["results"][0]["prefill_tok_s"]
+    if "batch8" in figures:
+        batch = bench("throughput", "--input-len", "128", "--output-len", "128", "--num-prompts", "8",
+                      "--max-concurrency", "8")
+        out["batch8"] = batch["results"][0]["decode_tok_s"]
+    return {k: v for k, v in out.items() if k in figures or k in ("weight_bytes", "step_overhead_share")}
 
 
 def markdown(report: dict) -> str:
@@ -91,13 +100,14 @@ def markdown(report: dict) -> str:
              f"(AVX-512). tok/s; ratio = PocketLLM / llama.cpp; goal in brackets.",
              f"Command: `{report['command']}`", ""]
     for path_name in report["paths"]:
-        lines += [f"## PocketLLM {path_name} path", "",
-                  "| file | decode, 1 stream [>=1.0x] | prefill 128 [>=1.0x] | prefill 512 [>=1.5x] | "
-                  "8 sequences [>=1.5x] | weights / file |", "|---|---|---|---|---|---|"]
+        figures = report.get("figures", FIGURES)
+        titles = {"tg": "decode, 1 stream", "pp128": "prefill 128", "pp512": "prefill 512", "batch8": "8 sequences"}
+        lines += [f"## PocketLLM {path_name} path", "", "| file | " + " | ".join(f"{titles[k]} [>={GOALS[k]}x]" for k in figures) + " | weights / file |",
+                  "|---|" + "---|" * (len(figures) + 1)]
         for row in report["files"]:
             ours, peer = row[path_name], row["llama.cpp"]
             cells = []
-            for key in ("tg", "pp128", "pp512", "batch8"):
+            for key in figures:
                 ratio = ours[key] / peer[key]
                 mark = "" if ratio >= GOALS[key] else " (miss)"
                 cells.append(f"{ours[key]:.1f} vs {peer[key]:.1f} ({ratio:.2f}x){mark}")
@@ -113,21 +123,24 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=["fast"], choices=["fast", "exact"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--shape", default=SHAPE, help="the random-weight files' shape (pocketllm dummy-gguf --shape)")
+    ap.add_argument("--figures", default=",".join(FIGURES), help=f"which of {','.join(FIGURES)} to measure")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pocketllm-cpu-bench")
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu-vs-llamacpp.json")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     bins = llamacpp_bin(args.threads)
+    figures = tuple(f for f in FIGURES if f in args.figures.split(","))
     report = {**environment(), "threads": args.threads, "command": " ".join(["python", *sys.argv]),
-              "paths": args.paths, "files": []}
+              "paths": args.paths, "figures": figures, "files": []}
     for qtype in args.types:
-        path = model_file(qtype, args.workdir, bins)
-        name = "SmolLM2-135M-Instruct Q4_1 (real)" if qtype == "Q4_1" else f"{SHAPE} {qtype} (random weights)"
+        path = model_file(qtype, args.workdir, bins, args.shape)
+        name = "SmolLM2-135M-Instruct Q4_1 (real)" if qtype == "Q4_1" else f"{args.shape} {qtype} (random weights)"
         row = {"name": name, "type": qtype, "file": str(path), "tensor_bytes": tensor_bytes(path)}
         t0 = time.perf_counter()
-        row["llama.cpp"] = llamacpp(path, args.threads, args.reps)
+        row["llama.cpp"] = llamacpp(path, args.threads, args.reps, figures)
         for p in args.paths:  # right after llama.cpp on the same file
-            row[p] = pocketllm(path, p == "exact", args.reps)
+            row[p] = pocketllm(path, p == "exact", args.reps, figures)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         report["files"].append(row)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -84,3 +84,21 @@ def in_process(app):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+async def collect_chat_stream(stream) -> tuple[str, str, list[list[str]], str]:
+    """Reasoning, content, [[name, arguments]] and finish reason of a streamed chat choice (the
+    official client's chunks); a call's name must come before its arguments."""
+    reasoning, content, calls, finish = "", "", [], None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                if tc.id is not None:
+                    assert tc.function.name and not tc.function.arguments  # the name comes first
+                    calls.append([tc.function.name, ""])
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return reasoning, content, calls, finish

@@ -13,6 +13,7 @@ from pocketllm.structured.chat import ReplyParser, template_messages, template_t
 from pocketllm.structured.reasoning import get_reasoning_parser, infer_reasoning_parser
 from pocketllm.structured.tool_parsers import ToolCall, get_tool_parser, infer_tool_parser
 from pocketllm.tokenizer.chat_template import render_chat
+from test_tool_parsers import assemble as assemble_content
 from tiny_harmony import TEMPLATE
 
 THOUGHTS = "I'm\nthinking"
@@ -68,18 +69,10 @@ def harmony_reply() -> ReplyParser:
 
 
 def assemble(deltas: list[dict]) -> tuple[str, str, list[list[str]]]:
-    reasoning = content = ""
-    calls = []
-    for d in deltas:
-        assert len(d) == 1
-        reasoning += d.get("reasoning_content", "")
-        content += d.get("content", "")
-        for tc in d.get("tool_calls", []):
-            if "id" in tc:
-                assert tc["index"] == len(calls) and tc["function"]["arguments"] == ""  # the name comes first
-                calls.append([tc["function"]["name"], ""])
-            calls[tc["index"]][1] += tc["function"].get("arguments", "")
-    return reasoning, content, calls
+    """Reasoning, content and [[name, arguments]] of a parser's streamed deltas."""
+    assert all(len(d) == 1 for d in deltas)
+    content, calls = assemble_content([d for d in deltas if "reasoning_content" not in d])
+    return "".join(d.get("reasoning_content", "") for d in deltas), content, calls
 
 
 @pytest.mark.parametrize("text, reasoning, content, calls", CASES)

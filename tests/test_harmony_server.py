@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from live_server import Server
+from live_server import Server, collect_chat_stream
 from tiny_harmony import make_harmony_model
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
@@ -39,23 +39,6 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
 
 
-async def collect(stream) -> tuple[str, str, list[list[str]], str]:
-    """Reasoning, content, [[name, arguments]] and finish reason of a streamed choice."""
-    reasoning, content, calls, finish = "", "", [], None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            delta = choice.delta
-            reasoning += getattr(delta, "reasoning_content", None) or ""
-            content += delta.content or ""
-            for tc in delta.tool_calls or []:
-                if tc.id is not None:
-                    assert tc.function.name and not tc.function.arguments  # the name comes first
-                    calls.append([tc.function.name, ""])
-                calls[tc.index][1] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return reasoning, content, calls, finish
-
-
 def both(client, **request):
     """(the whole reply's choice, the streamed one's parts) of one request."""
     request.setdefault("max_tokens", 200)
@@ -63,7 +46,7 @@ def both(client, **request):
 
     async def streamed():
         async with openai.AsyncOpenAI(base_url=str(client.base_url), api_key="x", max_retries=0, timeout=60) as aclient:
-            return await collect(await aclient.chat.completions.create(
+            return await collect_chat_stream(await aclient.chat.completions.create(
                 model="gpt-oss-tiny", temperature=0, stream=True, **request))
 
     return whole.choices[0], asyncio.run(streamed())

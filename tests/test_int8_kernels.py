@@ -24,26 +24,30 @@ from pocketllm.quant.quantize import quantize
 from pocketllm.quant.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.quant.linear import GGUFLinear
 
-INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
 SUPER_BLOCK_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}  # activations quantized per 256
 if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2 keeps the exact kernels
     pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
 ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q6_K]  # interleaved eight rows at a time where AVX-512 VNNI is
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K]  # interleaved eight rows at a time where AVX-512 VNNI is
 X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214}  # a row's super-block there: scales unpacked / a constant added
 HAVE_X8 = all(load_cpu_kernels().gguf_x8_supported(int(t)) for t in X8_TYPES)
 
 
 def quantized_weights(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw GGUF rows [n, row bytes], gguf's dequantized weights [n, k] float64): gaussian weights
-    quantized, or for the IQ4 types (which this package does not quantize) random codes under
-    random scales."""
+    quantized, or for the IQ4 types and MXFP4 (which this package does not quantize) random codes
+    under random scales."""
     rng = np.random.default_rng(seed)
-    if qtype in (T.IQ4_NL, T.IQ4_XS):
+    if qtype in (T.IQ4_NL, T.IQ4_XS, T.MXFP4):
         bs, ts = gguf.GGML_QUANT_SIZES[qtype]
         blocks = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
-        blocks[:, :2] = rng.uniform(0.0005, 0.002, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+        if qtype == T.MXFP4:  # E8M0 exponents: weights up to 12 * 2**-11, as the other types' scales give
+            blocks[:, 0] = rng.integers(112, 118, len(blocks), dtype=np.uint8)
+            blocks[:4, 0] = [0, 1, 2, 3]  # E8M0's subnormal halves (2**-128, 2**-127) and the smallest normal ones
+        else:
+            blocks[:, :2] = rng.uniform(0.0005, 0.002, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     else:
         blocks = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype, search=False)
     raw = torch.from_numpy(blocks).view(torch.uint8).reshape(n, -1).contiguous()

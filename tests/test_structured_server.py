@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from live_server import Server
+from live_server import Server, collect_chat_stream
 from test_server import error_of
 from test_structured import SCHEMAS
 
@@ -67,17 +67,7 @@ def client(tools_server):
 
 async def collect_stream(stream) -> tuple[str, list[list[str]], str]:
     """Content, [[name, arguments]] and finish reason of a streamed chat choice."""
-    content, calls, finish = "", [], None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            delta = choice.delta
-            content += delta.content or ""
-            for tc in delta.tool_calls or []:
-                if tc.id is not None:
-                    assert tc.function.name and not tc.function.arguments  # the name comes first
-                    calls.append([tc.function.name, ""])
-                calls[tc.index][1] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
+    _, content, calls, finish = await collect_chat_stream(stream)
     return content, calls, finish
 
 

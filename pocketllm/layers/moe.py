@@ -152,6 +152,11 @@ class SparseMoE(torch.nn.Module):
             "a CUDA graph was captured over more tokens than the grouped expert path takes"
         # (token, slot) pairs grouped by expert: each selected expert runs once on its tokens
         flat = ids.flatten()
+        if x.shape[0] == 1:  # decode of one sequence: its k experts in turn, no grouping work
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for e, w in zip(flat.tolist(), weights[0]):
+                out += self.experts[e](x).float() * w
+            return out.to(x.dtype)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         tokens, w = order // self.top_k, weights.flatten()[order]

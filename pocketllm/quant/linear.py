@@ -3,18 +3,18 @@
 Compute paths (``GGUFLinear.path``):
 
 * ``"c"``      default where the C kernels built (``pocketllm/kernels/cpu``) cover the
-  type (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS):
+  type (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4):
   raw GGUF bytes are kept as they are (a view of the file) and each block is
   dequantized, exactly, in registers right before it is used. Up to
   ``C_GEMM_ROWS`` activation rows the block is multiplied in the same pass
   (weights read once); larger batches dequantize row chunks into scratch for BLAS.
   With ``int8_activations`` (the engine's ``exact_kernels=False``) the types with integer
-  kernels (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL per block of 32, Q4_K Q5_K Q6_K IQ4_XS per
+  kernels (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL MXFP4 per block of 32, Q4_K Q5_K Q6_K IQ4_XS per
   super-block of 256; CPUs with AVX2) take the fast variant: the activations are quantized to
   8 bits per block and each block's dot product runs on integers (not exact: within the
   activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
   pass over the first one's rounding error (the output layer). With AVX-512 VNNI, Q4_0 Q4_1
-  Q8_0 IQ4_NL Q4_K and Q6_K matrices on the fast path (rows a multiple of 8; not a Q6_K output
+  Q8_0 IQ4_NL MXFP4 Q4_K and Q6_K matrices on the fast path (rows a multiple of 8; not a Q6_K output
   layer) are repacked at load with eight rows' blocks interleaved (the same bytes, reordered;
   Q4_K's 6-bit scales unpacked to bytes: +2.8%, Q6_K with a constant per row and super-block:
   +1.9%; not a view of the file any more), which shares each block's unpacking and float work

@@ -30,9 +30,16 @@ static inline float h2f(const uint8_t *p) {
 #endif
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-       Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+       Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39 };
 
 static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4: the E2M1 values doubled (0, 0.5, 1, ... 6 -> 0, 1, 2, ... 12), the block's E8M0 scale halved */
+static const int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float e8m0_half(uint8_t e) {  /* 2**(e - 128): ggml's E8M0 to float, halved */
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f; memcpy(&f, &bits, 4); return f;
+}
 
 static inline void deq_q4_0(const uint8_t *restrict b, float *restrict w) {
     float d = h2f(b);
@@ -81,6 +88,14 @@ static inline void deq_iq4_nl(const uint8_t *restrict b, float *restrict w) {
     for (int i = 0; i < 16; i++) {
         w[i] = d * (float)kvalues_iq4nl[b[2 + i] & 0xF];
         w[i + 16] = d * (float)kvalues_iq4nl[b[2 + i] >> 4];
+    }
+}
+
+static inline void deq_mxfp4(const uint8_t *restrict b, float *restrict w) {
+    float d = e8m0_half(b[0]);
+    for (int i = 0; i < 16; i++) {
+        w[i] = d * (float)kvalues_mxfp4[b[1 + i] & 0xF];
+        w[i + 16] = d * (float)kvalues_mxfp4[b[1 + i] >> 4];
     }
 }
 
@@ -167,6 +182,7 @@ static deq_fn lookup(int type, int *qk, int *nbytes) {
     case Q6_K: *qk = 256; *nbytes = 210; return deq_q6_k;
     case IQ4_NL: *qk = 32; *nbytes = 18; return deq_iq4_nl;
     case IQ4_XS: *qk = 256; *nbytes = 136; return deq_iq4_xs;
+    case MXFP4: *qk = 32; *nbytes = 17; return deq_mxfp4;
     default: return 0;
     }
 }
@@ -254,6 +270,7 @@ GEMM_FOR_TYPE(q5_k, deq_q5_k, 256, 176)
 GEMM_FOR_TYPE(q6_k, deq_q6_k, 256, 210)
 GEMM_FOR_TYPE(iq4_nl, deq_iq4_nl, 32, 18)
 GEMM_FOR_TYPE(iq4_xs, deq_iq4_xs, 256, 136)
+GEMM_FOR_TYPE(mxfp4, deq_mxfp4, 32, 17)
 
 /* Y[B, N] = X[B, K] @ W[N, K]^T. W is given as a table of N row pointers, each to one row of
  * GGUF blocks, so fused projections (QKV, gate/up) are tables over their parts: no copies. */
@@ -273,6 +290,7 @@ int gguf_gemm(int type, const uint8_t *const *W, int64_t N, int64_t K, const flo
     case Q6_K: q6_k_gemm(W, N, K, X, B, Y, nthreads); break;
     case IQ4_NL: iq4_nl_gemm(W, N, K, X, B, Y, nthreads); break;
     case IQ4_XS: iq4_xs_gemm(W, N, K, X, B, Y, nthreads); break;
+    case MXFP4: mxfp4_gemm(W, N, K, X, B, Y, nthreads); break;
     default: return -1;
     }
     return 0;
@@ -387,6 +405,10 @@ static inline __m256i unpack_q8_0(const uint8_t *b, float *a, float *c) {
 static inline __m256i unpack_iq4_nl(const uint8_t *b, float *a, float *c) {
     *a = h2f(b); *c = 0.f; return _mm256_shuffle_epi8(iq4_table(), nibbles(b + 2));
 }
+static inline __m256i unpack_mxfp4(const uint8_t *b, float *a, float *c) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_mxfp4));
+    *a = e8m0_half(b[0]); *c = 0.f; return _mm256_shuffle_epi8(table, nibbles(b + 1));
+}
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -492,6 +514,7 @@ static void quantize_activations_k(const float *X, int64_t B, int64_t K, int8_t 
 #define IDOT_q5_1(R) q5_1_idot IDOT_ARGS(R)
 #define IDOT_q8_0(R) q8_0_idot IDOT_ARGS(R)
 #define IDOT_iq4_nl(R) iq4_nl_idot IDOT_ARGS(R)
+#define IDOT_mxfp4(R) mxfp4_idot IDOT_ARGS(R)
 
 IGEMM_FOR_TYPE(q4_0, unpack_q4_0, 18, 0)
 IGEMM_FOR_TYPE(q4_1, unpack_q4_1, 20, 0)
@@ -499,6 +522,7 @@ IGEMM_FOR_TYPE(q5_0, unpack_q5_0, 22, 0)
 IGEMM_FOR_TYPE(q5_1, unpack_q5_1, 24, 0)
 IGEMM_FOR_TYPE(q8_0, unpack_q8_0, 34, 1)
 IGEMM_FOR_TYPE(iq4_nl, unpack_iq4_nl, 18, 1)
+IGEMM_FOR_TYPE(mxfp4, unpack_mxfp4, 17, 1)
 
 /* ---- Super-block types: per 256 weights and activation row, integer sums isum (sub-block
  * scales applied) and msum (minimums times activation sums), then
@@ -712,6 +736,7 @@ static igemm_fn int8_lookup(int type) {
     case Q5_1: return q5_1_igemm;
     case Q8_0: return q8_0_igemm;
     case IQ4_NL: return iq4_nl_igemm;
+    case MXFP4: return mxfp4_igemm;
     default: return 0;
     }
 }
@@ -753,6 +778,7 @@ static int x8_layout(int type, int *scale_bytes, int *block_bytes) {
     case IQ4_NL: *scale_bytes = 16; *block_bytes = 18; return 1;
     case Q4_1: *scale_bytes = 32; *block_bytes = 20; return 1;
     case Q8_0: *scale_bytes = 16; *block_bytes = 34; return 1;
+    case MXFP4: *scale_bytes = 8; *block_bytes = 17; return 1;  /* the 8 rows' E8M0 bytes */
     default: return 0;
     }
 }
@@ -777,6 +803,11 @@ int gguf_x8_supported(int type) { (void)type; return 0; }
  * above): b -> o with to_group, else o -> b. */
 static void x8_move(int type, int sb, uint8_t *o, uint8_t *b, int r, int to_group) {
 #define X8_MOVE(at_o, at_b, len) (to_group ? memcpy(o + (at_o), b + (at_b), len) : memcpy(b + (at_b), o + (at_o), len))
+    if (type == MXFP4) {
+        X8_MOVE(r, 0, 1);
+        X8_MOVE(sb + 16 * r, 1, 16);
+        return;
+    }
     X8_MOVE(2 * r, 0, 2);
     if (type == Q4_1) {
         X8_MOVE(16 + 2 * r, 2, 2);
@@ -833,6 +864,15 @@ static inline __m256 x8_row_sums(const __m512 acc[2]) {
     return _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* The 8 rows' scales of a block column: fp16, or MXFP4's E8M0 bytes (e8m0_half of each). */
+static inline __m256 x8_scales(const int type, const uint8_t *b) {
+    if (type != MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);  /* e = 0, 1 */
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
 /* Rows n0..n0+7 (group g, `nblk` blocks of gb bytes) against R activation rows. */
 static inline __attribute__((always_inline)) void x8_group(
     const int R, const int type, const uint8_t *restrict g, int64_t nblk, int64_t K, const int8_t *restrict xq,
@@ -842,13 +882,14 @@ static inline __attribute__((always_inline)) void x8_group(
     const int64_t gb = 8 * nb;
     const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
     const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
-    /* IQ4_NL's values + 128: unsigned codes for vpdpbusd */
-    const __m512i table = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kvalues_iq4nl)), flip);
+    /* IQ4_NL's or MXFP4's values + 128: unsigned codes for vpdpbusd */
+    const int8_t *values = type == MXFP4 ? kvalues_mxfp4 : kvalues_iq4nl;
+    const __m512i table = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)values)), flip);
     __m512 acc[IRB][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nblk; j++) {
         const uint8_t *b = g + j * gb, *q = b + sb;
-        const __m512 d = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
+        const __m512 d = _mm512_castps256_ps512(x8_scales(type, b));
         const __m512 s0 = _mm512_permutexvar_ps(lane0, d), s1 = _mm512_permutexvar_ps(lane1, d);
         __m512i lo0, hi0, lo1, hi1;  /* values 0-15 and 16-31 of rows 0-3 (0) and 4-7 (1) */
         if (type == Q8_0) {
@@ -860,7 +901,7 @@ static inline __attribute__((always_inline)) void x8_group(
             const __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
             lo0 = _mm512_and_si512(v0, nib); hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib);
             lo1 = _mm512_and_si512(v1, nib); hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib);
-            if (type == IQ4_NL) {
+            if (type == IQ4_NL || type == MXFP4) {
                 lo0 = _mm512_shuffle_epi8(table, lo0); hi0 = _mm512_shuffle_epi8(table, hi0);
                 lo1 = _mm512_shuffle_epi8(table, lo1); hi1 = _mm512_shuffle_epi8(table, hi1);
             }
@@ -882,7 +923,7 @@ static inline __attribute__((always_inline)) void x8_group(
     __m256 corr[IRB];
     for (int r = 0; r < R; r++) corr[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nblk; j++) {
-        const __m256 c = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + j * gb + coff))), cf);
+        const __m256 c = _mm256_mul_ps(x8_scales(type, g + j * gb + coff), cf);
         for (int r = 0; r < R; r++) corr[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[r * nblk + j]), corr[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, _mm256_add_ps(x8_row_sums(acc[r]), corr[r]));
@@ -922,6 +963,7 @@ X8_GEMM_FOR_TYPE(q4_0, Q4_0)
 X8_GEMM_FOR_TYPE(q4_1, Q4_1)
 X8_GEMM_FOR_TYPE(q8_0, Q8_0)
 X8_GEMM_FOR_TYPE(iq4_nl, IQ4_NL)
+X8_GEMM_FOR_TYPE(mxfp4, MXFP4)
 #endif
 
 /* ---- Q4_K interleaved (AVX-512 VNNI) ---------------------------------------------------------
@@ -1148,6 +1190,7 @@ static void x8_gemm(int type, const uint8_t *Wp, int64_t N, int64_t K, const int
     case Q4_1: q4_1_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
     case Q8_0: q8_0_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
     case IQ4_NL: iq4_nl_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
+    case MXFP4: mxfp4_x8_gemm(Wp, N, K, xq, xd, xs, B, Y, nthreads); break;
     }
 }
 #endif
