@@ -67,45 +67,49 @@ def step_metadata(decode_lens: list[int], prefills: list[tuple[int, int]], bs: i
     return meta, q0
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0)])
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (5, None, False), (None, 30.0, False),
+                                                  (None, None, True), (5, None, True)])
 @pytest.mark.parametrize("decodes,prefills", [([1], []), ([17, 3, 40, 16], []), ([9, 33], [(6, 20), (1, 1)]),
                                               ([], [(12, 12)])])
-def test_cache_write_and_decode_attention_match_the_torch_path(decodes, prefills, window, softcap):
+def test_cache_write_and_decode_attention_match_the_torch_path(decodes, prefills, window, softcap, sinks):
     bs, nb, hq, hkv, d = 16, 24, 6, 2, 32
     meta, t = step_metadata(decodes, prefills, bs, nb)
     caches = randn(2, nb, bs, hkv, d)
     q, k, v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
+    sink = randn(hq) * 2 if sinks else None  # gpt-oss: a logit per head in each softmax
     outs = []
     for cpu_kernels in (False, True):
         kc, vc = caches[0].clone(), caches[1].clone()
-        o = paged_attention(q, k, v, kc, vc, meta, 0.3, window, softcap, cpu_kernels=cpu_kernels)
+        o = paged_attention(q, k, v, kc, vc, meta, 0.3, window, softcap, cpu_kernels=cpu_kernels, sinks=sink)
         outs.append((o, kc, vc))
     (want, kc0, vc0), (got, kc1, vc1) = outs
     assert torch.equal(kc0, kc1) and torch.equal(vc0, vc1)  # the same slots written, bit for bit
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (200, None), (None, 30.0)])
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (200, None, False), (None, 30.0, False),
+                                                  (None, None, True)])
 @pytest.mark.parametrize("decodes", [[300], [1, 290], [64, 64, 64]])
-def test_long_contexts_split_among_threads(decodes, window, softcap):
+def test_long_contexts_split_among_threads(decodes, window, softcap, sinks):
     """Fewer queries than threads: each query's context is split in chunks whose partial softmax
-    results are merged (4 threads here; chunks of at least 64 positions)."""
+    results are merged (4 threads here; chunks of at least 64 positions), a sink with them."""
     bs, nb, hq, hkv, d = 16, 48, 6, 2, 32
     meta, t = step_metadata(decodes, [], bs, nb)
     caches = randn(2, nb, bs, hkv, d)
     q, k, v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
+    sink = randn(hq) * 2 if sinks else None
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
         outs = [paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), meta, 0.3, window, softcap,
-                                cpu_kernels=cpu_kernels) for cpu_kernels in (False, True)]
+                                cpu_kernels=cpu_kernels, sinks=sink) for cpu_kernels in (False, True)]
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (7, 20.0)])
-def test_fused_decode_step_rotates_writes_and_attends(window, softcap):
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (7, 20.0, False), (7, None, True)])
+def test_fused_decode_step_rotates_writes_and_attends(window, softcap, sinks):
     bs, nb, hq, hkv, d = 16, 24, 6, 2, 32
     decodes = [1, 17, 40]
     meta, t = step_metadata(decodes, [], bs, nb)
@@ -115,11 +119,12 @@ def test_fused_decode_step_rotates_writes_and_attends(window, softcap):
     caches = randn(2, nb, bs, hkv, d)
     kc, vc = caches[0].clone(), caches[1].clone()
     qk = rot(pos, qkv[:, :hq + hkv])  # the torch path: rotate, then write and attend
-    want = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:], kc, vc, meta, 0.3, window, softcap)
+    sink = randn(hq) * 2 if sinks else None
+    want = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:], kc, vc, meta, 0.3, window, softcap, sinks=sink)
     fused = qkv.clone()
     fkc, fvc = caches[0].clone(), caches[1].clone()
     got = layer_ops.fused_decode_attention(fused, hq, fkc, fvc, meta.slot_mapping, meta.decode_block_tables,
-                                           meta.decode_lens, 0.3, window, softcap, (pos, rot.cos, rot.sin))
+                                           meta.decode_lens, 0.3, window, softcap, (pos, rot.cos, rot.sin), sink)
     torch.testing.assert_close(fused[:, :hq + hkv], qk)  # rotated in place
     torch.testing.assert_close(fkc, kc)
     assert torch.equal(fvc, vc)
@@ -133,3 +138,14 @@ def test_gated_activations(act, ref):
     gate, up = gate_up.chunk(2, dim=-1)
     # within a few float32 ulp of torch's (which rounds a tail like -20's to 0 exactly)
     torch.testing.assert_close(layer_ops.gated_act(gate_up, act), ref(gate) * up, rtol=4e-6, atol=2e-6)
+
+
+def test_clamped_swiglu():
+    """gpt-oss's expert activation, against transformers' formula in torch (within a few ulp)."""
+    gate_up = randn(3, 2 * 700) * 4
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, 7.0])  # below, far above and at the limit
+    gate_up[0, 700:704] = torch.tensor([-100.0, 100.0, -7.0, 0.5])
+    gate, up = gate_up.chunk(2, dim=-1)
+    g, u = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    want = (u + 1) * (g * torch.sigmoid(g * 1.702))
+    torch.testing.assert_close(layer_ops.clamped_swiglu(gate_up, 1.702, 7.0), want, rtol=4e-6, atol=2e-6)

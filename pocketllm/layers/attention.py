@@ -89,9 +89,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     cpu_kernels: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]. `cpu_kernels`:
     the CPU fast path writes the cache and attends the decode rows in C (layer_ops). `sinks`
-    [Hq] float32: a logit per head that joins every row's softmax and attends to nothing (gpt-oss;
-    the torch path and the Triton kernel, not the C kernels)."""
-    assert sinks is None or not cpu_kernels, "the CPU fast path's attention has no sinks"
+    [Hq] float32: a logit per head that joins every row's softmax and attends to nothing (gpt-oss)."""
     if meta.block_tables is not None:
         from pocketllm.kernels.triton import attention as kernels
 
@@ -106,7 +104,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         layer_ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if not meta.prefills:
             return layer_ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
-                                              scale, window, softcap)
+                                              scale, window, softcap, sinks)
     else:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nb, bs, hkv, d = k_cache.shape
@@ -115,7 +113,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else meta.windowed(window)
     if n and cpu_kernels:
         out[:n] = layer_ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
-                                             scale, window, softcap)
+                                             scale, window, softcap, sinks)
     elif n:
         tables = meta.decode_block_tables
         # index_select, not k_cache[tables]: advanced indexing is far slower on large caches.

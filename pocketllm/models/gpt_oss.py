@@ -37,19 +37,23 @@ class GptOssExpert(torch.nn.Module):
         self.down_proj = Linear(i, [h], True, dtype, device)
         self.alpha = float(cfg.raw.get("swiglu_alpha", 1.702))
         self.limit = float(cfg.raw.get("swiglu_limit", 7.0))
+        self.cpu_kernels = False  # the CPU fast path: the activation in one C call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_up_proj(x)))
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+            from pocketllm.kernels.cpu import layer_ops
+
+            return layer_ops.clamped_swiglu(gate_up, self.alpha, self.limit)
         gate, up = gate_up.chunk(2, dim=-1)
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    # Decode steps take the grouped expert path (no host sync): graphs up to its batch. The CPU fast
-    # path's C attention has no sinks (the layers take the torch path there).
+    # Decode steps take the grouped expert path (no host sync): graphs up to its batch.
     capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}), cuda_graphs=True,
                                        cuda_graph_max_batch=GROUPED_MAX_TOKENS, sliding_window_kv="window")
     qkv_bias = o_bias = True

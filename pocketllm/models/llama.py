@@ -61,7 +61,8 @@ class Attention(torch.nn.Module):
         qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
-        fast = self.cpu_kernels and self.sinks is None  # the C kernels have no sinks
+        fast = self.cpu_kernels
+        sinks = None if self.sinks is None else self.sinks.weight
         if fast and meta.cpu_decode_only:  # rotary, cache write and attention: one call
             from pocketllm.kernels.cpu import layer_ops
 
@@ -70,12 +71,12 @@ class Attention(torch.nn.Module):
             rot = self.rotary
             o = layer_ops.fused_decode_attention(qkv, hq, self.k_cache, self.v_cache, meta.slot_mapping,
                                                  meta.decode_block_tables, meta.decode_lens, self.scale,
-                                                 self.window, self.softcap, (positions, rot.cos, rot.sin))
+                                                 self.window, self.softcap, (positions, rot.cos, rot.sin), sinks)
             return self.o_proj(o.reshape(t, -1))
         qk = self.rotary(positions, qk)  # queries and keys rotate in one pass
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap,
-                            fast, None if self.sinks is None else self.sinks.weight)
+                            fast, sinks)
         return self.o_proj(o.reshape(t, -1))
 
 

@@ -91,7 +91,8 @@ static inline float exp_approx(float x) {
  * qkv: [n, hq + 2 hkv, d] rows `q_stride` apart (queries, keys, values); caches [blocks, bs, hkv,
  * d]; tables [n, width] block ids; lens[i]: context length of query i (itself included);
  * window > 0: only its last `window` positions; softcap > 0: scores s become
- * softcap * tanh(s / softcap). out: [n, hq, d].
+ * softcap * tanh(s / softcap); sinks (or NULL): a logit per head that joins each softmax and
+ * attends to nothing (gpt-oss), added where the chunks merge. out: [n, hq, d].
  * With `slots` (a decode-only step), the queries and keys are first rotated (cos/sin tables at
  * `pos`, unless cos_t is NULL) and the keys and values written into the cache; without, the
  * caller has done both.
@@ -107,9 +108,9 @@ static inline const float *cache_row(const float *cache, const int64_t *table, i
 
 int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
                          int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
-                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap, float *out,
-                         const int64_t *slots, const int64_t *pos, const float *cos_t, const float *sin_t,
-                         int nthreads) {
+                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap,
+                         const float *sinks, float *out, const int64_t *slots, const int64_t *pos,
+                         const float *cos_t, const float *sin_t, int nthreads) {
     const int64_t group = hq / hkv, row = hkv * d;
     if (slots)
         for (int64_t i = 0; i < n; i++) {
@@ -187,16 +188,18 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
         }
         free(scores);
     }
-    /* merge the chunks: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c */
+    /* merge the chunks: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c; a sink is one more
+     * chunk of maximum sink, sum 1 and no output */
     for (int64_t i = 0; i < n && !failed; i++)
         for (int64_t hh = 0; hh < hq; hh++) {
-            float M = -INFINITY, den = 0.f;
+            float M = sinks ? sinks[hh] : -INFINITY, den = 0.f;
             for (int64_t c = 0; c < chunks; c++) {
                 const float m = part[(i * chunks + c) * hq * (d + 2) + hq * d + hh];
                 M = m > M ? m : M;
             }
             float *dst = out + (i * hq + hh) * d;
             memset(dst, 0, (size_t)d * sizeof(float));
+            if (sinks) den += expf(sinks[hh] - M);
             for (int64_t c = 0; c < chunks; c++) {
                 const float *pc = part + (i * chunks + c) * hq * (d + 2);
                 if (pc[hq * d + hh] == -INFINITY) continue;  /* an empty chunk */
@@ -227,6 +230,24 @@ int cpu_gated_act(const float *gate_up, int64_t T, int64_t I, int act, float *ou
                 const float x = g[i], y = 0.7978845608f * (x + 0.044715f * x * x * x);
                 o[i] = x / (1.f + exp_approx(-2.f * y)) * u[i];  /* 0.5 x (1 + tanh y) */
             }
+        }
+    }
+    return 0;
+}
+
+/* gpt-oss's experts: out = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
+ * limit), with gate_up [T, 2 I] (gate first). */
+int cpu_clamped_swiglu(const float *gate_up, int64_t T, int64_t I, float alpha, float limit, float *out,
+                       int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        #pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            const float x = g[i] < limit ? g[i] : limit;
+            const float y = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
+            o[i] = (y + 1.f) * (x / (1.f + exp_approx(-alpha * x)));
         }
     }
     return 0;

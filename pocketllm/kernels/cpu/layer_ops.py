@@ -50,35 +50,42 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                     lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, Hq, D] (one token per request, already in the cache) over caches [blocks, bs, Hkv, D]
-    -> [n, Hq, D]."""
-    return _decode_attention(q, q.shape[1], k_cache, v_cache, tables, lens, scale, window, softcap)
+    -> [n, Hq, D]. `sinks`: float32 [Hq], a logit per head in each softmax (gpt-oss)."""
+    return _decode_attention(q, q.shape[1], k_cache, v_cache, tables, lens, scale, window, softcap, sinks)
 
 
 def fused_decode_attention(qkv: torch.Tensor, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                            window: int | None, softcap: float | None,
-                           rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                           rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode-only step in one call: qkv [n, Hq + 2 Hkv, D] has its queries and keys rotated in
     place (`rotary` = (positions, cos, sin) tables, if given), keys and values written to `slots`,
     then each query attends its paged context -> [n, Hq, D]."""
     assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == qkv.shape[0]
     if rotary is not None:
         assert rotary[0].dtype == torch.int64 and rotary[0].is_contiguous()
-    return _decode_attention(qkv, num_heads, k_cache, v_cache, tables, lens, scale, window, softcap, slots, rotary)
+    return _decode_attention(qkv, num_heads, k_cache, v_cache, tables, lens, scale, window, softcap, sinks, slots,
+                             rotary)
 
 
-def _decode_attention(qkv, hq, k_cache, v_cache, tables, lens, scale, window, softcap, slots=None, rotary=None):
+def _decode_attention(qkv, hq, k_cache, v_cache, tables, lens, scale, window, softcap, sinks=None, slots=None,
+                      rotary=None):
     n, _, d = qkv.shape
     _, bs, hkv, _ = k_cache.shape
     assert qkv.stride(2) == 1 and qkv.stride(1) == d and qkv.dtype == k_cache.dtype == torch.float32
     assert tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
     out = torch.empty(n, hq, d)
     pos, cos, sin = (p.data_ptr() for p in rotary) if rotary is not None else (0, 0, 0)
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == hq
     rc = load_cpu_kernels().cpu_decode_attention(
         qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bs, hkv, d, hq, tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), n, scale, window or 0, softcap or 0.0, out.data_ptr(),
+        tables.shape[1], lens.data_ptr(), n, scale, window or 0, softcap or 0.0,
+        0 if sinks is None else sinks.data_ptr(), out.data_ptr(),
         0 if slots is None else slots.data_ptr(), pos, cos, sin, torch.get_num_threads())
     assert rc == 0, "decode attention: out of memory"
     return out
@@ -92,4 +99,15 @@ def gated_act(gate_up: torch.Tensor, act: int) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], i)
     load_cpu_kernels().cpu_gated_act(gate_up.data_ptr(), gate_up.numel() // (2 * i), i, act, out.data_ptr(),
                                      torch.get_num_threads())
+    return out
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation of gate_up [.., 2 I] (gate first) -> [.., I]:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    assert gate_up.dtype == torch.float32 and gate_up.is_contiguous()
+    i = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], i)
+    load_cpu_kernels().cpu_clamped_swiglu(gate_up.data_ptr(), gate_up.numel() // (2 * i), i, alpha, limit,
+                                          out.data_ptr(), torch.get_num_threads())
     return out

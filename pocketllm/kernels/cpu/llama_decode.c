@@ -25,9 +25,9 @@ int cpu_rms_norm(const float *x, float *res, const float *w, float *y, int64_t r
                  int nthreads);
 int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
                          int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
-                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap, float *out,
-                         const int64_t *slots, const int64_t *pos, const float *cos_t, const float *sin_t,
-                         int nthreads);
+                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap,
+                         const float *sinks, float *out, const int64_t *slots, const int64_t *pos,
+                         const float *cos_t, const float *sin_t, int nthreads);
 int cpu_gated_act(const float *gate_up, int64_t T, int64_t I, int act, float *out, int nthreads);
 
 /* The structures mirror llama_decode.py's ctypes ones. */
@@ -107,7 +107,7 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
         }
         if ((rc = project(&L->qkv, normed, t, qkv, tmp, nthreads))) break;
         if ((rc = cpu_decode_attention(qkv, qkv_w, L->k_cache, L->v_cache, m->block_size, hkv, d, hq, tables,
-                                       width, lens, t, m->scale, L->window, L->softcap, attn, slots, pos,
+                                       width, lens, t, m->scale, L->window, L->softcap, NULL, attn, slots, pos,
                                        m->cos, m->sin, nthreads)))
             break;
         if ((rc = project(&L->o, attn, t, x, tmp, nthreads))) break;
