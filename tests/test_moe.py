@@ -43,7 +43,7 @@ def test_gguf_f32_equals_transformers(kind, tiny_models, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 24) for p in prompts]
 
 
-@pytest.mark.parametrize("kind", MOE)
+@pytest.mark.parametrize("kind", MOE + ["gpt_oss"])
 def test_gguf_q8_0_round_trip_stays_close(kind, tiny_models, tmp_path):
     """`quantize` to Q8_0 (the experts quantized as stacked [experts, rows, cols] tensors; rows that
     do not fit 32-blocks fall back as llama-quantize does): it loads, experts kept quantized, and
@@ -52,7 +52,7 @@ def test_gguf_q8_0_round_trip_stays_close(kind, tiny_models, tmp_path):
 
     from pocketllm.loaders.gguf_writer import write_gguf
 
-    model, src = tiny_models[kind]
+    model, src = _gpt_oss_at_limit_7(tiny_models, tmp_path) if kind == "gpt_oss" else tiny_models[kind]
     path = write_gguf(src, tmp_path / f"{kind}.Q8_0.gguf", "Q8_0").path
     types = {t.name.split(".", 2)[2]: t.tensor_type.name for t in gguf.GGUFReader(path).tensors
              if t.name.startswith("blk.0.")}
@@ -208,24 +208,31 @@ def test_named_shapes_build_the_published_parameter_counts(shape, billions):
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == billions
 
 
-def test_gpt_oss_gguf_equals_transformers(tiny_models, tmp_path):
-    """gpt-oss written to GGUF as llama.cpp's converter lays it out (gate/up de-interleaved into
-    ffn_gate_exps / ffn_up_exps, expert biases, attn_sinks, post_attention_norm) and read back:
-    transformers' logits. GGUF fixes the SwiGLU limit at gpt-oss's 7.0, so the tiny model is
-    rebuilt with it; a file of another limit is refused."""
+def _gpt_oss_at_limit_7(tiny_models, tmp_path):
+    """The tiny gpt-oss with GGUF's fixed SwiGLU limit, 7.0: (its transformers model, checkpoint)."""
     import transformers
 
-    from pocketllm.loaders.gguf_writer import write_gguf
-
     model, src = tiny_models["gpt_oss"]
-    with pytest.raises(UnsupportedFeatureError, match="swiglu_limit 7.0"):
-        write_gguf(src, tmp_path / "refused.gguf", "F32")
     ckpt = tmp_path / "gpt-oss-7"
     shutil.copytree(src, ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": 7.0}))
     reference = transformers.GptOssForCausalLM(transformers.GptOssConfig.from_pretrained(ckpt)).eval()
     reference.load_state_dict(model.state_dict())
+    return reference, ckpt
+
+
+def test_gpt_oss_gguf_equals_transformers(tiny_models, tmp_path):
+    """gpt-oss written to GGUF as llama.cpp's converter lays it out (gate/up de-interleaved into
+    ffn_gate_exps / ffn_up_exps, expert biases, attn_sinks, post_attention_norm) and read back:
+    transformers' logits. GGUF fixes the SwiGLU limit at gpt-oss's 7.0, so the tiny model is
+    rebuilt with it; a file of another limit is refused."""
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    _, src = tiny_models["gpt_oss"]
+    with pytest.raises(UnsupportedFeatureError, match="swiglu_limit 7.0"):
+        write_gguf(src, tmp_path / "refused.gguf", "F32")
+    reference, ckpt = _gpt_oss_at_limit_7(tiny_models, tmp_path)
     path = write_gguf(ckpt, tmp_path / "gpt-oss.F32.gguf", "F32").path
     prompts = prompts_of([1, 9, 30])
     llm, rows = _last_logits(path, prompts)
