@@ -123,12 +123,16 @@ def test_grouped_expert_path_equals_the_sorted_path(tiny_models, tmp_path, monke
     assert float((logits_g - logits_s).abs().max()) < 1e-4 * float(logits_s.abs().max())
 
 
+def _copy_with_config(src, dst, **changes):
+    """A copy of the checkpoint ``src`` at ``dst`` whose config.json has ``changes``."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dst
+
+
 def test_mixtral_with_a_sliding_window_is_refused_before_loading(tiny_models, tmp_path):
-    _, src = tiny_models["mixtral"]
-    path = tmp_path / "mixtral-swa"
-    shutil.copytree(src, path)
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
+    path = _copy_with_config(tiny_models["mixtral"][1], tmp_path / "mixtral-swa", sliding_window=16)
     with pytest.raises(UnsupportedFeatureError, match="attention kind 'sliding_window'.*supported: full"):
         LLM(str(path), dtype="float32")
 
@@ -213,10 +217,7 @@ def _gpt_oss_at_limit_7(tiny_models, tmp_path):
     import transformers
 
     model, src = tiny_models["gpt_oss"]
-    ckpt = tmp_path / "gpt-oss-7"
-    shutil.copytree(src, ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": 7.0}))
+    ckpt = _copy_with_config(src, tmp_path / "gpt-oss-7", swiglu_limit=7.0)
     reference = transformers.GptOssForCausalLM(transformers.GptOssConfig.from_pretrained(ckpt)).eval()
     reference.load_state_dict(model.state_dict())
     return reference, ckpt

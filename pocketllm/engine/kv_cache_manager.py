@@ -180,8 +180,7 @@ class KVCacheManager:
             r = req.num_released[g]
             if end <= r:
                 continue
-            if self.enable_prefix_caching:
-                self.cache_computed_blocks(req)  # (returns at once after the first group)
+            self.cache_computed_blocks(req)  # (returns at once after the first group)
             table = req.block_tables[g]
             assert end <= len(table) and NO_BLOCK not in table[r:end], (req, g, end)
             released += [blocks[i] for i in table[r:end]]

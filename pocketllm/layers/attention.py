@@ -19,10 +19,11 @@ class PrefillSpan:
 
     query_start: int
     query_len: int
-    context_len: int  # key positions read, from key_start: the chunk and the prefix it sees
-    block_ids: torch.Tensor  # [ceil(context_len / bs)], the first holding position key_start
+    # key positions read: the chunk and the prefix it sees (a sliding group's from the block where
+    # its window starts; block_ids and mask count from there too)
+    context_len: int
+    block_ids: torch.Tensor  # [ceil(context_len / bs)]
     mask: torch.Tensor  # [query_len, context_len] bool, causal with the prefix offset
-    key_start: int = 0  # the first key position read (a block boundary; > 0 for a window)
 
 
 @dataclass

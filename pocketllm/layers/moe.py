@@ -72,16 +72,13 @@ class _PartStack:
         biases = [m.bias for m in modules]
         self.bias = None if biases[0] is None else torch.stack([b.data for b in biases])  # [E, N]
         for i, m in enumerate(modules):  # the experts' own layers hold views: one copy
-            view = self.stacked[i * self.n:(i + 1) * self.n]
-            if dense:
+            view, bias = self.stacked[i * self.n:(i + 1) * self.n], None if self.bias is None else self.bias[i]
+            if dense:  # a Linear's Parameters
                 m.weight.data = view
+                if bias is not None:
+                    m.bias.data = bias
             else:
-                m._store = view
-            if self.bias is not None:
-                if dense:
-                    m.bias.data = self.bias[i]
-                else:
-                    m.bias = self.bias[i]
+                m._store, m.bias = view, bias
 
     @staticmethod
     def covers(modules: list[torch.nn.Module]) -> bool:

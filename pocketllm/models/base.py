@@ -16,6 +16,12 @@ from pocketllm.models.capabilities import RuntimeCapabilities
 _SUFFIX = re.compile(r"\.(weight|bias)$")
 
 
+def sliding_windows(cfg: ModelConfig, layer_types: list[str]) -> list[int | None]:
+    """Each layer's window from transformers' `layer_types`: `sliding_window` for
+    "sliding_attention" layers, None (full attention) for the others."""
+    return [cfg.raw.get("sliding_window") if t == "sliding_attention" else None for t in layer_types]
+
+
 class CausalLM(torch.nn.Module):
     """Contract: `forward(input_ids [T], positions [T], meta) -> hidden [T, H]`,
     `compute_logits(hidden [N, H]) -> float32 [N, V]`, `load_weights`, and the KV geometry."""

@@ -16,7 +16,7 @@ from pocketllm.config import ModelConfig
 from pocketllm.layers.linear import Embedding
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
-from pocketllm.models.base import CausalLM
+from pocketllm.models.base import CausalLM, sliding_windows
 from pocketllm.models.capabilities import RuntimeCapabilities
 from pocketllm.models.llama import MLP, Attention
 
@@ -76,8 +76,7 @@ class Gemma3ForCausalLM(CausalLM):
 
     @classmethod
     def layer_windows(cls, cfg: ModelConfig) -> list[int | None]:
-        window = cfg.raw.get("sliding_window")
-        return [window if t == "sliding_attention" else None for t in layer_types(cfg)]
+        return sliding_windows(cfg, layer_types(cfg))
 
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu", max_model_len: int = 2048):
         super().__init__(cfg)

@@ -22,6 +22,7 @@ from pocketllm.config import ModelConfig
 from pocketllm.layers.linear import Linear, QuantizedTensor
 from pocketllm.layers.moe import GROUPED_MAX_TOKENS, SparseMoE
 from pocketllm.layers.rotary import RotaryEmbedding
+from pocketllm.models.base import sliding_windows
 from pocketllm.models.capabilities import RuntimeCapabilities
 from pocketllm.models.llama import Attention, LlamaForCausalLM
 
@@ -61,8 +62,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def layer_windows(cls, cfg: ModelConfig) -> list[int | None]:
-        window = cfg.raw.get("sliding_window")
-        return [window if t == "sliding_attention" else None for t in _layer_types(cfg)]
+        return sliding_windows(cfg, _layer_types(cfg))
 
     def make_attention(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                        dtype, device) -> Attention:

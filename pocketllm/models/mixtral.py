@@ -20,8 +20,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     renamed_modules = {"block_sparse_moe": "mlp"}
 
     @classmethod
-    def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
-        return {"sliding_window"} if cfg.raw.get("sliding_window") else {"full"}
+    def layer_windows(cls, cfg: ModelConfig) -> list[int | None]:
+        return [cfg.raw.get("sliding_window")] * cfg.num_layers  # refused by the capabilities when set
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, True,

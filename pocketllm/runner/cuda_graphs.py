@@ -88,8 +88,7 @@ class DecodeGraphs:
         self.ids_h[:n] = torch.as_tensor(step.input_ids)
         self.pos_h[:n] = torch.as_tensor(step.positions)
         lens = self.seq_lens_h.numpy()
-        for i, (_, ctx) in enumerate(step.rows):
-            lens[i] = ctx
+        lens[:n] = [ctx for _, ctx in step.rows]
         lens[n:b] = 1
         for dst, src in ((self.ids, self.ids_h), (self.pos, self.pos_h), (self.seq_lens, self.seq_lens_h)):
             dst[:b].copy_(src[:b], non_blocking=True)

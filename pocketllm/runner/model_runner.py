@@ -227,7 +227,7 @@ class ModelRunner:
                 blocks = blocks[key0 // bs:]
                 assert blocks[0] != NO_BLOCK, "a released block inside a prefill chunk's window"
             meta.prefills.append(PrefillSpan(q0, ql, ctx - key0, torch.tensor(blocks, dtype=torch.long, device=dev),
-                                             mask, key0))
+                                             mask))
             q0 += ql
         return meta
 

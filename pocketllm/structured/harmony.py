@@ -28,7 +28,6 @@ class Reply:
     reasoning: str = ""
     content: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments so far)
-    reasoning_spans: list[tuple[int, int]] = field(default_factory=list)  # where the analysis messages are
 
 
 def _ambiguous_tail(text: str, markers: tuple[str, ...]) -> int:
@@ -79,7 +78,6 @@ def parse(text: str, final: bool) -> Reply:
             reply.calls.append((recipients[-1][len(_FUNCTIONS):], body.strip()))
         elif not recipients and channels and channels[-1] == "analysis":
             reasoning.append(body)
-            reply.reasoning_spans.append((pos, at + len(marker) if at >= 0 else len(text)))
         elif not recipients:
             content.append(body)
         if at < 0:
@@ -87,15 +85,6 @@ def parse(text: str, final: bool) -> Reply:
         pos = at + len(marker)
     reply.reasoning, reply.content = "\n".join(reasoning), "\n".join(content)
     return reply
-
-
-def without_reasoning(text: str, reply: Reply) -> str:
-    """`text` less its analysis messages: what is left for the content and calls."""
-    kept, pos = [], 0
-    for start, end in reply.reasoning_spans:
-        kept.append(text[pos:start])
-        pos = end
-    return "".join(kept) + text[pos:]
 
 
 def is_harmony_template(template: str) -> bool:

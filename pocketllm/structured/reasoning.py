@@ -80,8 +80,8 @@ class HarmonyReasoningParser(ReasoningParser):
                 "open": False, "then": "" if calls else f"{harmony.CHANNEL}final{harmony.MESSAGE}"}
 
     def split(self, text: str, opened: bool | None, final: bool = True) -> tuple[str, str]:
-        reply = harmony.parse(text, final)
-        return reply.reasoning, harmony.without_reasoning(text, reply)
+        # the whole reply goes on: its content parser reads no analysis message into content or calls
+        return harmony.parse(text, final).reasoning, text
 
 
 REASONING_PARSERS: dict[str, Callable[[], ReasoningParser]] = {

@@ -796,27 +796,41 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     if regime == "gemv_q8":
         return _q8().gemv_q8(x, qweight, qtype, k, split_k)
 
+    if regime == "gemv":
+        return _gemv(x, qweight, qtype, k, n, m, split_k)
     n_blocks, hdr_start, targs = _type_args(qtype, k)
     cfg = kernel_config(regime, qtype)
     block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
-    block_m = 1 if regime == "gemv" else min(max(triton.next_power_of_2(m), 16), 64)
+    block_m = min(max(triton.next_power_of_2(m), 16), 64)
     n_tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     if split_k is None:
         split_k = _split_k(n_tiles, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
     per_split = _blocks_per_split(n_blocks, bpi, split_k)
     splits = triton.cdiv(n_blocks, per_split)
     out = torch.empty((splits, m, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    args = (x, qweight, _value_table(x.device, qtype), out)
-    if regime == "gemv":
-        _gemv_kernel[(triton.cdiv(n, block_n), m, splits)](
-            *args, out, n, qweight.shape[1], hdr_start, n_blocks, per_split, 1, x.stride(0), out.stride(0),
-            out.stride(1), **targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n, BPI=bpi, STAGES=cfg["num_stages"],
-            GROUPED=False, num_warps=cfg["num_warps"])
-    else:
-        _dot_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
-            *args, m, n, qweight.shape[1], hdr_start, n_blocks, per_split, x.stride(0), out.stride(0), out.stride(1),
-            **targs, BLOCK_M=block_m, BLOCK_N=block_n, BPI=bpi, WIDEN=_INTERPRET,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _dot_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
+        x, qweight, _value_table(x.device, qtype), out, m, n, qweight.shape[1], hdr_start, n_blocks, per_split,
+        x.stride(0), out.stride(0), out.stride(1), **targs, BLOCK_M=block_m, BLOCK_N=block_n, BPI=bpi,
+        WIDEN=_INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out[0] if splits == 1 else _sum_splits(out, x.dtype)
+
+
+def _gemv(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int, rows: int,
+          split_k: int | None = None, ids: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
+    """The float GEMV's launch for ``rows`` output rows of ``n``: x's rows, or with ``ids`` the
+    pairs of ``gguf_grouped_gemv`` (x row p // x_div times matrix ids[p] of the stack)."""
+    n_blocks, hdr_start, targs = _type_args(qtype, k)
+    cfg = kernel_config("gemv", qtype)
+    block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
+    if split_k is None:
+        split_k = _split_k(triton.cdiv(n, block_n) * rows, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
+    per_split = _blocks_per_split(n_blocks, bpi, split_k)
+    splits = triton.cdiv(n_blocks, per_split)
+    out = torch.empty((splits, rows, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), rows, splits)](
+        x, packed, _value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1], hdr_start,
+        n_blocks, per_split, x_div, x.stride(0), out.stride(0), out.stride(1), **targs, HAS_C=qtype in _OFFSET_TYPES,
+        BLOCK_N=block_n, BPI=bpi, STAGES=cfg["num_stages"], GROUPED=ids is not None, num_warps=cfg["num_warps"])
     return out[0] if splits == 1 else _sum_splits(out, x.dtype)
 
 
@@ -839,18 +853,7 @@ def gguf_grouped_gemv(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantiz
         return x.new_zeros(0, n)
     if x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
         return _q8().gemv_q8(x, stacked, qtype, k, ids=ids, n=n, x_div=x_div)
-    n_blocks, hdr_start, targs = _type_args(qtype, k)
-    cfg = kernel_config("gemv", qtype)
-    block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
-    split_k = _split_k(triton.cdiv(n, block_n) * p, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
-    per_split = _blocks_per_split(n_blocks, bpi, split_k)
-    splits = triton.cdiv(n_blocks, per_split)
-    out = torch.empty((splits, p, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n), p, splits)](
-        x, stacked, _value_table(x.device, qtype), out, ids, n, stacked.shape[1], hdr_start, n_blocks, per_split,
-        x_div, x.stride(0), out.stride(0), out.stride(1), **targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n,
-        BPI=bpi, STAGES=cfg["num_stages"], GROUPED=True, num_warps=cfg["num_warps"])
-    return out[0] if splits == 1 else _sum_splits(out, x.dtype)
+    return _gemv(x, stacked, qtype, k, n, p, ids=ids, x_div=x_div)
 
 
 def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,
