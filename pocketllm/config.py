@@ -43,9 +43,16 @@ class EngineArgs:
     load_format: str = "auto"  # auto | dummy (random weights; `model` may name a shape, e.g. llama3-8b)
     tokenizer: str | None = None  # defaults to the model's own
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
+    # vLLM's speculative_config, as a dict or its JSON text: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
+    speculative_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     def validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -75,6 +82,7 @@ class EngineArgs:
             need(os.path.exists(self.model),
                  f"model path {self.model!r} does not exist; give a Hugging Face model directory "
                  "or a .gguf file")
+        self.speculative  # noqa: B018  (parsed here so that a bad one fails before loading)
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens "
@@ -92,6 +100,55 @@ class EngineArgs:
             raise ConfigurationError(
                 f"unknown engine argument(s) {unknown}; valid ones are {sorted(names)}")
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM configures it. Method "ngram" (prompt lookup): the next
+    `num_speculative_tokens` tokens are proposed by finding the sequence's last n tokens, for
+    the largest n in [prompt_lookup_min, prompt_lookup_max], earlier in its prompt and output,
+    and copying what followed them."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    METHODS = ("ngram",)
+
+    @classmethod
+    def parse(cls, raw: "str | dict") -> "SpeculativeConfig":
+        where = "speculative_config"
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigurationError(f"{where} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigurationError(f"{where} must be a JSON object; got {type(raw).__name__}")
+        raw = dict(raw)
+        if "model" in raw and "method" not in raw:
+            raise ConfigurationError(
+                f"{where}: draft models are not supported yet; the supported method is n-gram prompt lookup: "
+                '{"method": "ngram", "num_speculative_tokens": 4}')
+        method = raw.pop("method", None)
+        if method not in cls.METHODS:
+            raise ConfigurationError(f"{where}: method must be one of {', '.join(cls.METHODS)}; got {method!r}")
+        known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigurationError(f"{where}: unknown keys {unknown} for method {method!r}; "
+                                     f"valid ones are {sorted(known)}")
+        k = raw.get("num_speculative_tokens")
+        lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        # vLLM's rule: one bound given sets both; neither gives 5.
+        lo, hi = (lo if lo is not None else hi if hi is not None else 5), (hi if hi is not None else lo or 5)
+        for name, value in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"{where}: {name} must be an integer >= 1; got {value!r}")
+        if lo > hi:
+            raise ConfigurationError(f"{where}: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method, k, lo, hi)
 
 
 @dataclass

@@ -24,7 +24,7 @@ def make(num_blocks=10, windows=(None,), **kw):
 
 def run_step(sched, token=7):
     out = sched.schedule()
-    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [token] for s in out.scheduled if s.samples}
     sched.update_from_output(out, sampled)
     return out
 
@@ -106,7 +106,7 @@ def test_mixed_batch_decodes_first_then_chunks_within_budget():
     out = sched.schedule()
     assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
     assert out.num_decodes == 1 and out.total_tokens == 10
-    sched.update_from_output(out, {"a": 1})
+    sched.update_from_output(out, {"a": [1]})
     out = run_step(sched)
     assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
     out = run_step(sched)

@@ -34,6 +34,9 @@ _HELP = {
     "load_format": "auto | dummy (random weights; MODEL may then name a shape such as llama3-8b)",
     "tokenizer": "a model directory with tokenizer.json, or a GGUF file (default: the model's own)",
     "num_threads": "CPU threads for torch (default: torch's choice)",
+    "speculative_config": "speculative decoding, as JSON (vLLM's speculative_config): "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+                          "proposes the tokens that followed the last n tokens' earlier occurrence (default: off)",
 }
 
 

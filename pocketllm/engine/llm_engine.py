@@ -7,7 +7,7 @@ import logging
 import numbers
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,24 @@ from pocketllm.structured.backend import StructuredOutputs
 log = logging.getLogger("pocketllm")
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SpecDecodingStats:
+    """Cumulative counts of speculative decoding, vLLM's spec_decode_* metrics."""
+
+    num_drafts: int = 0  # steps of a request that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def copy(self) -> "SpecDecodingStats":
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.accepted_per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass
@@ -216,6 +234,14 @@ class LLMEngine:
         self._wait_time = 0.0
         self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)
+        spec = args.speculative
+        self.proposer = None
+        self.spec_stats = SpecDecodingStats()
+        if spec is not None:
+            from pocketllm.speculative.ngram import NgramProposer
+
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            self.spec_stats.accepted_per_pos = [0] * spec.num_speculative_tokens
         groups = f" ({self.kv_layout.describe()})" if self.kv_layout.is_hybrid else ""
         log.info("Loaded %s (%s; weights %s) on %s in %.1f s: %d KV blocks of %d tokens%s, context %d",
                  cfg.architecture, self._describe_weights(model, quant_types), _size(self.weight_bytes),
@@ -420,7 +446,9 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             self._step_scheds.append(inflight[0])
-        if inflight is not None and any(r.needs_host_tokens for r in self.scheduler.requests.values()):
+        # Drafts are proposed from the tokens just sampled: speculation reads each step back first.
+        if inflight is not None and (self.proposer is not None
+                                     or any(r.needs_host_tokens for r in self.scheduler.requests.values())):
             outs, inflight = self._complete(*inflight), None  # the next step needs its tokens on the host
         self._step_scheds = None  # a scheduler failure involves every running request
         sched = self.scheduler.schedule()
@@ -454,22 +482,49 @@ class LLMEngine:
                 new = scored[req.num_prompt_scored - first:]
                 req.num_prompt_scored += len(new)
                 self.outputs.add_prompt_logprobs(req, new)
-        sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
-        touched = self.scheduler.update_from_output(sched, sampled)
+        sampled = {rid: [tok.token_id for tok in toks] for rid, toks in result.sampled.items()}
+
+        def on_token(req: Request, i: int) -> None:
+            try:
+                stop = self.outputs.process(req, result.sampled[req.request_id][i])
+            except Exception as e:  # noqa: BLE001  (detokenizing or stop strings: this request alone)
+                parents.update(self._fail_requests([req.request_id], e))
+                return
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+
+        touched = self.scheduler.update_from_output(sched, sampled, on_token)
+        if self.proposer is not None:
+            self._count_spec(sched, result)
         now = time.monotonic()
         for req in touched:
             if req.first_token_time is None:
                 req.first_token_time = now
-            try:
-                stop = self.outputs.process(req, result.sampled[req.request_id])
-            except Exception as e:  # noqa: BLE001  (detokenizing or stop strings: this request alone)
-                parents.update(self._fail_requests([req.request_id], e))
-                continue
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            parent = self.outputs.parent_of[req.request_id]
-            parents[parent.request_id] = parent
+            if self.proposer is not None and not req.is_finished:
+                req.spec_token_ids = self._propose(req)
+            parent = self.outputs.parent_of.get(req.request_id)
+            if parent is not None:
+                parents[parent.request_id] = parent
         return self._emit(parents)
+
+    def _propose(self, req: Request) -> list[int]:
+        """Draft tokens for the request's next step; under a grammar, only those it accepts."""
+        drafts = self.proposer.propose(req.all_token_ids)
+        if drafts and req.structured is not None:
+            drafts = drafts[:req.structured.valid_prefix(drafts)]
+        return drafts
+
+    def _count_spec(self, sched: SchedulerOutput, result) -> None:
+        stats = self.spec_stats
+        for sr in sched.scheduled:
+            toks = result.sampled.get(sr.request.request_id)
+            if sr.spec_token_ids and toks:
+                accepted = len(toks) - 1
+                stats.num_drafts += 1
+                stats.num_draft_tokens += len(sr.spec_token_ids)
+                stats.num_accepted_tokens += accepted
+                for i in range(accepted):
+                    stats.accepted_per_pos[i] += 1
 
     def _emit(self, parents: dict[str, ParentState]) -> list[RequestOutput]:
         """The outputs of these requests; the finished ones leave the engine."""

@@ -53,6 +53,7 @@ class Request:
         self.num_pending = 0  # tokens sampled by launched steps that have not been appended yet
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission; -1 = not admitted yet
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculative decoding)
 
         # One block table per KV group (kv_groups): logical block i of group g lives in
         # block_tables[g][i]; a sliding group's blocks behind its window are NO_BLOCK.

@@ -10,11 +10,18 @@ A request's progress advances when it is scheduled, not when the step's results 
 with asynchronous scheduling the next step is scheduled while the last one still runs, and a
 request whose sampled token is still in flight (`num_pending`) decodes that token next (the
 runner takes it from the previous step's output on the device).
+
+Speculative decoding: a decoding request with draft tokens (`Request.spec_token_ids`) computes
+them with its last token in the same step, within the token budget and its KV slots; the tokens
+its drafts did not match are taken back when the step's results come in (`num_computed_tokens`
+rolls back, the blocks stay for the next step). Only full blocks of accepted tokens are ever
+registered in the prefix cache, since drafts never join `all_token_ids` unverified.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pocketllm.engine.kv_cache_manager import KVCacheManager
@@ -36,14 +43,20 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed this step
     start: int = 0  # position of the first of them (set when the batch is final)
     samples: bool = False  # the step reaches the end of the request's tokens: a token is sampled
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens computed after the last token
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token, or a last token and its drafts (the runner makes a decode row of each)."""
+        return self.num_tokens == 1 + len(self.spec_token_ids)
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's batch: query-length-1 rows first, then longer chunks."""
+    """One step's batch: decode requests first (`is_decode`), then prefill chunks."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_decodes: int = 0
+    num_decodes: int = 0  # requests in decode; with drafts they make more decode rows
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -107,7 +120,11 @@ class Scheduler:
                 continue  # its token in flight is its last: nothing more to compute
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {req}"
-            while not self.kv.allocate_slots(req, num_new):
+            drafts = self._drafts(req, budget - num_new) if num_new == 1 else []
+            if drafts and not self.kv.allocate_slots(req, 1 + len(drafts)):
+                drafts = []  # no room for them: a plain decode, which may preempt below
+            num_new += len(drafts)
+            while not drafts and not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 dropped = batch.pop(victim.request_id, None)
@@ -116,7 +133,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                batch[req.request_id] = ScheduledRequest(req, num_new)
+                batch[req.request_id] = ScheduledRequest(req, num_new, spec_token_ids=drafts)
                 budget -= num_new
 
         # Admit waiting requests only when nobody was preempted this step: otherwise the
@@ -155,9 +172,9 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-        # Query-length-1 rows first: the runner batches their attention.
-        decodes = [s for s in batch.values() if s.num_tokens == 1]
-        chunks = [s for s in batch.values() if s.num_tokens > 1]
+        # Decode rows first: the runner batches their attention.
+        decodes = [s for s in batch.values() if s.is_decode]
+        chunks = [s for s in batch.values() if not s.is_decode]
         out.scheduled = decodes + chunks
         out.num_decodes = len(decodes)
         assert budget >= 0 and len(self.running) <= self.config.max_num_seqs
@@ -165,14 +182,28 @@ class Scheduler:
             req = sr.request
             sr.start = req.num_computed_tokens
             req.num_computed_tokens += sr.num_tokens
-            sr.samples = req.num_computed_tokens == req.num_tokens + req.num_pending
+            num_spec = len(sr.spec_token_ids)
+            sr.samples = req.num_computed_tokens - num_spec == req.num_tokens + req.num_pending
             # Only a decode row can start at a token still in flight (the runner reads it on the device).
-            assert sr.start + sr.num_tokens <= req.num_tokens or (sr.num_tokens == 1 and sr.start == req.num_tokens)
+            assert sr.start + sr.num_tokens - num_spec <= req.num_tokens or (sr.num_tokens == 1 and sr.start == req.num_tokens)
+            assert not num_spec or (sr.samples and not req.num_pending), "drafts follow a token on the host"
             if sr.samples:
                 req.num_pending += 1
             # Later steps run after this one (one stream), so its blocks may serve as prefix hits now.
             self.kv.cache_computed_blocks(req)
         return out
+
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """The request's drafts that this step can verify: within `room` more tokens of budget, and
+        none past what its limits let it emit (each step emits the accepted drafts and one token)."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or req.num_pending:
+            return []
+        p = req.params
+        room = min(room, self.config.max_model_len - req.num_tokens)
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def _ends_with_pending(self, req: Request) -> bool:
         """Whether the tokens in flight already reach the request's length limit."""
@@ -183,6 +214,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -191,22 +223,35 @@ class Scheduler:
         out.preempted.append(req)
 
     # -- after the forward --------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append the step's sampled tokens and finish what must stop. A request preempted since
-        the step was launched still gets its token (it is recomputed with the rest); one that
-        finished meanwhile (abort, stop string, an earlier stop) does not.
-        Returns the requests that received a token this step."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           on_token: Callable[[Request, int], None] | None = None) -> list[Request]:
+        """Append the step's sampled tokens (for a request with drafts: the accepted drafts and one
+        more; the KV of the rejected ones is rolled back) and finish what must stop. `on_token`
+        (request, index in its new tokens) follows each token and may finish the request too (a
+        stop string); a finished request takes no more tokens. A request preempted since the step
+        was launched still gets its token (it is recomputed with the rest); one that finished
+        meanwhile (abort, stop string, an earlier stop) does not.
+        Returns the requests that received tokens this step."""
         touched = []
         for sr in out.scheduled:
             req = sr.request
             if not sr.samples or req.is_finished:
                 continue
             req.num_pending -= 1
-            req.append_output_token(sampled[req.request_id])
+            tokens = sampled[req.request_id]
+            assert 1 <= len(tokens) <= 1 + len(sr.spec_token_ids), (req, tokens)
+            if sr.spec_token_ids and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens -= 1 + len(sr.spec_token_ids) - len(tokens)
             touched.append(req)
-            status = self._check_stop(req, req.output_token_ids[-1])
-            if status is not None:
-                self.finish_request(req.request_id, status)
+            for i, token in enumerate(tokens):
+                req.append_output_token(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.finish_request(req.request_id, status)
+                if on_token is not None:
+                    on_token(req, i)
+                if req.is_finished:
+                    break
         return touched
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -21,11 +21,13 @@ from pocketllm.engine.scheduler import SchedulerOutput
 from pocketllm.layers.attention import AttentionMetadata, PrefillSpan
 from pocketllm.models.base import CausalLM
 from pocketllm.runner.sampler import DeviceSample, SampledToken, Sampler, token_logprobs
+from pocketllm.speculative.draft_position import DraftPosition
 
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # request id -> its new tokens: one, or with drafts the accepted drafts and the token after them
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # request id -> (its first scored prompt position, one SampledToken per position from there)
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> why it could not be sampled
@@ -42,9 +44,9 @@ class StepInputs:
     slots: list[list[int]]  # per KV group: each token's cache slot
     rows: list[tuple[int, int]]  # (query_len, context_len)
     tables: list[list[list[int]]]  # per KV group, per row: block ids covering the context (NO_BLOCK behind a window)
-    num_decodes: int
+    num_decodes: int  # decode rows (query length 1), a request with drafts making several
     logits_rows: list[int]  # token rows whose logits are sampled
-    sampling: list  # their requests
+    sampling: list  # their requests, a DraftPosition for each draft's row
     # decode rows whose input token is still in flight: (token row, row in the previous step's sample)
     pending: list[tuple[int, int]] = field(default_factory=list)
     # prompt logprobs to score: (request, its first scored position, that position's token row,
@@ -58,13 +60,14 @@ class LaunchedStep:
 
     sample: DeviceSample | None
     tokens: torch.Tensor | None  # the sampled ids on the device
-    sampling: list  # requests, in sample row order
+    sampling: list  # requests (and DraftPositions), in sample row order
     prepare_time: float
     launch_time: float
     prompt_scores: list[tuple] = field(default_factory=list)  # StepInputs.prompt_scores
     prompt_sample: DeviceSample | None = None  # their logprobs, a row per scored position
 
     def sample_row(self) -> dict[str, int]:
+        """Where each request's (one) sampled token is: a step with drafts is never overlapped."""
         return {req.request_id: i for i, req in enumerate(self.sampling)}
 
 
@@ -126,8 +129,12 @@ class ModelRunner:
         sampling = []
         pending: list[tuple[int, int]] = []
         prompt_scores: list[tuple] = []
+        row_requests = []
         prev_rows = None
-        # Query-length-1 rows come first; they are most of a busy step, so they get a lean loop.
+        # Decode rows come first; they are most of a busy step, so they get a lean loop. A request
+        # with drafts makes a decode row of its last token and of each draft, each attending up to
+        # itself: every row's KV is written before any row attends, so this is causal attention
+        # over the drafts, on the decode kernels (and graphs).
         # (Here the first KV group; other groups' slots and tables follow in _other_groups.)
         for sr in out.scheduled[:out.num_decodes]:
             req = sr.request
@@ -139,13 +146,23 @@ class ModelRunner:
                     prev_rows = prev.sample_row()
                 pending.append((len(input_ids), prev_rows[req.request_id]))
                 input_ids.append(0)
-            positions.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            rows.append((1, p + 1))
-            tables.append(blocks)  # exactly ceil((p + 1) / bs) blocks: the allocation's invariant
-            if sr.samples:
-                logits_rows.append(len(input_ids) - 1)
+            if sr.spec_token_ids:
+                drafts = sr.spec_token_ids
+                input_ids += drafts
                 sampling.append(req)
+                sampling += [DraftPosition(req, drafts, i) for i in range(1, len(drafts) + 1)]
+            elif sr.samples:
+                sampling.append(req)
+            for q in range(p, p + sr.num_tokens):
+                positions.append(q)
+                slots.append(blocks[q // bs] * bs + q % bs)
+                rows.append((1, q + 1))
+                n_blocks = q // bs + 1  # a rolled-back request may hold blocks past its context
+                tables.append(blocks if len(blocks) == n_blocks else blocks[:n_blocks])
+                row_requests.append(req)
+                if sr.samples:
+                    logits_rows.append(len(positions) - 1)
+        num_decode_rows = len(rows)
         for sr in out.scheduled[out.num_decodes:]:
             req, n, start = sr.request, sr.num_tokens, sr.start
             blocks = req.block_tables[0]
@@ -156,6 +173,7 @@ class ModelRunner:
             ctx = start + n
             rows.append((n, ctx))
             tables.append(blocks[:-(-ctx // bs)])
+            row_requests.append(req)
             if sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
@@ -165,20 +183,20 @@ class ModelRunner:
                 if first < last:
                     prompt_scores.append((req, first, len(input_ids) - ctx + first,
                                           req.prompt_token_ids[first + 1:last + 1]))
-        step = StepInputs(input_ids, positions, [slots], rows, [tables], out.num_decodes, logits_rows, sampling,
+        step = StepInputs(input_ids, positions, [slots], rows, [tables], num_decode_rows, logits_rows, sampling,
                           pending, prompt_scores)
         if len(self.windows) > 1:
-            self._other_groups(out, step)
+            self._other_groups(row_requests, step)
         return step
 
-    def _other_groups(self, out: SchedulerOutput, step: StepInputs) -> None:
+    def _other_groups(self, row_requests: list, step: StepInputs) -> None:
         """The slots and block tables of KV groups 1.. (a model with sliding-window layers)."""
         bs = self.block_size
         for g in range(1, len(self.windows)):
             slots: list[int] = []
             tables: list[list[int]] = []
-            for sr, (n, ctx) in zip(out.scheduled, step.rows):
-                blocks = sr.request.block_tables[g]
+            for req, (n, ctx) in zip(row_requests, step.rows):
+                blocks = req.block_tables[g]
                 slots += [blocks[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
                 tables.append(blocks[:-(-ctx // bs)])
             step.slots.append(slots)
@@ -324,10 +342,20 @@ class ModelRunner:
         if launched.sample is not None:
             failed = launched.sample.failed
             for i, (req, tok) in enumerate(zip(launched.sampling, launched.sample.to_host())):
+                rid = req.request_id
                 if i in failed:
-                    result.failed[req.request_id] = failed[i]
+                    result.failed[rid] = failed[i]
+                elif isinstance(req, DraftPosition):
+                    # Verification: a draft's row counts if every row before it did and the token
+                    # sampled there is the draft. Sampling each row from the target's distribution
+                    # and keeping the match is rejection sampling for a deterministic draft (kept
+                    # with probability p(draft); otherwise the row's token is drawn from p without
+                    # the draft); for greedy rows it is the argmax match.
+                    out = result.sampled.get(rid)
+                    if out is not None and len(out) == req.index and out[-1].token_id == req.token:
+                        out.append(tok)
                 else:
-                    result.sampled[req.request_id] = tok
+                    result.sampled[rid] = [tok]
         if launched.prompt_sample is not None:
             scored, i = launched.prompt_sample.to_host(), 0
             for req, first, _, targets in launched.prompt_scores:

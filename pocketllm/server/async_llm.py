@@ -78,6 +78,7 @@ class EngineStats:
     # of n tokens counts in the first bucket >= n), then one for larger steps; and their sum.
     iteration_token_counts: tuple[int, ...] = (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
     iteration_tokens_sum: int = 0
+    spec: object = None  # the engine's SpecDecodingStats (a copy), when it speculates
     # The engine's `last_step` already counted: a step is counted once however often stats are published.
     last_step: object = None
 
@@ -334,9 +335,10 @@ class AsyncLLM:
             i = next((i for i, b in enumerate(bounds) if step.num_tokens <= b), len(bounds))
             counts = counts[:i] + (counts[i] + 1,) + counts[i + 1:]
             tokens += step.num_tokens
+        spec = self.engine.spec_stats
         self.stats = EngineStats(len(sched.running), len(sched.waiting), kv.usage,
                                  kv.num_queried_tokens, kv.num_hit_tokens, sched.num_preemptions,
-                                 counts, tokens, step)
+                                 counts, tokens, spec.copy() if self.engine.proposer else None, step)
 
     def _close_all(self) -> None:
         """Abort whatever is left and tell its consumers; the engine thread ends after this."""

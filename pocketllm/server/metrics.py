@@ -3,8 +3,8 @@
 Latencies are taken at the server: from a request's arrival at the HTTP handler to its tokens
 leaving it (handed to the response stream; a non-streaming response hands them over as the
 engine produces them). The prefill, decode and inference times of a finished request are the
-engine's own (its RequestOutput.metrics). Engine state (running, waiting, KV usage, prefix-cache
-and preemption counters, tokens per step) is read from what the engine thread publishes after
+engine's own (its RequestOutput.metrics). Engine state (running, waiting, KV usage, prefix-cache,
+preemption and speculative-decoding counters, tokens per step) is read from what the engine thread publishes after
 each step, when /metrics is scraped.
 
 One engine request counts once (`request_success_total`, the token histograms), whatever its
@@ -72,6 +72,19 @@ class _EngineCollector:
                 ("num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)):
             c = CounterMetricFamily(f"pocketllm:{name}", doc, labels=["model_name"])
             c.add_metric(self.labels, value)
+            yield c
+        if s.spec is not None:  # vLLM's speculative decoding counters
+            for name, doc, value in (
+                    ("spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec.num_drafts),
+                    ("spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec.num_draft_tokens),
+                    ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", s.spec.num_accepted_tokens)):
+                c = CounterMetricFamily(f"pocketllm:{name}", doc, labels=["model_name"])
+                c.add_metric(self.labels, value)
+                yield c
+            c = CounterMetricFamily("pocketllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for pos, value in enumerate(s.spec.accepted_per_pos):
+                c.add_metric(self.labels + [str(pos)], value)
             yield c
         cumulative = list(itertools.accumulate(s.iteration_token_counts))
         buckets = [(floatToGoString(b), cumulative[i])

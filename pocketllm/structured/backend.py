@@ -78,19 +78,34 @@ class GrammarState:
             log.error("the grammar rejected sampled token %d; ending the sequence", token_id)
             self.rejected = True
 
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """The next token's mask into bitmask[row]; False when every token is allowed."""
+        return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar accepts in a row from here (the matcher is left as it was)."""
+        n = 0
+        for t in tokens:
+            if self.rejected or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted: the request is done."""
         return self.rejected or self.matcher.is_terminated()
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list) -> None:
     """Set logits[row] to -inf wherever row's grammar forbids the token; other rows are untouched."""
     import xgrammar as xgr
 
     bitmask = torch.empty((logits.shape[0], (logits.shape[1] + 31) // 32), dtype=torch.int32)
     # fill_... returns False for a row that allows every token: nothing to apply there.
-    masked = [row for row, s in zip(rows, states) if s.matcher.fill_next_token_bitmask(bitmask, row)]
+    masked = [row for row, s in zip(rows, states) if s.fill_bitmask(bitmask, row)]
     if masked:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)
 

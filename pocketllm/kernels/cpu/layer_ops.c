@@ -97,8 +97,8 @@ static inline float exp_approx(float x) {
  * `pos`, unless cos_t is NULL) and the keys and values written into the cache; without, the
  * caller has done both.
  * Tasks are (query, chunk of its context) with all heads: a task reads whole cache rows (every
- * head of a position is adjacent), in order, which the prefetchers stream; one query's context is
- * split where there are fewer queries than threads. Each chunk keeps its unnormalized output,
+ * head of a position is adjacent), in order, which the prefetchers stream; a query's context is
+ * split into up to `nthreads` chunks of at least MIN_CHUNK positions. Each chunk keeps its unnormalized output,
  * maximum and sum per head, merged at the end (flash decoding's split). Weights below e^-80 of
  * the maximum count as 0: no denormal arithmetic. */
 #define MIN_CHUNK 64
@@ -122,16 +122,25 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
             memcpy(k_cache + slots[i] * row, k, (size_t)row * sizeof(float));
             memcpy(v_cache + slots[i] * row, v, (size_t)row * sizeof(float));
         }
-    int64_t max_m = 0;
+    /* A row's chunks follow from its own context length alone, never from the rest of the batch:
+     * a query's output is the same bits whatever else the step holds (a speculative step's
+     * rows against plain decoding, one sequence against many). */
+    int64_t *first = malloc((size_t)(n + 1) * sizeof(int64_t)), most = 1;  /* first[i]: row i's first task */
+    if (!first) return -2;
+    first[0] = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t m = window > 0 && lens[i] > window ? window : lens[i];
-        max_m = m > max_m ? m : max_m;
+        int64_t chunks = m / MIN_CHUNK < nthreads ? m / MIN_CHUNK : nthreads;
+        chunks = chunks > 1 ? chunks : 1;
+        first[i + 1] = first[i] + chunks;
+        most = (m + chunks - 1) / chunks > most ? (m + chunks - 1) / chunks : most;
     }
-    int64_t chunks = n >= nthreads ? 1 : (nthreads + n - 1) / n;
-    if (chunks > max_m / MIN_CHUNK) chunks = max_m / MIN_CHUNK > 1 ? max_m / MIN_CHUNK : 1;
-    const int64_t most = (max_m + chunks - 1) / chunks, tasks = n * chunks;
+    const int64_t tasks = first[n];
+    int64_t *task_row = malloc((size_t)tasks * sizeof(int64_t));
     float *part = malloc((size_t)(tasks * hq * (d + 2)) * sizeof(float));  /* per task: [hq, d] out, max, sum */
-    if (!part) return -2;
+    if (!part || !task_row) { free(part); free(task_row); free(first); return -2; }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t t = first[i]; t < first[i + 1]; t++) task_row[t] = i;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -142,7 +151,7 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
         }
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t i = task / chunks, c = task % chunks, len = lens[i];
+            const int64_t i = task_row[task], chunks = first[i + 1] - first[i], c = task - first[i], len = lens[i];
             const int64_t start = window > 0 && len > window ? len - window : 0;
             const int64_t cl = (len - start + chunks - 1) / chunks, c0 = start + c * cl;
             const int64_t c1 = c0 + cl < len ? c0 + cl : len, L = c1 > c0 ? c1 - c0 : 0;
@@ -193,15 +202,15 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
     for (int64_t i = 0; i < n && !failed; i++)
         for (int64_t hh = 0; hh < hq; hh++) {
             float M = sinks ? sinks[hh] : -INFINITY, den = 0.f;
-            for (int64_t c = 0; c < chunks; c++) {
-                const float m = part[(i * chunks + c) * hq * (d + 2) + hq * d + hh];
+            for (int64_t t = first[i]; t < first[i + 1]; t++) {
+                const float m = part[t * hq * (d + 2) + hq * d + hh];
                 M = m > M ? m : M;
             }
             float *dst = out + (i * hq + hh) * d;
             memset(dst, 0, (size_t)d * sizeof(float));
             if (sinks) den += expf(sinks[hh] - M);
-            for (int64_t c = 0; c < chunks; c++) {
-                const float *pc = part + (i * chunks + c) * hq * (d + 2);
+            for (int64_t t = first[i]; t < first[i + 1]; t++) {
+                const float *pc = part + t * hq * (d + 2);
                 if (pc[hq * d + hh] == -INFINITY) continue;  /* an empty chunk */
                 const float f = expf(pc[hq * d + hh] - M);
                 den += f * pc[hq * d + hq + hh];
@@ -211,6 +220,8 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
             for (int64_t e = 0; e < d; e++) dst[e] *= inv;
         }
     free(part);
+    free(task_row);
+    free(first);
     return failed ? -2 : 0;
 }
 
