@@ -59,3 +59,18 @@ def test_sliding_window_groups_on_cuda_equal_transformers(tiny_models, kind):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 32) for p in prompts]
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     llm.engine.check_no_leaks()
+
+
+def test_speculative_decoding_on_cuda_equals_transformers(tiny):
+    """Drafts verified as decode rows through the Triton kernels and the decode graphs (a step of
+    rows up to the largest graph is replayed), asynchronous scheduling on: fp32 greedy tokens equal
+    transformers'."""
+    model, path = tiny
+    prompts = prompts_of(LENGTHS)
+    llm = LLM(str(path), device="cuda", dtype="float32", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 32) for p in prompts]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    llm.engine.check_no_leaks()

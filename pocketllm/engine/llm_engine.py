@@ -237,10 +237,14 @@ class LLMEngine:
         spec = args.speculative
         self.proposer = None
         self.spec_stats = SpecDecodingStats()
+        self._last_done: float | None = None  # when the last step's results were read back
         if spec is not None:
+            from pocketllm.speculative.draft_length import DraftLength
             from pocketllm.speculative.ngram import NgramProposer
 
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            # until steps are measured: a row's share of a decode step at batch 1 (benchmarks/NOTES.md)
+            self.draft_length = DraftLength(spec.num_speculative_tokens, 0.3 if self.device.type == "cpu" else 0.05)
             self.spec_stats.accepted_per_pos = [0] * spec.num_speculative_tokens
         groups = f" ({self.kv_layout.describe()})" if self.kv_layout.is_hybrid else ""
         log.info("Loaded %s (%s; weights %s) on %s in %.1f s: %d KV blocks of %d tokens%s, context %d",
@@ -495,7 +499,7 @@ class LLMEngine:
 
         touched = self.scheduler.update_from_output(sched, sampled, on_token)
         if self.proposer is not None:
-            self._count_spec(sched, result)
+            self._spec_step_done(sched, result)
         now = time.monotonic()
         for req in touched:
             if req.first_token_time is None:
@@ -508,23 +512,35 @@ class LLMEngine:
         return self._emit(parents)
 
     def _propose(self, req: Request) -> list[int]:
-        """Draft tokens for the request's next step; under a grammar, only those it accepts."""
-        drafts = self.proposer.propose(req.all_token_ids)
+        """Draft tokens for the request's next step, as many as are worth their rows; under a
+        grammar, only those it accepts."""
+        limit = self.draft_length.limit(req)
+        drafts = self.proposer.propose(req.all_token_ids, limit) if limit else []
         if drafts and req.structured is not None:
             drafts = drafts[:req.structured.valid_prefix(drafts)]
         return drafts
 
-    def _count_spec(self, sched: SchedulerOutput, result) -> None:
-        stats = self.spec_stats
+    def _spec_step_done(self, sched: SchedulerOutput, result) -> None:
+        """Speculation's counters, each request's acceptance, and the step's cost per row."""
+        stats, emitted = self.spec_stats, 0
         for sr in sched.scheduled:
             toks = result.sampled.get(sr.request.request_id)
-            if sr.spec_token_ids and toks:
-                accepted = len(toks) - 1
+            if not toks:
+                continue
+            emitted += len(toks)
+            accepted, drafts = len(toks) - 1, len(sr.spec_token_ids)
+            self.draft_length.observe_request(sr.request, drafts, accepted)
+            if drafts:
                 stats.num_drafts += 1
-                stats.num_draft_tokens += len(sr.spec_token_ids)
+                stats.num_draft_tokens += drafts
                 stats.num_accepted_tokens += accepted
                 for i in range(accepted):
                     stats.accepted_per_pos[i] += 1
+        # The time between two steps' results is a step's time, whether or not steps overlap.
+        now = time.perf_counter()
+        if self._last_done is not None and sched.num_decodes == len(sched.scheduled):
+            self.draft_length.observe_step(sched.total_tokens, emitted, now - self._last_done)
+        self._last_done = now if self.scheduler.has_work() else None
 
     def _emit(self, parents: dict[str, ParentState]) -> list[RequestOutput]:
         """The outputs of these requests; the finished ones leave the engine."""

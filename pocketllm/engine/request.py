@@ -54,6 +54,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission; -1 = not admitted yet
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculative decoding)
+        self.draft_hits = self.draft_misses = 0.0  # its recent drafts accepted, and steps that rejected one (decaying)
 
         # One block table per KV group (kv_groups): logical block i of group g lives in
         # block_tables[g][i]; a sliding group's blocks behind its window are NO_BLOCK.

@@ -1,0 +1,157 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, one stream or several, on the
+same engine settings in the same process: copying workloads (the reply repeats its prompt with an
+edit) and ordinary chat prompts, greedy. Both engines must produce the same tokens; the figure is
+output tokens per second over the whole request, after a warm-up run of each prompt in each engine
+(so both find the prompt in their prefix cache: the figures are decoding's).
+
+    python benchmarks/spec_decode.py --out benchmarks/results/cpu-spec-decode.json
+    python benchmarks/spec_decode.py --model llama3-8b --load-format dummy --device cuda --concurrency 1,64 \\
+        --oracle --out benchmarks/results/h200-spec-decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pocketllm import LLM, SamplingParams  # noqa: E402
+from pocketllm.bench.report import environment  # noqa: E402
+
+PARAGRAPH = ("The Rhine is one of the major European rivers. It begins in the Swiss canton of Graubünden in "
+             "the southeastern Swiss Alps. It forms part of the Swiss-Liechtenstein, Swiss-Austrian, "
+             "Swiss-German and then the Franco-German border, then flows through the German Rhineland and the "
+             "Netherlands and eventually empties into the North Sea. It drains an area of about 185,000 square "
+             "kilometres and is about 1,230 kilometres long. The largest city on the river is Cologne, Germany, "
+             "with a population of more than 1,050,000 people.")
+
+
+def _function_source() -> str:
+    from pocketllm.speculative.ngram import NgramProposer
+
+    return inspect.getsource(NgramProposer)
+
+
+def workloads() -> dict[str, list[str]]:
+    return {
+        "copy": [
+            "Rewrite this Python class, renaming the method `propose` to `draft` and changing nothing else. "
+            "Reply with the code only.\n\n" + _function_source(),
+            "Quote the following paragraph exactly, but write 'Danube' instead of 'Rhine':\n\n" + PARAGRAPH,
+            "Repeat this list, adding the word 'fresh' before each item:\n\n- apples\n- bread and butter\n"
+            "- three bottles of milk\n- a kilogram of rice\n- green tea\n- tomatoes\n- olive oil\n- cheese",
+        ],
+        "chat": [
+            "Write a short poem about the sea.",
+            "Explain how a bicycle works to a ten-year-old.",
+            "Give me three tips for learning a new language.",
+            "What are the main differences between a cat and a dog as pets?",
+        ],
+    }
+
+
+class Oracle:
+    """Drafts the plain run's own continuation: always right, the ceiling of a copying workload on a
+    model that copies (random weights do not copy their prompt, so n-gram lookup has little to find)."""
+
+    def __init__(self, proposer, prompt_len: int, continuation: list[int]):
+        self.num_tokens, self.prompt_len, self.continuation = proposer.num_tokens, prompt_len, continuation
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        done = len(token_ids) - self.prompt_len
+        return self.continuation[done:done + min(self.num_tokens, limit or self.num_tokens)]
+
+
+def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int, reps: int) -> tuple[float, list]:
+    """Best-of-`reps` tokens/s for the prompts run `concurrency` at a time (copies of each prompt)."""
+    best, outs = 0.0, None
+    batch = [p for p in prompts for _ in range(concurrency)]
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        got = llm.generate(batch, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in got)
+        best, outs = max(best, tokens / dt), got
+    return best, [o.outputs[0].token_ids for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model path or (with --load-format dummy) shape; default: the default model")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                                    '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    ap.add_argument("--concurrency", default="1", help="comma list: streams run together")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--oracle", action="store_true",
+                    help="also time drafts that are always right (the plain run's continuation)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    engine = dict(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+                  max_model_len=2048, num_threads=args.threads)
+    if args.device == "cpu":
+        engine["kv_cache_memory"] = 512 << 20
+    plain = LLM(**engine)
+    spec = LLM(**engine, speculative_config=args.speculative_config)
+    tok = plain.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows = []
+    for name, texts in workloads().items():
+        if tok is not None and tok.chat_template:
+            prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]),
+                                                       add_special_tokens=False)} for t in texts]
+        else:  # a shape without a tokenizer: the prompt text's bytes as token ids
+            prompts = [{"prompt_token_ids": list(t.encode())} for t in texts]
+        for conc in map(int, args.concurrency.split(",")):
+            for i, prompt in enumerate(prompts):
+                for llm in (plain, spec):  # warm-up: the prompt in both prefix caches, graphs captured
+                    run(llm, [prompt], params, conc, 1)
+                base, want = run(plain, [prompt], params, conc, args.reps)
+                before = spec.engine.spec_stats.copy()
+                fast, got = run(spec, [prompt], params, conc, args.reps)
+                after = spec.engine.spec_stats.copy()
+                drafted = after.num_draft_tokens - before.num_draft_tokens
+                accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                oracle = None
+                if args.oracle:
+                    ngram = spec.engine.proposer
+                    spec.engine.proposer = Oracle(ngram, len(prompt["prompt_token_ids"]), want[0])
+                    run(spec, [prompt], params, conc, 1)
+                    oracle, got_oracle = run(spec, [prompt], params, conc, args.reps)
+                    spec.engine.proposer = ngram
+                    assert got_oracle == want
+                rows.append({"workload": name, "prompt": i, "concurrency": conc,
+                             "prompt_tokens": len(prompt["prompt_token_ids"]),
+                             "output_tokens": len(want[0]), "plain_tok_s": round(base, 1),
+                             "spec_tok_s": round(fast, 1), "speedup": round(fast / base, 3),
+                             "acceptance": round(accepted / drafted, 3) if drafted else None,
+                             "accepted_per_step": round(accepted / max(1, after.num_drafts - before.num_drafts), 2),
+                             "same_tokens": got == want,
+                             **({"oracle_tok_s": round(oracle, 1), "oracle_speedup": round(oracle / base, 3)}
+                                if oracle else {})})
+                print(json.dumps(rows[-1]), flush=True)
+    summary = {}
+    for name in workloads():
+        for conc in map(int, args.concurrency.split(",")):
+            sel = [r for r in rows if r["workload"] == name and r["concurrency"] == conc]
+            summary[f"{name}@{conc}"] = {"min_speedup": min(r["speedup"] for r in sel),
+                                         "mean_speedup": round(sum(r["speedup"] for r in sel) / len(sel), 3)}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        payload = {**environment(), "command": "python " + " ".join(sys.argv), "engine": engine,
+                   "speculative_config": json.loads(args.speculative_config), "summary": summary, "rows": rows}
+        Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
