@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, one stream or several, on the
 same engine settings in the same process: copying workloads (the reply repeats its prompt with an
-edit) and ordinary chat prompts, greedy. Both engines must produce the same tokens; the figure is
+edit) and ordinary chat prompts, greedy. `same_tokens` says whether both produced the same tokens
+(on the CPU they must; bf16 on a GPU computes a step of more rows with other bits); the figure is
 output tokens per second over the whole request, after a warm-up run of each prompt in each engine
 (so both find the prompt in their prefix cache: the figures are decoding's).
 
@@ -61,8 +62,9 @@ class Oracle:
 
     def __init__(self, proposer, prompt_len: int, continuation: list[int]):
         self.num_tokens, self.prompt_len, self.continuation = proposer.num_tokens, prompt_len, continuation
+        self.new_index = proposer.new_index
 
-    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], limit: int | None = None, index=None) -> list[int]:
         done = len(token_ids) - self.prompt_len
         return self.continuation[done:done + min(self.num_tokens, limit or self.num_tokens)]
 
@@ -124,12 +126,18 @@ def main() -> None:
                 accepted = after.num_accepted_tokens - before.num_accepted_tokens
                 oracle = None
                 if args.oracle:
-                    ngram = spec.engine.proposer
-                    spec.engine.proposer = Oracle(ngram, len(prompt["prompt_token_ids"]), want[0])
-                    run(spec, [prompt], params, conc, 1)
-                    oracle, got_oracle = run(spec, [prompt], params, conc, args.reps)
+                    # The plain run's continuation, then (where low precision makes speculation's rows
+                    # compute other bits than plain decoding's, as bf16 on a GPU does) the oracle run's
+                    # own output until it repeats: drafts that are all right.
+                    ngram, continuation = spec.engine.proposer, want[0]
+                    for _ in range(3):
+                        spec.engine.proposer = Oracle(ngram, len(prompt["prompt_token_ids"]), continuation)
+                        run(spec, [prompt], params, conc, 1)
+                        oracle, got_oracle = run(spec, [prompt], params, conc, args.reps)
+                        if got_oracle[0] == continuation:
+                            break
+                        continuation = got_oracle[0]
                     spec.engine.proposer = ngram
-                    assert got_oracle == want
                 rows.append({"workload": name, "prompt": i, "concurrency": conc,
                              "prompt_tokens": len(prompt["prompt_token_ids"]),
                              "output_tokens": len(want[0]), "plain_tok_s": round(base, 1),
@@ -137,8 +145,8 @@ def main() -> None:
                              "acceptance": round(accepted / drafted, 3) if drafted else None,
                              "accepted_per_step": round(accepted / max(1, after.num_drafts - before.num_drafts), 2),
                              "same_tokens": got == want,
-                             **({"oracle_tok_s": round(oracle, 1), "oracle_speedup": round(oracle / base, 3)}
-                                if oracle else {})})
+                             **({"oracle_tok_s": round(oracle, 1), "oracle_speedup": round(oracle / base, 3),
+                                 "oracle_all_right": got_oracle[0] == continuation} if oracle else {})})
                 print(json.dumps(rows[-1]), flush=True)
     summary = {}
     for name in workloads():

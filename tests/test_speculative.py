@@ -66,15 +66,18 @@ def reference_lookup(tokens, k, lo, hi):
 
 
 def test_ngram_lookup_matches_a_plain_loop():
+    """Fresh, and through one sequence's index kept as its tokens grow."""
     rng = random.Random(0)
     proposer = NgramProposer(4, 2, 4)
     found = 0
-    for _ in range(400):
-        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 40))]
-        want = reference_lookup(tokens, 4, 2, 4)
-        assert proposer.propose(tokens) == want, tokens
-        assert proposer.propose(tokens, limit=1) == want[:1]
-        found += bool(want)
+    for _ in range(100):
+        tokens, index = [], proposer.new_index()
+        for _ in range(rng.randrange(1, 10)):
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+            want = reference_lookup(tokens, 4, 2, 4)
+            assert proposer.propose(tokens) == want, tokens
+            assert proposer.propose(tokens, limit=1, index=index) == want[:1], tokens
+            found += bool(want)
     assert found > 100
 
 

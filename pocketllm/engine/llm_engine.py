@@ -210,8 +210,10 @@ class LLMEngine:
             num_blocks = max(0, min(int(budget // per_block), cap))
             self._fit_max_model_len(num_blocks, per_block)
         self.num_blocks = num_blocks
+        spec = args.speculative  # each sequence's drafts are decode rows of their own: graphs hold them all
         self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
-                                  max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                                  max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
+                                  max_model_len=self.max_model_len,
                                   enforce_eager=args.enforce_eager, kv_layout=self.kv_layout)
         salt = "|".join(map(str, (cfg.architecture, self.dtype_name, cfg.num_layers, cfg.num_kv_heads,
                                   cfg.head_dim, self.block_size, path.resolve(), sorted(quant_types))))
@@ -234,7 +236,6 @@ class LLMEngine:
         self._wait_time = 0.0
         self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)
-        spec = args.speculative
         self.proposer = None
         self.spec_stats = SpecDecodingStats()
         self._last_done: float | None = None  # when the last step's results were read back
@@ -515,7 +516,11 @@ class LLMEngine:
         """Draft tokens for the request's next step, as many as are worth their rows; under a
         grammar, only those it accepts."""
         limit = self.draft_length.limit(req)
-        drafts = self.proposer.propose(req.all_token_ids, limit) if limit else []
+        if not limit:
+            return []
+        if req.draft_index is None:
+            req.draft_index = self.proposer.new_index()
+        drafts = self.proposer.propose(req.all_token_ids, limit, req.draft_index)
         if drafts and req.structured is not None:
             drafts = drafts[:req.structured.valid_prefix(drafts)]
         return drafts

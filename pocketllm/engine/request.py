@@ -55,6 +55,7 @@ class Request:
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculative decoding)
         self.draft_hits = self.draft_misses = 0.0  # its recent drafts accepted, and steps that rejected one (decaying)
+        self.draft_index = None  # the proposer's index of its tokens (speculative decoding)
 
         # One block table per KV group (kv_groups): logical block i of group g lives in
         # block_tables[g][i]; a sliding group's blocks behind its window are NO_BLOCK.

@@ -84,7 +84,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device, seed: int = 0, max_num_seqs: int = 64, max_model_len: int = 2048,
+                 device: torch.device, seed: int = 0, max_decode_rows: int = 64, max_model_len: int = 2048,
                  enforce_eager: bool = False, kv_layout: KVLayout | None = None):
         self.model = model
         self.block_size = block_size
@@ -109,7 +109,7 @@ class ModelRunner:
         if self.use_kernels and model.capabilities.cuda_graphs and not enforce_eager:
             from pocketllm.runner.cuda_graphs import DecodeGraphs
 
-            largest = min(max_num_seqs, model.capabilities.cuda_graph_max_batch or max_num_seqs)
+            largest = min(max_decode_rows, model.capabilities.cuda_graph_max_batch or max_decode_rows)
             self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows)
 
     @staticmethod
