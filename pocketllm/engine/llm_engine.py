@@ -239,6 +239,7 @@ class LLMEngine:
         self.proposer = None
         self.spec_stats = SpecDecodingStats()
         self._last_done: float | None = None  # when the last step's results were read back
+        self._draft_pause = self._draft_backoff = 0  # overlapped steps before drafts are looked for again
         if spec is not None:
             from pocketllm.speculative.draft_length import DraftLength
             from pocketllm.speculative.ngram import NgramProposer
@@ -424,6 +425,7 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     MAX_FAILED_STEPS = 3  # consecutive failed steps after which the engine gives up (EngineDeadError)
+    MAX_DRAFT_PAUSE = 32  # the longest run of overlapped steps between looks for drafts
 
     def step(self) -> list[RequestOutput]:
         """Schedules and launches a step, then returns the outputs of the step that completes:
@@ -451,10 +453,13 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             self._step_scheds.append(inflight[0])
-        # Drafts are proposed from the tokens just sampled: speculation reads each step back first.
-        if inflight is not None and (self.proposer is not None
-                                     or any(r.needs_host_tokens for r in self.scheduler.requests.values())):
-            outs, inflight = self._complete(*inflight), None  # the next step needs its tokens on the host
+        # Drafts are proposed from the tokens just sampled: a step that speculates reads the one
+        # before back first, and gives up the overlap with it.
+        speculate = self.proposer is not None and self._draft_pause == 0
+        if self.proposer is not None and not speculate:
+            self._draft_pause -= 1
+        if inflight is not None and (speculate or any(r.needs_host_tokens for r in self.scheduler.requests.values())):
+            outs, inflight = self._complete(*inflight, propose=speculate), None  # its tokens are needed on the host
         self._step_scheds = None  # a scheduler failure involves every running request
         sched = self.scheduler.schedule()
         self._step_scheds = [sched] + ([inflight[0]] if inflight is not None else [])
@@ -466,15 +471,16 @@ class LLMEngine:
             if self.async_scheduling:
                 self._inflight = (sched, launched)
             else:
-                outs = self._complete(sched, launched)
+                outs = self._complete(sched, launched, propose=True)
         self.last_step = StepStats(sched.total_tokens, len(sched.scheduled), sched.num_decodes, t1 - t0,
                                    launched.prepare_time if launched else 0.0,
                                    (launched.launch_time if launched else 0.0) + self._wait_time,
                                    time.perf_counter() - t0)
         return outs
 
-    def _complete(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
-        """Reads a launched step's tokens back and turns them into request outputs."""
+    def _complete(self, sched: SchedulerOutput, launched: LaunchedStep, propose: bool = False) -> list[RequestOutput]:
+        """Reads a launched step's tokens back and turns them into request outputs; with `propose`
+        (the next step is not scheduled yet), drafts for it too."""
         t0 = time.perf_counter()
         result = self.runner.collect(launched)
         self._wait_time += time.perf_counter() - t0
@@ -502,14 +508,21 @@ class LLMEngine:
         if self.proposer is not None:
             self._spec_step_done(sched, result)
         now = time.monotonic()
+        found = False
         for req in touched:
             if req.first_token_time is None:
                 req.first_token_time = now
-            if self.proposer is not None and not req.is_finished:
+            if propose and self.proposer is not None and not req.is_finished:
                 req.spec_token_ids = self._propose(req)
+                found |= bool(req.spec_token_ids)
             parent = self.outputs.parent_of.get(req.request_id)
             if parent is not None:
                 parents[parent.request_id] = parent
+        if propose and self.async_scheduling and self.proposer is not None:
+            # Steps that find nothing to draft give up the overlap for nothing: after such a step,
+            # the next ones run overlapped (1, 2, 4, ... 32 of them) before drafts are looked for again.
+            self._draft_backoff = 0 if found else min(2 * self._draft_backoff or 1, self.MAX_DRAFT_PAUSE)
+            self._draft_pause = self._draft_backoff
         return self._emit(parents)
 
     def _propose(self, req: Request) -> list[int]:
