@@ -89,8 +89,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                                                    '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 6, '
+                                                    '"prompt_lookup_min": 3, "prompt_lookup_max": 6}')
     ap.add_argument("--concurrency", default="1", help="comma list: streams run together")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
@@ -133,7 +133,9 @@ def main() -> None:
                     for _ in range(3):
                         spec.engine.proposer = Oracle(ngram, len(prompt["prompt_token_ids"]), continuation)
                         run(spec, [prompt], params, conc, 1)
+                        s0 = spec.engine.spec_stats.copy()
                         oracle, got_oracle = run(spec, [prompt], params, conc, args.reps)
+                        s1 = spec.engine.spec_stats.copy()
                         if got_oracle[0] == continuation:
                             break
                         continuation = got_oracle[0]
@@ -146,7 +148,12 @@ def main() -> None:
                              "accepted_per_step": round(accepted / max(1, after.num_drafts - before.num_drafts), 2),
                              "same_tokens": got == want,
                              **({"oracle_tok_s": round(oracle, 1), "oracle_speedup": round(oracle / base, 3),
-                                 "oracle_all_right": got_oracle[0] == continuation} if oracle else {})})
+                                 "oracle_all_right": got_oracle[0] == continuation,
+                                 "oracle_drafts_per_step": round((s1.num_draft_tokens - s0.num_draft_tokens)
+                                                                 / max(1, s1.num_drafts - s0.num_drafts), 2),
+                                 "oracle_acceptance": round((s1.num_accepted_tokens - s0.num_accepted_tokens)
+                                                            / max(1, s1.num_draft_tokens - s0.num_draft_tokens), 3)}
+                                if oracle else {})})
                 print(json.dumps(rows[-1]), flush=True)
     summary = {}
     for name in workloads():

@@ -87,6 +87,38 @@ def test_cache_write_and_decode_attention_match_the_torch_path(decodes, prefills
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 64), (8, 2, 64), (16, 2, 64), (8, 4, 128), (12, 2, 128),
+                                      (4, 1, 128)])
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (70, 30.0, True)])
+def test_decode_attention_of_common_head_shapes(hq, hkv, d, window, softcap, sinks):
+    """Head dims 64 and 128 take vectorized kernels (AVX-512) with the query heads of a key head in
+    registers, in groups of up to 4 (64) or 2 (128): every group size against the torch path,
+    positions not a multiple of 4 included."""
+    bs, nb = 16, 64
+    meta, t = step_metadata([1, 3, 67, 130, 301], [], bs, nb)
+    caches = randn(2, nb, bs, hkv, d)
+    q, k, v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
+    sink = randn(hq) * 2 if sinks else None
+    outs = [paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), meta, d ** -0.5, window, softcap,
+                            cpu_kernels=cpu_kernels, sinks=sink) for cpu_kernels in (False, True)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_is_batch_invariant():
+    """A query's output is the same bits alone and among others (its context's split into chunks
+    follows its own length): what lets speculative rows reproduce plain decoding exactly."""
+    bs, nb, hq, hkv, d = 16, 64, 9, 3, 64
+    meta, t = step_metadata([300, 5, 140, 77], [], bs, nb)
+    caches = randn(2, nb, bs, hkv, d)
+    q = randn(t, hq, d)
+    kc, vc = caches[0], caches[1]
+    together = layer_ops.decode_attention(q, kc, vc, meta.decode_block_tables, meta.decode_lens, 0.125, None, None)
+    for i in range(t):
+        alone = layer_ops.decode_attention(q[i:i + 1], kc, vc, meta.decode_block_tables[i:i + 1].contiguous(),
+                                           meta.decode_lens[i:i + 1].contiguous(), 0.125, None, None)
+        assert torch.equal(alone[0], together[i])
+
+
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (200, None, False), (None, 30.0, False),
                                                   (None, None, True)])
 @pytest.mark.parametrize("decodes", [[300], [1, 290], [64, 64, 64]])
