@@ -60,13 +60,11 @@ class Oracle:
     """Drafts the plain run's own continuation: always right, the ceiling of a copying workload on a
     model that copies (random weights do not copy their prompt, so n-gram lookup has little to find)."""
 
-    def __init__(self, proposer, prompt_len: int, continuation: list[int]):
-        self.num_tokens, self.prompt_len, self.continuation = proposer.num_tokens, prompt_len, continuation
-        self.new_index = proposer.new_index
+    def __init__(self, prompt_len: int, continuation: list[int]):
+        self.prompt_len, self.continuation = prompt_len, continuation
 
-    def propose(self, token_ids: list[int], limit: int | None = None, index=None) -> list[int]:
-        done = len(token_ids) - self.prompt_len
-        return self.continuation[done:done + min(self.num_tokens, limit or self.num_tokens)]
+    def propose_for(self, wanted: list) -> list[list[int]]:
+        return [self.continuation[req.num_tokens - self.prompt_len:][:limit] for req, limit in wanted]
 
 
 def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int, reps: int) -> tuple[float, list]:
@@ -131,7 +129,7 @@ def main() -> None:
                     # own output until it repeats: drafts that are all right.
                     ngram, continuation = spec.engine.proposer, want[0]
                     for _ in range(3):
-                        spec.engine.proposer = Oracle(ngram, len(prompt["prompt_token_ids"]), continuation)
+                        spec.engine.proposer = Oracle(len(prompt["prompt_token_ids"]), continuation)
                         run(spec, [prompt], params, conc, 1)
                         s0 = spec.engine.spec_stats.copy()
                         oracle, got_oracle = run(spec, [prompt], params, conc, args.reps)

@@ -82,15 +82,18 @@ class EngineArgs:
             need(os.path.exists(self.model),
                  f"model path {self.model!r} does not exist; give a Hugging Face model directory "
                  "or a .gguf file")
-        self.speculative  # noqa: B018  (parsed here so that a bad one fails before loading)
+        spec = self.speculative  # parsed here so that a bad one fails before loading
+        if spec is not None and spec.model is not None and not (self.load_format == "dummy" and self._named_shape(spec.model)):
+            need(os.path.exists(spec.model), f"speculative_config: the draft model {spec.model!r} does not exist; "
+                                              "give a Hugging Face model directory or a .gguf file")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens "
                  f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
 
-    def _named_shape(self) -> bool:
+    def _named_shape(self, model: str | None = None) -> bool:
         from pocketllm.models.shapes import SHAPES
-        return self.model in SHAPES
+        return (model or self.model) in SHAPES
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -104,17 +107,22 @@ class EngineArgs:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, as vLLM configures it. Method "ngram" (prompt lookup): the next
-    `num_speculative_tokens` tokens are proposed by finding the sequence's last n tokens, for
-    the largest n in [prompt_lookup_min, prompt_lookup_max], earlier in its prompt and output,
-    and copying what followed them."""
+    """Speculative decoding, as vLLM configures it.
+
+    - "ngram" (prompt lookup): the next `num_speculative_tokens` tokens are proposed by finding the
+      sequence's last n tokens, for the largest n in [prompt_lookup_min, prompt_lookup_max],
+      earlier in its prompt and output, and copying what followed them.
+    - "draft_model" (given by `model`): a smaller model of the same vocabulary (a lower-bit GGUF
+      of the target itself, say) proposes its greedy continuation."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    model: str | None = None
 
-    METHODS = ("ngram",)
+    KEYS = {"ngram": {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+            "draft_model": {"num_speculative_tokens", "model"}}
 
     @classmethod
     def parse(cls, raw: "str | dict") -> "SpeculativeConfig":
@@ -127,18 +135,14 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ConfigurationError(f"{where} must be a JSON object; got {type(raw).__name__}")
         raw = dict(raw)
-        if "model" in raw and "method" not in raw:
-            raise ConfigurationError(
-                f"{where}: draft models are not supported yet; the supported method is n-gram prompt lookup: "
-                '{"method": "ngram", "num_speculative_tokens": 4}')
-        method = raw.pop("method", None)
-        if method not in cls.METHODS:
-            raise ConfigurationError(f"{where}: method must be one of {', '.join(cls.METHODS)}; got {method!r}")
-        known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        unknown = sorted(set(raw) - known)
+        method = raw.pop("method", "draft_model" if "model" in raw else None)
+        if method not in cls.KEYS:
+            raise ConfigurationError(f"{where}: method must be one of {', '.join(cls.KEYS)} (or give a draft "
+                                     f"\"model\"); got {method!r}")
+        unknown = sorted(set(raw) - cls.KEYS[method])
         if unknown:
             raise ConfigurationError(f"{where}: unknown keys {unknown} for method {method!r}; "
-                                     f"valid ones are {sorted(known)}")
+                                     f"valid ones are {sorted(cls.KEYS[method])}")
         k = raw.get("num_speculative_tokens")
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         # vLLM's rule: one bound given sets both; neither gives 5.
@@ -148,7 +152,11 @@ class SpeculativeConfig:
                 raise ConfigurationError(f"{where}: {name} must be an integer >= 1; got {value!r}")
         if lo > hi:
             raise ConfigurationError(f"{where}: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return cls(method, k, lo, hi)
+        model = raw.get("model")
+        if method == "draft_model" and not isinstance(model, str):
+            raise ConfigurationError(f"{where}: a draft model needs \"model\": a model directory, a .gguf file "
+                                     "or (with load_format dummy) a shape name")
+        return cls(method, k, lo, hi, model)
 
 
 @dataclass

@@ -21,16 +21,22 @@ from pocketllm.config import EngineArgs, SpeculativeConfig
 from pocketllm.errors import ConfigurationError
 from pocketllm.speculative.ngram import NgramProposer
 from test_parity import LENGTHS, NEW, run, tight_blocks
+from test_quantize import tokenizer_files  # noqa: F401  (a fixture)
 from reference import hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
+def draft_of(path) -> dict:
+    return {"model": str(path), "num_speculative_tokens": 3}
+
+
 # -- configuration ------------------------------------------------------------------------------
 @pytest.mark.parametrize("raw, words", [
-    ({"model": "draft.gguf", "num_speculative_tokens": 4}, "draft models are not supported yet"),
+    ({"model": "/nowhere/draft.gguf", "num_speculative_tokens": 4}, "the draft model '/nowhere/draft.gguf' does not exist"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, 'a draft model needs "model"'),
     ("{not json", "not valid JSON"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
@@ -103,6 +109,73 @@ def test_greedy_tokens_match_transformers_under_speculation(tiny):
     assert fast == expected
 
 
+def test_draft_model_greedy_tokens_match_transformers(tiny):
+    """The model as its own draft (each layer's KV under the same block ids, in tensors of the
+    draft's): the draft's argmax is the model's, so nearly every draft is kept; the tokens stay
+    transformers' through chunked prefill, asynchronous scheduling and preemption (whose freed
+    blocks take the draft's KV with them: it catches up again)."""
+    model, path = tiny
+    prompts = prompts_of(LENGTHS)
+    expected = [hf_greedy(model, p, NEW) for p in prompts]
+    got, _, llm = run(path, prompts, speculative_config=draft_of(path))
+    assert got == expected
+    assert llm.engine.spec_stats.acceptance_rate > 0.9, llm.engine.spec_stats
+    chunked, _, _ = run(path, prompts, speculative_config=draft_of(path), max_num_batched_tokens=8,
+                        async_scheduling=True)
+    assert chunked == expected
+    # eight requests in the smallest cache that holds one whole request: drafting takes blocks
+    # ahead of the scheduler, which then admits fewer, so it takes more requests than the plain
+    # tests' to make it preempt
+    fits = LLM(str(path), dtype="float32", num_kv_blocks=tight_blocks(path), max_model_len=128)
+    many = prompts_of([30] * 8, seed=2)
+    tight, outs, _ = run(path, many, speculative_config=draft_of(path), max_model_len=128,
+                         num_kv_blocks=fits.engine._blocks_per_request(128))
+    assert tight == [hf_greedy(model, p, NEW) for p in many]
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the small cache should force preemption"
+
+
+def test_a_lower_bit_gguf_of_the_model_drafts_for_it(tiny_models, tokenizer_files, tmp_path):
+    """The Q8_0 GGUF of the model (its tokenizer written into the file) drafting for the float32
+    checkpoint: the same tokens as transformers, most drafts kept."""
+    from pocketllm.loaders.gguf_writer import write_gguf
+    from test_quantize import with_tokenizer
+
+    model, path = tiny_models["llama"]
+    src = with_tokenizer(path, tokenizer_files, tmp_path / "llama")
+    draft = write_gguf(src, tmp_path / "llama.Q8_0.gguf", "Q8_0").path
+    prompts = prompts_of(LENGTHS)
+    got, _, llm = run(src, prompts, speculative_config=draft_of(draft))
+    assert got == [hf_greedy(model, p, NEW) for p in prompts]
+    assert llm.engine.spec_stats.acceptance_rate > 0.5, llm.engine.spec_stats
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_models, tmp_path):
+    import transformers
+
+    _, path = tiny_models["llama"]
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigurationError, match="has a vocabulary of 512 tokens, the model 384"):
+        LLM(str(path), dtype="float32", speculative_config=draft_of(tmp_path))
+
+
+def test_a_draft_model_must_share_the_tokenizer(tiny_models, tokenizer_files, tmp_path):
+    """The same number of tokens, two of them swapped: refused, before either model's weights."""
+    from test_quantize import with_tokenizer
+
+    _, path = tiny_models["llama"]
+    target = with_tokenizer(path, tokenizer_files, tmp_path / "target")
+    draft = with_tokenizer(path, tokenizer_files, tmp_path / "draft")
+    spec = json.loads((draft / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigurationError, match="has another tokenizer than the model"):
+        LLM(str(target), dtype="float32", speculative_config=draft_of(draft))
+
+
 def test_sampling_processors_see_the_drafts(tiny_models):
     """Penalties, logit bias and min_tokens at a draft's position count the drafts before it,
     as plain decoding counts the tokens it sampled: the same greedy tokens with and without."""
@@ -168,8 +241,10 @@ def _chi_square_p(counts: dict, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2), torch.tensor(stat / 2)))
 
 
-@pytest.mark.parametrize("temperature, top_k, repetition_penalty", [(1.0, 0, 1.0), (0.8, 6, 1.4)])
-def test_speculative_sampling_draws_from_the_target_distribution(tmp_path, temperature, top_k, repetition_penalty):
+@pytest.mark.parametrize("temperature, top_k, repetition_penalty, method",
+                         [(1.0, 0, 1.0, "ngram"), (0.8, 6, 1.4, "ngram"), (1.0, 0, 1.0, "draft_model")])
+def test_speculative_sampling_draws_from_the_target_distribution(tmp_path, temperature, top_k, repetition_penalty,
+                                                                 method):
     """Thousands of 4-token samples from a 10-token vocabulary, with drafts at every step
     (1-grams always match; the prompt is the model's greedy path, so drafts are often right): the
     output tokens at each position, and the pairs of them, follow transformers' exact
@@ -178,9 +253,9 @@ def test_speculative_sampling_draws_from_the_target_distribution(tmp_path, tempe
     prompt = [3, 1, 4] + hf_greedy(model, [3, 1, 4], 10)
     new, n = 4, 6000
     exact = _exact_distribution(model, prompt, new, temperature, top_k or 10, repetition_penalty)
-    llm = LLM(str(tmp_path), dtype="float32", exact_kernels=True, max_num_seqs=256, seed=11,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 2})
+    spec = (draft_of(tmp_path) if method == "draft_model" else  # the model's argmax as its drafts
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    llm = LLM(str(tmp_path), dtype="float32", exact_kernels=True, max_num_seqs=256, seed=11, speculative_config=spec)
     params = SamplingParams(temperature=temperature, top_k=top_k, repetition_penalty=repetition_penalty,
                             max_tokens=new, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params)

@@ -134,24 +134,12 @@ class LLMEngine:
         if args.model is None:
             from pocketllm.pull import pull_default_model
             args.model = str(pull_default_model())
-        from pocketllm.models.shapes import SHAPES
-        path = Path(args.model)
-        self.is_gguf = path.is_file() and path.suffix == ".gguf"
-        self.dummy = args.load_format == "dummy"
-        quant_types: set[str] = set()
-        if self.is_gguf:
-            from pocketllm.loaders import gguf_loader
-            self.gguf = gguf_loader.GGUFModelFile(path)
-            self.model_config = self.gguf.model_config()
-            quant_types = self.gguf.quant_types()
-        else:
-            self.model_config = (ModelConfig.from_hf_dict(SHAPES[args.model]) if args.model in SHAPES
-                                 else ModelConfig.from_hf_dir(path if path.is_dir() else path.parent))
-            # a checkpoint quantized by a Hugging Face method (MXFP4, AWQ, GPTQ, ...) is checked as
-            # GGUF types are: against what the runtime declares, before any weight is read
-            method = (self.model_config.raw.get("quantization_config") or {}).get("quant_method")
-            quant_types = {str(method).upper()} if method else set()
-        cfg = self.model_config
+        from pocketllm.loaders.model_source import ModelSource
+
+        self.source = ModelSource.open(args.model, args.load_format)
+        path = self.source.path
+        quant_types = self.source.quant_types
+        cfg = self.model_config = self.source.config
 
         self.device = resolve_device(args.device)
         self.dtype_name = resolve_dtype(args.dtype, self.device, cfg.torch_dtype)
@@ -162,41 +150,31 @@ class LLMEngine:
         self.block_size = args.block_size
         self.kv_layout = self.runtime.kv_layout
         kv_dtype = self.dtype
+        self.tokenizer = self.source.tokenizer(args.tokenizer)
+        spec = args.speculative
+        self.drafter = None
+        if spec is not None and spec.method == "draft_model":  # checked against this model before any weight
+            from pocketllm.speculative.draft_model import DraftModel
+
+            self.drafter = DraftModel(spec, self)
+        # A block id holds its tokens' KV in every layer, a draft model's too.
         per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, kv_dtype)
+        per_block += self.drafter.kv_bytes_per_block if self.drafter else 0
         if self.device.type == "cpu" or args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
             self._fit_max_model_len(num_blocks, per_block)
-        self.tokenizer = self._load_tokenizer(path)
 
         # Everything is checked: now read the weights. On CUDA max_model_len may still be lowered
         # once the KV cache is sized; rotary tables longer than needed are harmless.
         t0 = time.perf_counter()
-        model = self.runtime.model_class(cfg, dtype=self.dtype, device=self.device,
-                                         max_model_len=self.max_model_len)
-        if self.dummy:
-            from pocketllm.loaders.dummy_loader import dummy_weights
-            model.load_weights(dummy_weights(model, self.dtype, self.device, args.seed))
-        elif self.is_gguf:
-            for m in model.modules():
-                if hasattr(m, "dequantize_at_load"):
-                    m.dequantize_at_load = args.dequantize_at_load
-                    m.int8_activations = int(not args.exact_kernels)
-            model.load_weights(self.gguf.iter_weights(self.dtype, self.device))
-        else:
-            from pocketllm.loaders.safetensors_loader import iter_safetensors
-            model.load_weights((n, t.to(self.device)) for n, t in iter_safetensors(path, self.dtype))
-        model.eval()
-        if self.is_gguf:
-            self.gguf.release()
-        if not args.exact_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
-            from pocketllm.kernels.cpu import layer_ops
-
-            if layer_ops.available():  # the fast path's fused norms, rotary and decode attention
-                for m in model.modules():
-                    if hasattr(m, "cpu_kernels"):
-                        m.cpu_kernels = True
-        self.load_time = time.perf_counter() - t0
+        model = self.source.load(self.runtime.model_class, self.dtype, self.device, self.max_model_len,
+                                 seed=args.seed, dequantize_at_load=args.dequantize_at_load,
+                                 exact_kernels=args.exact_kernels)
         self.weight_bytes = weight_bytes(model, self.device)  # before the runner binds the KV cache to it
+        if self.drafter is not None:
+            self.drafter.load()
+            self.weight_bytes += self.drafter.weight_bytes()
+        self.load_time = time.perf_counter() - t0
 
         if self.device.type == "cuda" and args.num_kv_blocks is None:
             torch.cuda.empty_cache()  # what loading left in the allocator's cache is free for the KV cache
@@ -210,7 +188,7 @@ class LLMEngine:
             num_blocks = max(0, min(int(budget // per_block), cap))
             self._fit_max_model_len(num_blocks, per_block)
         self.num_blocks = num_blocks
-        spec = args.speculative  # each sequence's drafts are decode rows of their own: graphs hold them all
+        # each sequence's drafts are decode rows of their own: the graphs hold them all
         self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
                                   max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
                                   max_model_len=self.max_model_len,
@@ -244,7 +222,12 @@ class LLMEngine:
             from pocketllm.speculative.draft_length import DraftLength
             from pocketllm.speculative.ngram import NgramProposer
 
-            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if self.drafter is not None:
+                self.drafter.bind(num_blocks, self.kv, self.scheduler.reserve_blocks)
+                self.proposer = self.drafter
+            else:
+                self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                              spec.prompt_lookup_max)
             # until steps are measured: a row's share of a decode step at batch 1 (benchmarks/NOTES.md)
             self.draft_length = DraftLength(spec.num_speculative_tokens, 0.3 if self.device.type == "cpu" else 0.05)
             self.spec_stats.accepted_per_pos = [0] * spec.num_speculative_tokens
@@ -298,9 +281,9 @@ class LLMEngine:
 
     def _describe_weights(self, model: torch.nn.Module, quant_types: set[str]) -> str:
         """Where the weights came from and in what form they are held."""
-        if self.dummy:
+        if self.source.dummy:
             return f"random weights, {self.dtype_name}"
-        if not self.is_gguf:
+        if not self.source.is_gguf:
             return f"safetensors, {self.dtype_name}"
         from pocketllm.quant.linear import GGUFLinear
 
@@ -324,16 +307,6 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one request of "
                 f"max_model_len={self.max_model_len} tokens needs {need}; raise num_kv_blocks / "
                 "kv_cache_memory / gpu_memory_utilization or lower max_model_len")
-
-    def _load_tokenizer(self, path: Path):
-        tok_path = Path(self.args.tokenizer) if self.args.tokenizer else path
-        if self.is_gguf and tok_path == path:  # the reader is open already: parse the file once
-            from pocketllm.tokenizer.gguf_vocab import tokenizer_from_gguf
-            return tokenizer_from_gguf(self.gguf.reader)
-        if not self.is_gguf and tok_path == path and not (path / "tokenizer.json").exists():
-            return None  # weights only (or a named shape): token ids in, token ids out
-        from pocketllm.tokenizer import get_tokenizer
-        return get_tokenizer(tok_path)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -508,16 +481,13 @@ class LLMEngine:
         if self.proposer is not None:
             self._spec_step_done(sched, result)
         now = time.monotonic()
-        found = False
         for req in touched:
             if req.first_token_time is None:
                 req.first_token_time = now
-            if propose and self.proposer is not None and not req.is_finished:
-                req.spec_token_ids = self._propose(req)
-                found |= bool(req.spec_token_ids)
             parent = self.outputs.parent_of.get(req.request_id)
             if parent is not None:
                 parents[parent.request_id] = parent
+        found = propose and self.proposer is not None and self._propose(touched)
         if propose and self.async_scheduling and self.proposer is not None:
             # Steps that find nothing to draft give up the overlap for nothing: after such a step,
             # the next ones run overlapped (1, 2, 4, ... 32 of them) before drafts are looked for again.
@@ -525,18 +495,17 @@ class LLMEngine:
             self._draft_pause = self._draft_backoff
         return self._emit(parents)
 
-    def _propose(self, req: Request) -> list[int]:
-        """Draft tokens for the request's next step, as many as are worth their rows; under a
-        grammar, only those it accepts."""
-        limit = self.draft_length.limit(req)
-        if not limit:
-            return []
-        if req.draft_index is None:
-            req.draft_index = self.proposer.new_index()
-        drafts = self.proposer.propose(req.all_token_ids, limit, req.draft_index)
-        if drafts and req.structured is not None:
-            drafts = drafts[:req.structured.valid_prefix(drafts)]
-        return drafts
+    def _propose(self, reqs: list[Request]) -> bool:
+        """Drafts for the requests' next step, as many as are worth their rows; under a grammar,
+        only those it accepts. Whether any were found."""
+        wanted = [(r, n) for r in reqs if r.status == RequestStatus.RUNNING and (n := self.draft_length.limit(r))]
+        found = False
+        for (req, _), drafts in zip(wanted, self.proposer.propose_for(wanted)):
+            if drafts and req.structured is not None:
+                drafts = drafts[:req.structured.valid_prefix(drafts)]
+            req.spec_token_ids = drafts
+            found |= bool(drafts)
+        return found
 
     def _spec_step_done(self, sched: SchedulerOutput, result) -> None:
         """Speculation's counters, each request's acceptance, and the step's cost per row."""

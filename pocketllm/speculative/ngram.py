@@ -45,5 +45,14 @@ class NgramProposer:
                 return token_ids[start:start + k]
         return []
 
+    def propose_for(self, wanted: list) -> list[list[int]]:
+        """Drafts for each (request, most drafts) pair, through the request's own index."""
+        out = []
+        for req, limit in wanted:
+            if req.draft_index is None:
+                req.draft_index = self.new_index()
+            out.append(self.propose(req.all_token_ids, limit, req.draft_index))
+        return out
+
     def new_index(self) -> NgramIndex:
         return NgramIndex(range(self.min_n, self.max_n + 1))

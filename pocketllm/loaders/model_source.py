@@ -1,0 +1,82 @@
+"""A model's source: a Hugging Face directory, a GGUF file or (random weights) a named shape. Its
+shape, quantization and tokenizer are read before any weight; `load` then builds the runtime's
+model and reads the weights into it. The engine opens one for its model, and one for a draft model."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pocketllm.config import ModelConfig
+
+
+@dataclass
+class ModelSource:
+    path: Path
+    dummy: bool  # random weights (load_format dummy); `path` may then name a shape
+    config: ModelConfig
+    quant_types: set[str] = field(default_factory=set)
+    gguf: object = None  # the open GGUFModelFile, for a .gguf file
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf is not None
+
+    @classmethod
+    def open(cls, model: str, load_format: str) -> "ModelSource":
+        from pocketllm.models.shapes import SHAPES
+
+        path = Path(model)
+        dummy = load_format == "dummy"
+        if path.is_file() and path.suffix == ".gguf":
+            from pocketllm.loaders import gguf_loader
+
+            gguf = gguf_loader.GGUFModelFile(path)
+            return cls(path, dummy, gguf.model_config(), gguf.quant_types(), gguf)
+        config = (ModelConfig.from_hf_dict(SHAPES[model]) if model in SHAPES
+                  else ModelConfig.from_hf_dir(path if path.is_dir() else path.parent))
+        # a checkpoint quantized by a Hugging Face method (MXFP4, AWQ, GPTQ, ...) is checked as GGUF
+        # types are: against what the runtime declares, before any weight is read
+        method = (config.raw.get("quantization_config") or {}).get("quant_method")
+        return cls(path, dummy, config, {str(method).upper()} if method else set())
+
+    def tokenizer(self, tokenizer_path: str | None = None):
+        """The tokenizer of `tokenizer_path`, else the model's own; None for weights alone (or a
+        named shape): token ids in, token ids out."""
+        tok_path = Path(tokenizer_path) if tokenizer_path else self.path
+        if self.is_gguf and tok_path == self.path:  # the reader is open already: parse the file once
+            from pocketllm.tokenizer.gguf_vocab import tokenizer_from_gguf
+            return tokenizer_from_gguf(self.gguf.reader)
+        if not self.is_gguf and tok_path == self.path and not (self.path / "tokenizer.json").exists():
+            return None
+        from pocketllm.tokenizer import get_tokenizer
+        return get_tokenizer(tok_path)
+
+    def load(self, model_class, dtype: torch.dtype, device: torch.device, max_model_len: int, *, seed: int,
+             dequantize_at_load: bool, exact_kernels: bool):
+        """The runtime's model with its weights read (random ones for a dummy source)."""
+        model = model_class(self.config, dtype=dtype, device=device, max_model_len=max_model_len)
+        if self.dummy:
+            from pocketllm.loaders.dummy_loader import dummy_weights
+            model.load_weights(dummy_weights(model, dtype, device, seed))
+        elif self.is_gguf:
+            for m in model.modules():
+                if hasattr(m, "dequantize_at_load"):
+                    m.dequantize_at_load = dequantize_at_load
+                    m.int8_activations = int(not exact_kernels)
+            model.load_weights(self.gguf.iter_weights(dtype, device))
+        else:
+            from pocketllm.loaders.safetensors_loader import iter_safetensors
+            model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype))
+        model.eval()
+        if self.is_gguf:
+            self.gguf.release()
+        if not exact_kernels and device.type == "cpu" and dtype == torch.float32:
+            from pocketllm.kernels.cpu import layer_ops
+
+            if layer_ops.available():  # the fast path's fused norms, rotary and decode attention
+                for m in model.modules():
+                    if hasattr(m, "cpu_kernels"):
+                        m.cpu_kernels = True
+        return model

@@ -1,0 +1,151 @@
+"""Draft-model speculation: a smaller model of the target's vocabulary (a lower-bit GGUF of the target
+itself, say) proposes its greedy continuation, `num_speculative_tokens` tokens a step.
+
+Its KV cache is paged by the target's KV manager: the draft's layers have KV tensors of their own,
+indexed by the same block ids, so a block holds its tokens' KV in the target's layers and in the
+draft's, and block accounting, preemption and freeing need nothing more. The draft writes the
+positions the target has computed (catching up on each request's newest tokens in its first pass
+of a step) and those of its own drafts; before drafting it asks the KV manager for the blocks the
+drafts and the next verification need. Each request's progress in the draft (how far its KV is
+written) lives on a shadow request that shares the target request's block table.
+
+Drafts are the draft model's argmax: a deterministic proposal, which the target's verification
+(each draft row sampled from the target's distribution, kept while it matches) accepts with
+exactly the probability rejection sampling gives it, so sampled outputs keep the target's
+distribution.
+"""
+from __future__ import annotations
+
+import torch
+
+from pocketllm.engine.request import Request, RequestStatus
+from pocketllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pocketllm.errors import ConfigurationError
+from pocketllm.sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0)
+
+
+class DraftModel:
+    def __init__(self, spec, target):
+        """Checks the draft against the target engine (vocabulary, context, capabilities) and
+        reads its shape; no weight is read yet."""
+        from pocketllm.config import EngineArgs
+        from pocketllm.engine.kv_groups import KVLayout
+        from pocketllm.loaders.model_source import ModelSource
+        from pocketllm.models.registry import select_runtime
+        from pocketllm.runner.model_runner import ModelRunner
+
+        self.target = target
+        self.num_tokens = spec.num_speculative_tokens
+        args = target.args
+        self.source = ModelSource.open(spec.model, args.load_format)
+        cfg = self.source.config
+        self.args = EngineArgs(model=spec.model, load_format=args.load_format, device=str(target.device),
+                               dtype=target.dtype_name, max_num_seqs=args.max_num_seqs, seed=args.seed,
+                               enforce_eager=args.enforce_eager, exact_kernels=args.exact_kernels,
+                               dequantize_at_load=args.dequantize_at_load)
+        where = f"the draft model {spec.model!r}"
+        try:
+            self.runtime = select_runtime(cfg, self.args, target.device.type, target.dtype_name,
+                                          self.source.quant_types)
+        except ConfigurationError as e:
+            raise ConfigurationError(f"{where}: {e}") from None
+        if cfg.vocab_size != target.model_config.vocab_size:
+            raise ConfigurationError(f"{where} has a vocabulary of {cfg.vocab_size} tokens, the model "
+                                     f"{target.model_config.vocab_size}: a draft model must share the model's tokenizer")
+        mine, theirs = self.source.tokenizer(), target.tokenizer
+        if mine is not None and theirs is not None and not _same_tokens(mine, theirs):
+            raise ConfigurationError(f"{where} has another tokenizer than the model (the same number of tokens, "
+                                     "other tokens): a draft model must share the model's tokenizer")
+        if cfg.max_position_embeddings < target.max_model_len:
+            raise ConfigurationError(f"{where} takes {cfg.max_position_embeddings} positions, fewer than "
+                                     f"max_model_len={target.max_model_len}; lower max_model_len")
+        if target.kv_layout.windows[0] is not None:
+            raise ConfigurationError("a draft model needs a model with full-attention layers (their block "
+                                     "table keeps every position)")
+        # Every draft layer reads the target's full-attention block table (a sliding draft layer
+        # masks its window there).
+        self.layout = KVLayout.of([None] * cfg.num_layers)
+        self.kv_bytes_per_block = ModelRunner.kv_bytes_per_block(cfg, self.layout, target.block_size, target.dtype)
+        self.model = self.runner = self.kv = None
+        self.reserve = 0
+        self.shadows: dict[str, Request] = {}
+
+    def load(self) -> None:
+        t = self.target
+        self.model = self.source.load(self.runtime.model_class, t.dtype, t.device, t.max_model_len,
+                                      seed=self.args.seed + 1, dequantize_at_load=self.args.dequantize_at_load,
+                                      exact_kernels=self.args.exact_kernels)
+
+    def bind(self, num_blocks: int, kv, reserve: int) -> None:
+        """KV tensors for `num_blocks` block ids of the target's manager `kv`; drafting leaves
+        `reserve` blocks free (the scheduler's watermark)."""
+        from pocketllm.runner.model_runner import ModelRunner
+
+        t = self.target
+        self.runner = ModelRunner(self.model, num_blocks, t.block_size, t.dtype, t.device, self.args.seed,
+                                  max_decode_rows=self.args.max_num_seqs, max_model_len=t.max_model_len,
+                                  enforce_eager=self.args.enforce_eager, kv_layout=self.layout)
+        self.kv, self.reserve = kv, reserve
+
+    # -- drafting --------------------------------------------------------------------------------
+    def propose_for(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to `limit` drafts for each (request, limit): one pass of the draft over each request's
+        tokens it has not written yet (its prompt, the first time), then a decode pass per draft."""
+        live = self.target.scheduler.requests
+        for rid in [rid for rid in self.shadows if rid not in live]:
+            del self.shadows[rid]
+        drafts: dict[str, list[int]] = {}
+        active = []
+        for req, limit in wanted:
+            # blocks for the drafts' positions and the verification after them, taken now
+            if not self.kv.allocate_slots(req, limit, reserve=self.reserve):
+                continue
+            active.append((self._shadow(req), limit))
+            drafts[req.request_id] = []
+        with torch.inference_mode():
+            for i in range(max((n for _, n in active), default=0)):
+                rows = [(sh, len(sh.all_token_ids) - sh.num_computed_tokens) for sh, n in active if n > i]
+                rows.sort(key=lambda r: r[1] > 1)  # decode rows first, as the runner wants them
+                out = SchedulerOutput([ScheduledRequest(sh, n, sh.num_computed_tokens, True) for sh, n in rows],
+                                      sum(1 for _, n in rows if n == 1))
+                sampled = self.runner.execute(out).sampled
+                for sh, n in rows:
+                    sh.num_computed_tokens += n
+                    token = sampled[sh.request_id][0].token_id
+                    sh.all_token_ids.append(token)
+                    drafts[sh.request_id].append(token)
+        return [drafts.get(req.request_id, []) for req, _ in wanted]
+
+    def _shadow(self, req: Request) -> Request:
+        """The request as the draft sees it: the target's tokens and block table, the draft's own
+        progress, kept as far as the tokens it computed are still the request's."""
+        sh = self.shadows.get(req.request_id)
+        if sh is None or sh.num_preemptions != req.num_preemptions:  # new, or its blocks were freed
+            sh = self.shadows[req.request_id] = Request(req.request_id, [], _GREEDY)
+            sh.num_preemptions = req.num_preemptions
+            sh.status = RequestStatus.RUNNING
+        else:
+            tokens, mine = req.all_token_ids, sh.all_token_ids
+            same = min(sh.num_computed_tokens, len(tokens))
+            for p in range(max(0, same - self.num_tokens), same):  # its last drafts: right as far as accepted
+                if mine[p] != tokens[p]:
+                    same = p
+                    break
+            sh.num_computed_tokens = same
+        sh.all_token_ids = list(req.all_token_ids)
+        sh.block_tables = req.block_tables
+        return sh
+
+    def weight_bytes(self) -> int:
+        from pocketllm.engine.llm_engine import weight_bytes
+
+        return weight_bytes(self.model, self.target.device)
+
+
+def _same_tokens(a, b) -> bool:
+    """Whether two tokenizers give the same ids the same tokens, as far as the smaller goes (a GGUF
+    file pads its token list to the model's vocabulary with placeholders)."""
+    ids_a, ids_b = ({i: t for t, i in tok._backend.get_vocab(with_added_tokens=True).items()} for tok in (a, b))
+    return all(ids_a.get(i) == ids_b.get(i) for i in range(min(len(ids_a), len(ids_b))))
