@@ -67,6 +67,32 @@ class Oracle:
         return [self.continuation[req.num_tokens - self.prompt_len:][:limit] for req, limit in wanted]
 
 
+class DraftTimer:
+    """Times a draft model's drafting; every step drafts its k tokens (random weights disagree with
+    the model, so the draft length rule would otherwise stop drafting)."""
+
+    def __init__(self, engine, k: int):
+        self.engine, self.drafter = engine, engine.proposer
+        engine.draft_length.limit = lambda req: k
+        engine.proposer = self
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds, self.tokens, self.calls = 0.0, 0, 0
+
+    def propose_for(self, wanted: list) -> list[list[int]]:
+        import torch
+
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose_for(wanted)
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t0
+        self.tokens += sum(map(len, drafts))
+        self.calls += 1
+        return drafts
+
+
 def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int, reps: int) -> tuple[float, list]:
     """Best-of-`reps` tokens/s for the prompts run `concurrency` at a time (copies of each prompt)."""
     best, outs = 0.0, None
@@ -94,6 +120,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--oracle", action="store_true",
                     help="also time drafts that are always right (the plain run's continuation)")
+    ap.add_argument("--draft-model", default=None,
+                    help="also time a draft model's drafting (a path, or a shape with --load-format dummy), "
+                         "every step drafting num_speculative_tokens: its cost per drafted token")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -103,6 +132,11 @@ def main() -> None:
         engine["kv_cache_memory"] = 512 << 20
     plain = LLM(**engine)
     spec = LLM(**engine, speculative_config=args.speculative_config)
+    drafting = None
+    if args.draft_model:
+        k = json.loads(args.speculative_config)["num_speculative_tokens"]
+        drafting = LLM(**engine, speculative_config={"model": args.draft_model, "num_speculative_tokens": k})
+        timed = DraftTimer(drafting.engine, k)
     tok = plain.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []
@@ -138,6 +172,15 @@ def main() -> None:
                             break
                         continuation = got_oracle[0]
                     spec.engine.proposer = ngram
+                draft_cost = {}
+                if drafting is not None:
+                    run(drafting, [prompt], params, conc, 1)
+                    timed.reset()
+                    drafted_tok_s, _ = run(drafting, [prompt], params, conc, args.reps)
+                    draft_cost = {"draft_ms_per_drafted_token": round(1e3 * timed.seconds / max(1, timed.tokens), 4),
+                                  "draft_ms_per_step": round(1e3 * timed.seconds / max(1, timed.calls), 3),
+                                  "plain_ms_per_step": round(1e3 * conc / base, 3),
+                                  "draft_model_tok_s": round(drafted_tok_s, 1)}
                 rows.append({"workload": name, "prompt": i, "concurrency": conc,
                              "prompt_tokens": len(prompt["prompt_token_ids"]),
                              "output_tokens": len(want[0]), "plain_tok_s": round(base, 1),
@@ -151,7 +194,7 @@ def main() -> None:
                                                                  / max(1, s1.num_drafts - s0.num_drafts), 2),
                                  "oracle_acceptance": round((s1.num_accepted_tokens - s0.num_accepted_tokens)
                                                             / max(1, s1.num_draft_tokens - s0.num_draft_tokens), 3)}
-                                if oracle else {})})
+                                if oracle else {}), **draft_cost})
                 print(json.dumps(rows[-1]), flush=True)
     summary = {}
     for name in workloads():
