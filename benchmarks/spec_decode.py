@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1", help="comma list: streams run together")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="KV blocks of each engine (CUDA: three engines share the GPU with --draft-model)")
     ap.add_argument("--oracle", action="store_true",
                     help="also time drafts that are always right (the plain run's continuation)")
     ap.add_argument("--draft-model", default=None,
@@ -127,7 +129,7 @@ def main() -> None:
     args = ap.parse_args()
 
     engine = dict(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                  max_model_len=2048, num_threads=args.threads)
+                  max_model_len=2048, num_threads=args.threads, num_kv_blocks=args.num_kv_blocks)
     if args.device == "cpu":
         engine["kv_cache_memory"] = 512 << 20
     plain = LLM(**engine)

@@ -136,18 +136,18 @@ class ModelRunner:
         # itself: every row's KV is written before any row attends, so this is causal attention
         # over the drafts, on the decode kernels (and graphs).
         # (Here the first KV group; other groups' slots and tables follow in _other_groups.)
+        # A few known tokens of one sequence (a draft model catching up) make decode rows the same way.
         for sr in out.scheduled[:out.num_decodes]:
             req = sr.request
-            p, blocks, tokens = sr.start, req.block_tables[0], req.all_token_ids
+            p, blocks, tokens, drafts = sr.start, req.block_tables[0], req.all_token_ids, sr.spec_token_ids
             if p < len(tokens):
-                input_ids.append(tokens[p])
+                input_ids += tokens[p:p + sr.num_tokens - len(drafts)]
             else:  # the token the previous step is sampling
                 if prev_rows is None:
                     prev_rows = prev.sample_row()
                 pending.append((len(input_ids), prev_rows[req.request_id]))
                 input_ids.append(0)
-            if sr.spec_token_ids:
-                drafts = sr.spec_token_ids
+            if drafts:
                 input_ids += drafts
                 sampling.append(req)
                 sampling += [DraftPosition(req, drafts, i) for i in range(1, len(drafts) + 1)]
@@ -160,8 +160,10 @@ class ModelRunner:
                 n_blocks = q // bs + 1  # a rolled-back request may hold blocks past its context
                 tables.append(blocks if len(blocks) == n_blocks else blocks[:n_blocks])
                 row_requests.append(req)
-                if sr.samples:
-                    logits_rows.append(len(positions) - 1)
+            if drafts:
+                logits_rows += range(len(positions) - sr.num_tokens, len(positions))
+            elif sr.samples:
+                logits_rows.append(len(positions) - 1)
         num_decode_rows = len(rows)
         for sr in out.scheduled[out.num_decodes:]:
             req, n, start = sr.request, sr.num_tokens, sr.start

@@ -27,6 +27,8 @@ _GREEDY = SamplingParams(temperature=0)
 
 
 class DraftModel:
+    DECODE_ROWS = 8  # most tokens a request catches up on in decode rows
+
     def __init__(self, spec, target):
         """Checks the draft against the target engine (vocabulary, context, capabilities) and
         reads its shape; no weight is read yet."""
@@ -107,9 +109,11 @@ class DraftModel:
         with torch.inference_mode():
             for i in range(max((n for _, n in active), default=0)):
                 rows = [(sh, len(sh.all_token_ids) - sh.num_computed_tokens) for sh, n in active if n > i]
-                rows.sort(key=lambda r: r[1] > 1)  # decode rows first, as the runner wants them
+                # A few tokens to catch up on run as decode rows (the decode kernels and graphs), a
+                # prompt as a prefill chunk; decode rows first, as the runner wants them.
+                rows.sort(key=lambda r: r[1] > self.DECODE_ROWS)
                 out = SchedulerOutput([ScheduledRequest(sh, n, sh.num_computed_tokens, True) for sh, n in rows],
-                                      sum(1 for _, n in rows if n == 1))
+                                      sum(1 for _, n in rows if n <= self.DECODE_ROWS))
                 sampled = self.runner.execute(out).sampled
                 for sh, n in rows:
                     sh.num_computed_tokens += n
