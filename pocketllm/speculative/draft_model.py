@@ -106,17 +106,24 @@ class DraftModel:
                 continue
             active.append((self._shadow(req), limit))
             drafts[req.request_id] = []
+        # The passes are queued back to back: each takes the token the one before is sampling
+        # from the device (the runner's in-flight inputs), and all are read back at the end.
+        launched, passes = None, []
         with torch.inference_mode():
             for i in range(max((n for _, n in active), default=0)):
-                rows = [(sh, len(sh.all_token_ids) - sh.num_computed_tokens) for sh, n in active if n > i]
+                rows = [(sh, max(1, len(sh.all_token_ids) - sh.num_computed_tokens)) for sh, n in active if n > i]
                 # A few tokens to catch up on run as decode rows (the decode kernels and graphs), a
                 # prompt as a prefill chunk; decode rows first, as the runner wants them.
                 rows.sort(key=lambda r: r[1] > self.DECODE_ROWS)
                 out = SchedulerOutput([ScheduledRequest(sh, n, sh.num_computed_tokens, True) for sh, n in rows],
                                       sum(1 for _, n in rows if n <= self.DECODE_ROWS))
-                sampled = self.runner.execute(out).sampled
+                launched = self.runner.launch(out, launched)
+                passes.append((rows, launched))
                 for sh, n in rows:
                     sh.num_computed_tokens += n
+            for rows, launched in passes:
+                sampled = self.runner.collect(launched).sampled
+                for sh, _ in rows:
                     token = sampled[sh.request_id][0].token_id
                     sh.all_token_ids.append(token)
                     drafts[sh.request_id].append(token)
