@@ -134,6 +134,28 @@ def test_draft_model_greedy_tokens_match_transformers(tiny):
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the small cache should force preemption"
 
 
+def test_a_draft_model_catches_up_after_its_drafts_were_dropped(tiny_models):
+    """A step that runs without the drafts proposed for it (no room in the budget or the cache)
+    whose token is the first draft: the draft model has that token's KV, and still drafts the next."""
+    from pocketllm.engine.llm_engine import LLMEngine
+
+    model, path = tiny_models["llama"]
+    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", exact_kernels=True,
+                                  speculative_config=draft_of(path)))
+    prompt = prompts_of([20], seed=6)[0]
+    engine.add_request("a", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()  # the prompt: the first token, and drafts for the next step
+    req = engine.scheduler.requests["a"]
+    assert req.spec_token_ids
+    req.spec_token_ids = []
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].token_ids == hf_greedy(model, prompt, 12)
+    assert engine.spec_stats.num_accepted_tokens > 0
+    engine.check_no_leaks()
+
+
 def test_a_lower_bit_gguf_of_the_model_drafts_for_it(tiny_models, tokenizer_files, tmp_path):
     """The Q8_0 GGUF of the model (its tokenizer written into the file) drafting for the float32
     checkpoint: the same tokens as transformers, most drafts kept."""

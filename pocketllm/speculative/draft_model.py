@@ -138,8 +138,11 @@ class DraftModel:
             sh.num_preemptions = req.num_preemptions
             sh.status = RequestStatus.RUNNING
         else:
+            # at most up to the last token: its logits give the first draft (if the step before ran
+            # without its drafts and its token was the first of them, the draft has that token's KV
+            # already, and writes it again)
             tokens, mine = req.all_token_ids, sh.all_token_ids
-            same = min(sh.num_computed_tokens, len(tokens))
+            same = min(sh.num_computed_tokens, len(tokens) - 1)
             for p in range(max(0, same - self.num_tokens), same):  # its last drafts: right as far as accepted
                 if mine[p] != tokens[p]:
                     same = p
