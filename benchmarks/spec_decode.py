@@ -12,7 +12,6 @@ output tokens per second over the whole request, after a warm-up run of each pro
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import time
@@ -32,17 +31,38 @@ PARAGRAPH = ("The Rhine is one of the major European rivers. It begins in the Sw
              "with a population of more than 1,050,000 people.")
 
 
-def _function_source() -> str:
-    from pocketllm.speculative.ngram import NgramProposer
+# The class the recorded runs asked to rewrite (the n-gram proposer as it stood at b4aafce), fixed here.
+CLASS = """class NgramProposer:
+    def __init__(self, num_tokens: int, min_n: int, max_n: int):
+        assert 1 <= min_n <= max_n and num_tokens >= 1
+        self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
 
-    return inspect.getsource(NgramProposer)
+    def propose(self, token_ids: list[int], limit: int | None = None, index: NgramIndex | None = None) -> list[int]:
+        \"\"\"Up to min(num_tokens, limit) draft tokens to follow `token_ids` ([] when nothing matches).
+        `index` is the sequence's own (kept between calls as its tokens grow); without one, a
+        fresh index is built.\"\"\"
+        k = self.num_tokens if limit is None else min(self.num_tokens, limit)
+        if k <= 0:
+            return []
+        if index is None:
+            index = self.new_index()
+        index.extend(token_ids)
+        for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
+            start = index.tables[n].get(tuple(token_ids[-n:]))
+            if start is not None:
+                return token_ids[start:start + k]
+        return []
+
+    def new_index(self) -> NgramIndex:
+        return NgramIndex(range(self.min_n, self.max_n + 1))
+"""
 
 
 def workloads() -> dict[str, list[str]]:
     return {
         "copy": [
             "Rewrite this Python class, renaming the method `propose` to `draft` and changing nothing else. "
-            "Reply with the code only.\n\n" + _function_source(),
+            "Reply with the code only.\n\n" + CLASS,
             "Quote the following paragraph exactly, but write 'Danube' instead of 'Rhine':\n\n" + PARAGRAPH,
             "Repeat this list, adding the word 'fresh' before each item:\n\n- apples\n- bread and butter\n"
             "- three bottles of milk\n- a kilogram of rice\n- green tea\n- tomatoes\n- olive oil\n- cheese",
