@@ -8,11 +8,10 @@ import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from pocketllm.config import EngineArgs, ModelConfig
+from pocketllm.config import EngineArgs
 from pocketllm.engine.kv_cache_manager import KVCacheManager
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.request import Request, RequestStatus
