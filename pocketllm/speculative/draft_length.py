@@ -4,7 +4,7 @@ Draft i (1-based) yields a token when it and every draft before it are accepted:
 request's recent chance that a draft is accepted given the one before was, that is alpha**i tokens.
 It costs one more row in the step: b seconds, b the marginal time of a row, which plain decoding
 would have spent on b * rate tokens (rate: the engine's tokens per second). A draft is proposed
-while alpha**i > b * rate. Both sides are measured as the engine runs: alpha per request (counts
+while alpha**i > b * rate, with a margin. Both sides are measured as the engine runs: alpha per request (counts
 that decay, so that a request which stops copying its prompt stops drafting), b by a least-squares
 fit of decode steps' times against their rows. On this machine's CPU a row costs about a third of a
 decode step of the default model, so a request drafts only while it keeps being right; a GPU at a
@@ -21,6 +21,8 @@ class DraftLength:
     STEP_DECAY = 0.97  # per decode step of the engine
     MIN_STEPS = 6.0  # decayed count of decode steps before the fit is trusted
     MIN_ROW_SPREAD = 0.25  # variance of rows per step (rows^2) the fit needs
+    MARGIN = 1.3  # a draft must pay for its row this many times over: the estimates are noisy, and a
+    # marginal draft gains little when right and costs its row when wrong
 
     def __init__(self, max_drafts: int, prior_cost: float):
         self.max_drafts = max_drafts
@@ -63,7 +65,7 @@ class DraftLength:
         4 times in 5; a request that stops drafting sees its misses decay with its steps, and
         tries again after a while (later each time it fails)."""
         alpha = (req.draft_hits + 1) / (req.draft_hits + req.draft_misses + 1.25)
-        cost = self.cost()
+        cost = self.MARGIN * self.cost()
         if cost <= 0:
             return self.max_drafts
         if alpha <= cost:
