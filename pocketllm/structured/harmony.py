@@ -13,8 +13,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
+from pocketllm.structured.streaming import hold_back
+
+START, CHANNEL, MESSAGE, CONSTRAIN, END = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"
 CALL, RETURN = "<|call|>", "<|return|>"
+MARKUP = (START, CHANNEL, MESSAGE, CONSTRAIN, END)  # a message's special tokens, kept in decoded text
 _ENDS = (END, CALL, RETURN)
 _FUNCTIONS = "functions."
 # The header's fields; a recipient may come before the channel or after it.
@@ -28,12 +31,6 @@ class Reply:
     reasoning: str = ""
     content: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments so far)
-
-
-def _ambiguous_tail(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` may be the start of one of `markers`."""
-    return max((k for m in markers for k in range(min(len(m) - 1, len(text)), 0, -1) if text.endswith(m[:k])),
-               default=0)
 
 
 def _first(text: str, markers: tuple[str, ...], pos: int) -> tuple[int, str]:
@@ -57,7 +54,7 @@ def parse(text: str, final: bool) -> Reply:
             at, _ = _first(text, (START, CHANNEL), pos)
             body = text[pos:at if at >= 0 else len(text)]
             if at < 0 and not final:
-                body = body[:len(body) - _ambiguous_tail(body, (START, CHANNEL))]
+                body = hold_back(body, START, CHANNEL)
             content.append(body)
             if at < 0:
                 break
@@ -73,7 +70,7 @@ def parse(text: str, final: bool) -> Reply:
         at, marker = _first(text, _ENDS, start)
         body = text[start:at if at >= 0 else len(text)]
         if at < 0 and not final:
-            body = body[:len(body) - _ambiguous_tail(body, _ENDS)]
+            body = hold_back(body, *_ENDS)
         if recipients and recipients[-1].startswith(_FUNCTIONS):
             reply.calls.append((recipients[-1][len(_FUNCTIONS):], body.strip()))
         elif not recipients and channels and channels[-1] == "analysis":

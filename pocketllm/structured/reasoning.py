@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 from pocketllm.errors import ConfigurationError
 from pocketllm.structured import harmony
-from pocketllm.structured.tool_parsers import HarmonyToolParser, ToolParser, hold_back
+from pocketllm.structured.streaming import hold_back
+from pocketllm.structured.tool_parsers import HarmonyToolParser, ToolParser
 
 
 class ReasoningParser:

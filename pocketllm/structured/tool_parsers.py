@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pocketllm.errors import ConfigurationError
 from pocketllm.structured import harmony
+from pocketllm.structured.streaming import hold_back
 
 _DECODER = json.JSONDecoder()
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -79,14 +80,6 @@ def _partial_call(text: str, pos: int) -> tuple[str | None, str]:
         return name[0], ""
     value = _decode(args, 0)
     return name[0], args[:value[1]] if value else args
-
-
-def hold_back(text: str, tag: str) -> str:
-    """`text` without a tail that may be the start of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return text[:-k]
-    return text
 
 
 class ToolParser:

@@ -13,6 +13,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
+from pocketllm.structured import harmony
 from pocketllm.tokenizer.base import Tokenizer
 from pocketllm.tokenizer.gguf_pre import pre_tokenizer_for
 
@@ -31,8 +32,8 @@ _END_OF_TURN_TEXTS = frozenset(
 )  # fmt: skip
 # o200k_harmony (gpt-oss) writes a reply as messages: <|end|> closes one of them, <|return|> and <|call|> end the
 # reply, and the message markup stays in decoded text, where reply parsers read it (llama.cpp does the same).
-_HARMONY_ENDS = ("<|return|>", "<|call|>")
-_HARMONY_MARKUP = frozenset({"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"})
+_HARMONY_ENDS = (harmony.RETURN, harmony.CALL)
+_HARMONY_MARKUP = frozenset(harmony.MARKUP)
 _SPACE = "\u2581"  # SentencePiece writes spaces as "▁"
 
 
