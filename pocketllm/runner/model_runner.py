@@ -205,47 +205,55 @@ class ModelRunner:
             step.tables.append(tables)
 
     def _torch_metadata(self, step: StepInputs) -> AttentionMetadata:
-        metas = [self._torch_group(step, g, w) for g, w in enumerate(self.windows)]
+        masks: dict = {}  # groups of one window share their masks and context lengths
+        metas = [self._torch_group(step, g, w, masks) for g, w in enumerate(self.windows)]
         if len(metas) > 1:
             metas[0].groups = metas
         return metas[0]
 
-    def _torch_group(self, step: StepInputs, g: int, window: int | None) -> AttentionMetadata:
+    def _torch_group(self, step: StepInputs, g: int, window: int | None, masks: dict) -> AttentionMetadata:
         """One KV group's metadata. A sliding group's tables start, per row, at the block of the
         first position its queries see, and its masks and context lengths count from there: the
-        blocks behind the window (released: NO_BLOCK) are never read."""
+        blocks behind the window (released: NO_BLOCK) are never read. `masks` holds the masks of
+        the step's groups built so far, by window: every group's rows have the same positions."""
         dev, bs, n = self.device, self.block_size, step.num_decodes
         meta = AttentionMetadata(slot_mapping=torch.tensor(step.slots[g], dtype=torch.long, device=dev),
                                  num_decodes=n, window=window)
         tables = step.tables[g]
-        if n and window is None:
-            width = max(len(t) for t in tables[:n])
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:n]],
-                                                    dtype=torch.long, device=dev)
-            lens = meta.decode_lens = torch.tensor([ctx for _, ctx in step.rows[:n]], device=dev)
-            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        elif n:
-            firsts = [max(0, ctx - window) // bs for _, ctx in step.rows[:n]]
+        firsts = [0] * n if window is None else [max(0, ctx - window) // bs for _, ctx in step.rows[:n]]
+        if n:
             cut = [t[first:] for t, first in zip(tables[:n], firsts)]
             assert all(t[0] != NO_BLOCK for t in cut), "a released block inside a decode row's window"
             width = max(len(t) for t in cut)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in cut],
                                                     dtype=torch.long, device=dev)
-            # context lengths from each row's first block: the window is their last `window` keys
-            lens = meta.decode_lens = torch.tensor([ctx - first * bs for (_, ctx), first in zip(step.rows[:n], firsts)],
-                                                   device=dev)
-            idx = torch.arange(width * bs, device=dev)[None, :]
-            meta.decode_mask = ((idx < lens[:, None]) & (idx >= lens[:, None] - window))[:, None, None, :]
+        if window not in masks:
+            decode = None
+            if n:
+                # context lengths from each row's first block: a window is their last `window` keys
+                lens = torch.tensor([ctx - first * bs for (_, ctx), first in zip(step.rows[:n], firsts)], device=dev)
+                idx = torch.arange(width * bs, device=dev)[None, :]
+                mask = idx < lens[:, None]
+                if window is not None:
+                    mask &= idx >= lens[:, None] - window
+                decode = (lens, mask[:, None, None, :])
+            spans = []
+            for ql, ctx in step.rows[n:]:
+                q_pos = torch.arange(ctx - ql, ctx, device=dev)[:, None]
+                key0 = 0 if window is None else max(0, ctx - ql - window + 1) // bs * bs
+                k_pos = torch.arange(key0, ctx, device=dev)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
+                spans.append((key0, mask))
+            masks[window] = (decode, spans)
+        decode, spans = masks[window]
+        if decode is not None:
+            meta.decode_lens, meta.decode_mask = decode
         q0 = n
-        for (ql, ctx), blocks in zip(step.rows[n:], tables[n:]):
-            q_pos = torch.arange(ctx - ql, ctx, device=dev)[:, None]
-            key0 = 0 if window is None else max(0, ctx - ql - window + 1) // bs * bs
-            k_pos = torch.arange(key0, ctx, device=dev)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-                blocks = blocks[key0 // bs:]
-                assert blocks[0] != NO_BLOCK, "a released block inside a prefill chunk's window"
+        for (ql, ctx), blocks, (key0, mask) in zip(step.rows[n:], tables[n:], spans):
+            blocks = blocks[key0 // bs:]
+            assert blocks[0] != NO_BLOCK, "a released block inside a prefill chunk's window"
             meta.prefills.append(PrefillSpan(q0, ql, ctx - key0, torch.tensor(blocks, dtype=torch.long, device=dev),
                                              mask))
             q0 += ql
