@@ -93,7 +93,7 @@ class DraftTimer:
 
     def __init__(self, engine, k: int):
         self.engine, self.drafter = engine, engine.proposer
-        engine.draft_length.limit = lambda req: k
+        engine.draft_length.limit = lambda req, cost: k
         engine.proposer = self
         self.reset()
 

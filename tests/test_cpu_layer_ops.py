@@ -112,11 +112,17 @@ def test_decode_attention_is_batch_invariant():
     caches = randn(2, nb, bs, hkv, d)
     q = randn(t, hq, d)
     kc, vc = caches[0], caches[1]
-    together = layer_ops.decode_attention(q, kc, vc, meta.decode_block_tables, meta.decode_lens, 0.125, None, None)
-    for i in range(t):
-        alone = layer_ops.decode_attention(q[i:i + 1], kc, vc, meta.decode_block_tables[i:i + 1].contiguous(),
-                                           meta.decode_lens[i:i + 1].contiguous(), 0.125, None, None)
-        assert torch.equal(alone[0], together[i])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # a query alone then has threads to split its context over
+    try:
+        together = layer_ops.decode_attention(q, kc, vc, meta.decode_block_tables, meta.decode_lens, 0.125, None,
+                                              None)
+        for i in range(t):
+            alone = layer_ops.decode_attention(q[i:i + 1], kc, vc, meta.decode_block_tables[i:i + 1].contiguous(),
+                                               meta.decode_lens[i:i + 1].contiguous(), 0.125, None, None)
+            assert torch.equal(alone[0], together[i])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (200, None, False), (None, 30.0, False),

@@ -497,7 +497,8 @@ class LLMEngine:
     def _propose(self, reqs: list[Request]) -> bool:
         """Drafts for the requests' next step, as many as are worth their rows; under a grammar,
         only those it accepts. Whether any were found."""
-        wanted = [(r, n) for r in reqs if r.status == RequestStatus.RUNNING and (n := self.draft_length.limit(r))]
+        cost = self.draft_length.cost()
+        wanted = [(r, n) for r in reqs if r.status == RequestStatus.RUNNING and (n := self.draft_length.limit(r, cost))]
         found = False
         for (req, _), drafts in zip(wanted, self.proposer.propose_for(wanted)):
             if drafts and req.structured is not None:

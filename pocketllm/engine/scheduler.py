@@ -121,10 +121,12 @@ class Scheduler:
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {req}"
             drafts = self._drafts(req, budget - num_new) if num_new == 1 else []
-            if drafts and not self.kv.allocate_slots(req, 1 + len(drafts)):
-                drafts = []  # no room for them: a plain decode, which may preempt below
-            num_new += len(drafts)
-            while not drafts and not self.kv.allocate_slots(req, num_new):
+            if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                batch[req.request_id] = ScheduledRequest(req, 1 + len(drafts), spec_token_ids=drafts)
+                budget -= 1 + len(drafts)
+                continue
+            # without drafts (or room for them): a plain step, which may preempt
+            while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 dropped = batch.pop(victim.request_id, None)
@@ -133,7 +135,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                batch[req.request_id] = ScheduledRequest(req, num_new, spec_token_ids=drafts)
+                batch[req.request_id] = ScheduledRequest(req, num_new)
                 budget -= num_new
 
         # Admit waiting requests only when nobody was preempted this step: otherwise the

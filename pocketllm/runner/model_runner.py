@@ -222,8 +222,8 @@ class ModelRunner:
         tables = step.tables[g]
         firsts = [0] * n if window is None else [max(0, ctx - window) // bs for _, ctx in step.rows[:n]]
         if n:
-            cut = [t[first:] for t, first in zip(tables[:n], firsts)]
-            assert all(t[0] != NO_BLOCK for t in cut), "a released block inside a decode row's window"
+            cut = tables[:n] if window is None else [t[first:] for t, first in zip(tables[:n], firsts)]
+            assert window is None or all(t[0] != NO_BLOCK for t in cut), "a released block inside a decode row's window"
             width = max(len(t) for t in cut)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in cut],
                                                     dtype=torch.long, device=dev)

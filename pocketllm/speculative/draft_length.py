@@ -60,12 +60,13 @@ class DraftLength:
         req.draft_hits = d * req.draft_hits + num_accepted
         req.draft_misses = d * req.draft_misses + (num_accepted < num_drafts)
 
-    def limit(self, req) -> int:
-        """Drafts worth proposing for the request's next step. A new request is taken to be right
-        4 times in 5; a request that stops drafting sees its misses decay with its steps, and
-        tries again after a while (later each time it fails)."""
+    def limit(self, req, cost: float) -> int:
+        """Drafts worth proposing for the request's next step, a row costing `cost` (this step's
+        `cost()`). A new request is taken to be right 4 times in 5; a request that stops drafting
+        sees its misses decay with its steps, and tries again after a while (later each time it
+        fails)."""
         alpha = (req.draft_hits + 1) / (req.draft_hits + req.draft_misses + 1.25)
-        cost = self.MARGIN * self.cost()
+        cost *= self.MARGIN
         if cost <= 0:
             return self.max_drafts
         if alpha <= cost:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 from functools import cache
+from typing import NamedTuple
 
 import gguf.quants as gq
 import numpy as np
@@ -759,6 +760,37 @@ def _sum_splits(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y
 
 
+class _Plan(NamedTuple):
+    n_blocks: int  # GGUF blocks of a row
+    hdr_start: int
+    targs: dict  # the type's constexpr arguments
+    cfg: dict  # the tuned kernel configuration
+    bpi: int  # blocks per inner step
+    per_split: int  # blocks per split of K
+    out: torch.Tensor  # [splits, rows, n]: x's dtype for one split, float32 partial sums for several
+
+
+def _plan(regime: str, qtype: GGMLQuantizationType, k: int, x: torch.Tensor, rows: int, n: int,
+          split_k: int | None, block_m: int | None = None) -> _Plan:
+    """What a GGUF product's launch needs: the type's arguments, the kernel's configuration and the
+    split of K for its output tiles (n / BLOCK_N times the rows, or rows / block_m of a tiled kernel)."""
+    n_blocks, hdr_start, targs = _type_args(qtype, k)
+    cfg = kernel_config(regime, qtype)
+    bpi = _blocks_per_step(qtype, cfg["BLOCK_K"])
+    if split_k is None:
+        tiles = triton.cdiv(n, cfg["BLOCK_N"]) * (rows if block_m is None else triton.cdiv(rows, block_m))
+        split_k = _split_k(tiles, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
+    per_split = _blocks_per_split(n_blocks, bpi, split_k)
+    splits = triton.cdiv(n_blocks, per_split)
+    out = torch.empty((splits, rows, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    return _Plan(n_blocks, hdr_start, targs, cfg, bpi, per_split, out)
+
+
+def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A plan's output [splits, rows, n] as [rows, n] of ``dtype``."""
+    return out[0] if out.shape[0] == 1 else _sum_splits(out, dtype)
+
+
 def _q8():
     from pocketllm.kernels.triton import gguf_q8  # imports this module's helpers
 
@@ -798,40 +830,28 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
 
     if regime == "gemv":
         return _gemv(x, qweight, qtype, k, n, m, split_k)
-    n_blocks, hdr_start, targs = _type_args(qtype, k)
-    cfg = kernel_config(regime, qtype)
-    block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
     block_m = min(max(triton.next_power_of_2(m), 16), 64)
-    n_tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    if split_k is None:
-        split_k = _split_k(n_tiles, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
-    per_split = _blocks_per_split(n_blocks, bpi, split_k)
-    splits = triton.cdiv(n_blocks, per_split)
-    out = torch.empty((splits, m, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _dot_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
-        x, qweight, _value_table(x.device, qtype), out, m, n, qweight.shape[1], hdr_start, n_blocks, per_split,
-        x.stride(0), out.stride(0), out.stride(1), **targs, BLOCK_M=block_m, BLOCK_N=block_n, BPI=bpi,
-        WIDEN=_INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out[0] if splits == 1 else _sum_splits(out, x.dtype)
+    plan = _plan(regime, qtype, k, x, m, n, split_k, block_m)
+    block_n, out = plan.cfg["BLOCK_N"], plan.out
+    _dot_kernel[(triton.cdiv(n, block_n), out.shape[0], triton.cdiv(m, block_m))](
+        x, qweight, _value_table(x.device, qtype), out, m, n, qweight.shape[1], plan.hdr_start, plan.n_blocks,
+        plan.per_split, x.stride(0), out.stride(0), out.stride(1), **plan.targs, BLOCK_M=block_m, BLOCK_N=block_n,
+        BPI=plan.bpi, WIDEN=_INTERPRET, num_warps=plan.cfg["num_warps"], num_stages=plan.cfg["num_stages"])
+    return _reduce(out, x.dtype)
 
 
 def _gemv(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int, rows: int,
           split_k: int | None = None, ids: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
     """The float GEMV's launch for ``rows`` output rows of ``n``: x's rows, or with ``ids`` the
     pairs of ``gguf_grouped_gemv`` (x row p // x_div times matrix ids[p] of the stack)."""
-    n_blocks, hdr_start, targs = _type_args(qtype, k)
-    cfg = kernel_config("gemv", qtype)
-    block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
-    if split_k is None:
-        split_k = _split_k(triton.cdiv(n, block_n) * rows, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
-    per_split = _blocks_per_split(n_blocks, bpi, split_k)
-    splits = triton.cdiv(n_blocks, per_split)
-    out = torch.empty((splits, rows, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n), rows, splits)](
-        x, packed, _value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1], hdr_start,
-        n_blocks, per_split, x_div, x.stride(0), out.stride(0), out.stride(1), **targs, HAS_C=qtype in _OFFSET_TYPES,
-        BLOCK_N=block_n, BPI=bpi, STAGES=cfg["num_stages"], GROUPED=ids is not None, num_warps=cfg["num_warps"])
-    return out[0] if splits == 1 else _sum_splits(out, x.dtype)
+    plan = _plan("gemv", qtype, k, x, rows, n, split_k)
+    block_n, out = plan.cfg["BLOCK_N"], plan.out
+    _gemv_kernel[(triton.cdiv(n, block_n), rows, out.shape[0])](
+        x, packed, _value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1],
+        plan.hdr_start, plan.n_blocks, plan.per_split, x_div, x.stride(0), out.stride(0), out.stride(1),
+        **plan.targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n, BPI=plan.bpi, STAGES=plan.cfg["num_stages"],
+        GROUPED=ids is not None, num_warps=plan.cfg["num_warps"])
+    return _reduce(out, x.dtype)
 
 
 def gguf_grouped_gemv(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int,

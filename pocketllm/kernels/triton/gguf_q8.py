@@ -27,18 +27,14 @@ from gguf import GGMLQuantizationType
 from .gguf import (
     _INTERPRET,
     _KS,
-    _blocks_per_split,
-    _blocks_per_step,
     _f16,
+    _plan,
+    _reduce,
     _scale_min_k4,
-    _split_k,
-    _sum_splits,
-    _type_args,
     _u2f,
     _u8,
     _u32,
     _value_table,
-    kernel_config,
 )
 
 T = GGMLQuantizationType
@@ -306,18 +302,12 @@ def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, 
         m, n = x.shape[0], packed.shape[0]
     else:
         m = ids.numel()
-    n_blocks, hdr_start, targs = _type_args(qtype, k)
-    cfg = kernel_config("gemv_q8", qtype)
-    block_n, bpi = cfg["BLOCK_N"], _blocks_per_step(qtype, cfg["BLOCK_K"])
-    if split_k is None:
-        split_k = _split_k(triton.cdiv(n, block_n) * m, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
-    per_split = _blocks_per_split(n_blocks, bpi, split_k)
-    splits = triton.cdiv(n_blocks, per_split)
-    out = torch.empty((splits, m, n), dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _gemv_q8_kernel[(triton.cdiv(n, block_n), m, splits)](
+    plan = _plan("gemv_q8", qtype, k, x, m, n, split_k)
+    block_n, out, targs = plan.cfg["BLOCK_N"], plan.out, plan.targs
+    _gemv_q8_kernel[(triton.cdiv(n, block_n), m, out.shape[0])](
         xq, xd, xs, packed, _value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1],
-        hdr_start, n_blocks, per_split, x_div, xq.stride(0) // 4, xd.stride(0), out.stride(0), out.stride(1),
-        QT=int(qtype), BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"], BLOCK_N=block_n, BPI=bpi,
-        EMU=_INTERPRET, GROUPED=ids is not None, num_warps=cfg["num_warps"])
-    return out[0] if splits == 1 else _sum_splits(out, x.dtype)
+        plan.hdr_start, plan.n_blocks, plan.per_split, x_div, xq.stride(0) // 4, xd.stride(0), out.stride(0),
+        out.stride(1), QT=int(qtype), BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"],
+        BLOCK_N=block_n, BPI=plan.bpi, EMU=_INTERPRET, GROUPED=ids is not None, num_warps=plan.cfg["num_warps"])
+    return _reduce(out, x.dtype)
 
