@@ -25,6 +25,7 @@ import triton
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.kernels.triton import gguf as kg
+from pocketllm.kernels.triton import gguf_mma as mma
 from pocketllm.kernels.triton import gguf_q8 as q8
 from pocketllm.loaders.dummy_gguf import _random_blocks
 from pocketllm.quant.gguf_types import row_nbytes
@@ -67,7 +68,7 @@ def main():
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--ms", default="1,512")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,...")
-    ap.add_argument("--regimes", nargs="?", const="gemv,gemv_q8,dot,dequant", default="auto",
+    ap.add_argument("--regimes", nargs="?", const="gemv,gemv_q8,dot,mma,dequant", default="auto",
                     help="time these regimes at each M (no value: every one; default: auto)")
     ap.add_argument("--sweep", action="store_true", help="tile configs of each regime's kernel (SWEEP_GRIDS)")
     ap.add_argument("--sweep-regimes", default=",".join(SWEEP_GRIDS), help="with --sweep: which regimes")
@@ -81,7 +82,7 @@ def main():
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"# GEMV_MAX_M={kg.GEMV_MAX_M} DOT_MAX_M={kg.DOT_MAX_M}\n# GEMV_CONFIG={kg.GEMV_CONFIG}\n"
-          f"# DOT_CONFIG={kg.DOT_CONFIG}")
+          f"# DOT_CONFIG={kg.DOT_CONFIG}\n# MMA_CONFIG={kg.MMA_CONFIG} MMA_MAX_M={kg.MMA_MAX_M}")
 
     if args.sweep:
         sweep(types, shapes, args.peak, tuple(int(v) for v in args.warm.split("/")) if args.warm else None,
@@ -95,7 +96,8 @@ def main():
             packed = weight(qtype, n, k)
             for m in ms:
                 for regime in regimes:
-                    if regime.startswith("gemv") and m > 16 or regime == "gemv_q8" and qtype not in q8.Q8_TYPES:
+                    if (regime.startswith("gemv") and m > 16 or regime == "gemv_q8" and qtype not in q8.Q8_TYPES
+                            or regime == "mma" and qtype not in mma.MMA_TYPES):
                         continue
                     tq, td, gq, gd, hq = row(qtype, n, k, m, packed, regime)
                     print(f"{qtype.name:6s} {n:>5d}x{k:<5d} {m:>4d} {regime:>7s} {tq:8.1f} {td:8.1f} {td / tq:7.2f} "
@@ -130,6 +132,8 @@ SWEEP_GRIDS = {  # regime: (M, the config it edits, the grid)
                                      num_stages=[1])),
     "dot": (64, kg.DOT_CONFIG, dict(BLOCK_N=[16, 32, 64, 128], BLOCK_K=[256, 512, 1024], num_warps=[4, 8],
                                     num_stages=[1, 2])),
+    "mma": (64, kg.MMA_CONFIG, dict(BLOCK_N=[64, 128, 256], BLOCK_K=[64, 128, 256], num_warps=[4, 8],
+                                    num_stages=[1, 2])),
     "dequant": (64, kg.DEQUANT_CONFIG, dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[256, 1024, 2048], num_warps=[1, 2, 4])),
 }
 
@@ -145,7 +149,7 @@ def sweep(types, shapes, peak, warm: tuple[int, int] | None = None, regimes=tupl
         m = m_over or m
         default = dict(cfg)
         for qtype in types:
-            if regime == "gemv_q8" and qtype not in q8.Q8_TYPES:
+            if regime == "gemv_q8" and qtype not in q8.Q8_TYPES or regime == "mma" and qtype not in mma.MMA_TYPES:
                 continue
             for n, k in shapes:
                 packed = weight(qtype, n, k)

@@ -46,11 +46,20 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
     elif regime == "dot":
         fn, c = kg._dot_kernel, dict(kg.DOT_CONFIG, **(cfg or {}))
         extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
+    elif regime == "mma":
+        fn, c = kg._mma().kernel, dict(kg.MMA_CONFIG, **(cfg or {}))
+        extra = {"WIDEN": False, "BLOCK_M": block_m, "BLOCK_K": c["BLOCK_K"], "STAGES": c["num_stages"]}
+        targs = {"QT": int(qtype), "BPS": 256 // kg.block_size(qtype)}
+        opts = {"num_warps": c["num_warps"]}
     else:
         fn, c = kg._dequant_kernel, dict(kg.DEQUANT_CONFIG, **(cfg or {}))
         extra, opts = {}, {"num_warps": c["num_warps"]}
     bpi = kg._blocks_per_step(qtype, c["BLOCK_K"])
-    consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=bpi, **extra)
+    if regime == "mma":  # one step of 256 weights
+        bpi = 256 // kg.block_size(qtype)
+        consts = dict(**targs, BLOCK_N=c["BLOCK_N"], **extra)
+    else:
+        consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=bpi, **extra)
     ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in fn.arg_names}
@@ -84,7 +93,7 @@ def main():
     cfg = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
     for qtype in types:
         for regime in regimes:
-            cubin, per_thread = compile_kernel(qtype, regime, cfg=cfg)
+            cubin, per_thread = compile_kernel(qtype, regime, block_m=int(os.environ.get("BLOCK_M", 16)), cfg=cfg)
             regs, loop = loop_stats(cubin)
             if os.environ.get("DUMP"):
                 print("\n".join(loop))

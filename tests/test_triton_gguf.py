@@ -111,6 +111,31 @@ def test_every_regime_and_split(qtype, monkeypatch):
     check(kg.gguf_matmul(xb, packed, qtype, k, packed=True, regime="dequant"), xb, w)
 
 
+@pytest.mark.parametrize("qtype", sorted(kg._mma().MMA_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_tensor_core_tile_kernel(qtype, monkeypatch):
+    """The mma regime: tiles of 256 weights taken in parts, K split unevenly, partial row and
+    activation tiles; Q8_0 with a K that ends inside a step of eight blocks.  ``auto`` takes it for
+    MMA_AUTO_TYPES and 16-bit activations from GEMV_MAX_M + 1 to MMA_MAX_M rows, not for float32."""
+    n, k = (24, 768) if qtype != T.Q8_0 else (24, 32 * 13)
+    raw, w = make(qtype, n=n, k=k, seed=11)
+    packed = kg.pack_gguf(raw, qtype, k)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(17, k, generator=g).to(DEV)
+    for part in (64, 256):
+        monkeypatch.setitem(kg.MMA_CONFIG, "BLOCK_K", part)
+        for split in (1, 2, 3):
+            check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="mma", split_k=split), x, w)
+            xb = x[:5].to(torch.bfloat16)
+            check(kg.gguf_matmul(xb, packed, qtype, k, packed=True, regime="mma", split_k=split), xb, w)
+    seen = []
+    real = kg._mma().launch
+    monkeypatch.setattr(kg._mma(), "launch", lambda *a: seen.append(a[0].shape[0]) or real(*a))
+    for m in (kg.GEMV_MAX_M, kg.GEMV_MAX_M + 1, kg.MMA_MAX_M, kg.MMA_MAX_M + 1):
+        kg.gguf_matmul(torch.randn(m, k).to(DEV, torch.bfloat16), packed, qtype, k, packed=True)
+    kg.gguf_matmul(x[:4], packed, qtype, k, packed=True)
+    assert seen == ([kg.GEMV_MAX_M + 1, kg.MMA_MAX_M] if qtype in kg.MMA_AUTO_TYPES else [])
+
+
 @pytest.mark.parametrize("qtype", sorted(kg._q8().Q8_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
 def test_int8_activation_gemv(qtype):
     """The 8-bit-activation GEMV computes exactly the product with the activations as quantized
@@ -471,9 +496,15 @@ def sm90_resources(qtype, regime, dtype="bf16", block_m=16, cfg=None, k=4096):
         fn, opts = kg._q8()._gemv_q8_kernel, {"num_warps": c["num_warps"]}
         targs = dict(QT=targs["QT"], BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"])
         extra = {"EMU": False, "GROUPED": False}
+    elif regime == "mma":
+        fn, opts = kg._mma().kernel, {"num_warps": c["num_warps"]}
+        targs = dict(QT=targs["QT"], BPS=256 // kg.block_size(qtype))
+        extra = {"WIDEN": False, "BLOCK_M": block_m, "BLOCK_K": c["BLOCK_K"], "STAGES": c["num_stages"]}
     else:
         fn, extra, opts = kg._dequant_kernel, {"GATHER": False}, {"num_warps": c["num_warps"]}
-    consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=kg._blocks_per_step(qtype, c["BLOCK_K"]), **extra)
+    consts = dict(**targs, BLOCK_N=c["BLOCK_N"], **extra)
+    if regime != "mma":
+        consts["BPI"] = kg._blocks_per_step(qtype, c["BLOCK_K"])
     ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*i32" if qtype in kg._LATTICE else "*fp32",
             "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "ids_ptr": "*i64", "xq_ptr": "*i8", "xd_ptr": "*fp32",
             "xs_ptr": "*fp32"}
@@ -501,6 +532,8 @@ def _sm90_variants():
             yield qtype, "dot", dtype, block_m
         if qtype in kg._q8().Q8_TYPES:
             yield qtype, "gemv_q8", "bf16", 1
+        if qtype in kg._mma().MMA_TYPES:
+            yield qtype, "mma", "bf16", 64
 
 
 def _sm90_table():

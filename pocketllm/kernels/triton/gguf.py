@@ -16,7 +16,7 @@ become floats by the exponent trick (``_u2f``: Hopper converts integers at an ei
 rate).  The kernels walk K a step of whole blocks at a time, so which group and bits a lane
 reads is fixed: all shift amounts are hoisted out of the loop.
 
-Three regimes, by the number of activation rows M (``gguf_matmul`` picks them):
+The regimes, by the number of activation rows M (``gguf_matmul`` picks them):
 
 * ``"gemv"`` (M <= ``GEMV_MAX_M`` = 2, decode): one program per activation row and tile of
   ``BLOCK_N`` weight rows; per chunk ``a * sum(v * x) + c * sum(x)``, sums inside a thread, scales
@@ -29,7 +29,10 @@ Three regimes, by the number of activation rows M (``gguf_matmul`` picks them):
   (tensor cores for bf16/fp16; IEEE float32 for float32 x), ``BLOCK_M`` = M rounded up to 16..64.
   Split-K as above.  Measured on the H200 it loses to the dequant regime at every M > 2 (it
   decodes the tile once per 64 rows but at ~200-400 GB/s), so ``"auto"`` does not pick it.
-* ``"dequant"`` (M > 2: batched decode and prefill): the weight is decoded to x's dtype into one
+* ``"mma"`` (3 <= M <= ``MMA_MAX_M`` = 64 with 16-bit activations, for ``MMA_AUTO_TYPES``; other
+  ``gguf_mma.MMA_TYPES`` on request): a tensor-core tile kernel (``gguf_mma.py``) that decodes each
+  weight tile once per 64 rows into registers, in K's natural order, straight into ``tl.dot``.
+* ``"dequant"`` (M > 2 otherwise: batched decode and prefill): the weight is decoded to x's dtype into one
   reusable scratch buffer (at most ``SCRATCH_ELEMS`` weights, a slice of rows at a time) and
   multiplied by cuBLAS.  Decoding costs a read of the GGUF bytes and a write and read of the dense
   slice; the scratch buffer's size does not depend on M, so the CUDA-graph warm-up (largest batch
@@ -606,12 +609,18 @@ ROW_ALIGN = 16  # packed rows are padded to a multiple of this many bytes (16-by
 GEMV_CONFIG = dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=1, PROGRAMS_PER_SM=8)
 DOT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
 DEQUANT_CONFIG = dict(BLOCK_N=1, BLOCK_K=1024, num_warps=4)
+MMA_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=1, PROGRAMS_PER_SM=1)  # BLOCK_M: 16..64
+MMA_MAX_M = 64  # auto: the tensor-core tile kernel (gguf_mma.py) up to this many rows, 16-bit activations,
+# MMA_AUTO_TYPES only: Q4_K beat dequantize + cuBLAS at every 8B shape and M = 3..64 on the H200
+# (results/h200-triton-gguf-mma.txt); Q6_K and Q8_0 won some shapes and lost others, so they stay on request
+MMA_AUTO_TYPES = frozenset({T.Q4_K})
 GEMV_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {  # the wider codes: one row (Q6_K measured)
     t: dict(BLOCK_N=1) for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)}
 DOT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
     **{t: dict(PROGRAMS_PER_SM=1) for t in (T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)},
 }
 DEQUANT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {}
+MMA_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {T.Q8_0: dict(BLOCK_N=64, BLOCK_K=256, num_warps=4)}
 WAVE_EFFICIENCY = 0.9  # _split_k: the fewest splits whose programs fill their waves this well
 SPLIT_MAX = 32  # at most this many K splits
 
@@ -622,7 +631,7 @@ def kernel_config(regime: str, qtype: GGMLQuantizationType) -> dict:
         base, per_type = _q8().GEMV_Q8_CONFIG, _q8().GEMV_Q8_TYPE_CONFIG
     else:
         base, per_type = {"gemv": (GEMV_CONFIG, GEMV_TYPE_CONFIG), "dot": (DOT_CONFIG, DOT_TYPE_CONFIG),
-                          "dequant": (DEQUANT_CONFIG, DEQUANT_TYPE_CONFIG)}[regime]
+                          "dequant": (DEQUANT_CONFIG, DEQUANT_TYPE_CONFIG), "mma": (MMA_CONFIG, MMA_TYPE_CONFIG)}[regime]
     return {**base, **per_type.get(T(qtype), {})}
 
 
@@ -776,7 +785,7 @@ def _plan(regime: str, qtype: GGMLQuantizationType, k: int, x: torch.Tensor, row
     split of K for its output tiles (n / BLOCK_N times the rows, or rows / block_m of a tiled kernel)."""
     n_blocks, hdr_start, targs = _type_args(qtype, k)
     cfg = kernel_config(regime, qtype)
-    bpi = _blocks_per_step(qtype, cfg["BLOCK_K"])
+    bpi = _blocks_per_step(qtype, 256 if regime == "mma" else cfg["BLOCK_K"])  # mma: steps of 256, parts of BLOCK_K
     if split_k is None:
         tiles = triton.cdiv(n, cfg["BLOCK_N"]) * (rows if block_m is None else triton.cdiv(rows, block_m))
         split_k = _split_k(tiles, n_blocks, bpi, x.device, cfg["PROGRAMS_PER_SM"])
@@ -797,6 +806,12 @@ def _q8():
     return gguf_q8
 
 
+def _mma():
+    from pocketllm.kernels.triton import gguf_mma  # imports this module's helpers
+
+    return gguf_mma
+
+
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int, *,
                 packed: bool = False, regime: str = "auto", split_k: int | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` [M, k] (bf16 / fp16 / fp32) and ``W`` the GGUF weight ``qweight``
@@ -804,7 +819,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
 
     ``packed``: ``qweight`` came from ``pack_gguf`` (do that once at load: without it, every
     call re-lays the weight out).  ``regime``: ``"auto"`` (by M, see the module docs),
-    ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"`` or ``"dequant"``.  ``split_k``: K splits of the gemv/dot kernels
+    ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"``, ``"mma"`` or ``"dequant"``.  ``split_k``: K splits of the gemv/dot kernels
     (None: enough programs to fill the GPU, see ``_split_k``)."""
     qtype = _check(qweight, qtype, k, packed)
     if x.dim() != 2 or x.shape[1] != k:
@@ -819,8 +834,12 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
         regime = "gemv" if m <= GEMV_MAX_M else "dot" if m <= DOT_MAX_M else "dequant"
         if regime == "gemv" and x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
             regime = "gemv_q8"
-    if regime not in ("gemv", "gemv_q8", "dot", "dequant"):
-        raise ValueError(f"regime must be auto, gemv, gemv_q8, dot or dequant; got {regime!r}")
+        elif regime == "dequant" and m <= MMA_MAX_M and x.dtype != torch.float32 and qtype in MMA_AUTO_TYPES:
+            regime = "mma"
+    if regime not in ("gemv", "gemv_q8", "dot", "dequant", "mma"):
+        raise ValueError(f"regime must be auto, gemv, gemv_q8, dot, dequant or mma; got {regime!r}")
+    if regime == "mma" and qtype not in _mma().MMA_TYPES:
+        raise ValueError(f"no tensor-core tile kernel for {qtype.name}")
     if m == 0 or n == 0:
         return x.new_zeros(m, n)
     if regime == "dequant":
@@ -832,6 +851,9 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
         return _gemv(x, qweight, qtype, k, n, m, split_k)
     block_m = min(max(triton.next_power_of_2(m), 16), 64)
     plan = _plan(regime, qtype, k, x, m, n, split_k, block_m)
+    if regime == "mma":
+        _mma().launch(x, qweight, qtype, plan, block_m)
+        return _reduce(plan.out, x.dtype)
     block_n, out = plan.cfg["BLOCK_N"], plan.out
     _dot_kernel[(triton.cdiv(n, block_n), out.shape[0], triton.cdiv(m, block_m))](
         x, qweight, _value_table(x.device, qtype), out, m, n, qweight.shape[1], plan.hdr_start, plan.n_blocks,
