@@ -46,6 +46,9 @@ class EngineArgs:
     # vLLM's speculative_config, as a dict or its JSON text: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     speculative_config: str | dict | None = None
+    # ranks of one engine, each holding a shard of every layer (vLLM's name); on CUDA one GPU each,
+    # on the CPU processes sharing the cores (gloo)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,12 +80,16 @@ class EngineArgs:
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         need(self.num_threads is None or self.num_threads >= 1,
              f"num_threads must be >= 1; got {self.num_threads}")
+        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+             f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}")
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
         if self.model is not None and not (self.load_format == "dummy" and self._named_shape()):
             need(os.path.exists(self.model),
                  f"model path {self.model!r} does not exist; give a Hugging Face model directory "
                  "or a .gguf file")
         spec = self.speculative  # parsed here so that a bad one fails before loading
+        need(spec is None or spec.model is None or self.tensor_parallel_size == 1,
+             "speculative_config: a draft model runs with tensor_parallel_size 1 only (n-gram speculation works with any)")
         if spec is not None and spec.model is not None and not (self.load_format == "dummy" and self._named_shape(spec.model)):
             need(os.path.exists(spec.model), f"speculative_config: the draft model {spec.model!r} does not exist; "
                                               "give a Hugging Face model directory or a .gguf file")

@@ -19,6 +19,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (also done when the LLM is collected)."""
+        self.engine.shutdown()
+
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:

@@ -37,6 +37,8 @@ _HELP = {
     "speculative_config": "speculative decoding, as JSON (vLLM's speculative_config): "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
                           "proposes the tokens that followed the last n tokens' earlier occurrence (default: off)",
+    "tensor_parallel_size": "ranks holding a shard of every layer each: on CUDA one GPU a rank (NCCL), on the CPU "
+                            "processes sharing the cores (gloo) (default: 1)",
 }
 
 

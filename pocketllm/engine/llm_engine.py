@@ -6,12 +6,14 @@ import itertools
 import logging
 import numbers
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from pocketllm.config import EngineArgs
+from pocketllm.distributed.parallel_state import TPGroup, tensor_parallel
 from pocketllm.engine.kv_cache_manager import KVCacheManager
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.request import Request, RequestStatus
@@ -156,42 +158,33 @@ class LLMEngine:
             from pocketllm.speculative.draft_model import DraftModel
 
             self.drafter = DraftModel(spec, self)
-        # A block id holds its tokens' KV in every layer, a draft model's too.
-        per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, kv_dtype)
+        # A block id holds its tokens' KV in every layer, a draft model's too (of this rank's KV heads).
+        tp = args.tensor_parallel_size
+        per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, kv_dtype, tp)
         per_block += self.drafter.kv_bytes_per_block if self.drafter else 0
+        num_blocks = None  # on CUDA: what the weights leave
         if self.device.type == "cpu" or args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
             self._fit_max_model_len(num_blocks, per_block)
 
-        # Everything is checked: now read the weights. On CUDA max_model_len may still be lowered
-        # once the KV cache is sized; rotary tables longer than needed are harmless.
-        t0 = time.perf_counter()
-        model = self.source.load(self.runtime.model_class, self.dtype, self.device, self.max_model_len,
-                                 seed=args.seed, dequantize_at_load=args.dequantize_at_load,
-                                 exact_kernels=args.exact_kernels)
-        self.weight_bytes = weight_bytes(model, self.device)  # before the runner binds the KV cache to it
-        if self.drafter is not None:
-            self.drafter.load()
-            self.weight_bytes += self.drafter.weight_bytes()
-        self.load_time = time.perf_counter() - t0
+        # Everything is checked: now read the weights (each tensor-parallel rank its shard, at the
+        # same time). On CUDA max_model_len may still be lowered once the KV cache is sized; rotary
+        # tables longer than needed are harmless.
+        self.ranks = None
+        group = TPGroup()
+        if tp > 1:
+            from pocketllm.distributed.workers import RankProcesses
 
-        if self.device.type == "cuda" and args.num_kv_blocks is None:
-            torch.cuda.empty_cache()  # what loading left in the allocator's cache is free for the KV cache
-            free, _ = torch.cuda.mem_get_info(self.device)
-            log.info("GPU memory after loading: %s free, %s held by this process's tensors", _size(free),
-                     _size(torch.cuda.memory_allocated(self.device)))
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = free - (1 - args.gpu_memory_utilization) * total
-            # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.
-            cap = 4 * args.max_num_seqs * self._blocks_per_request(self.max_model_len)
-            num_blocks = max(0, min(int(budget // per_block), cap))
-            self._fit_max_model_len(num_blocks, per_block)
+            self.ranks = RankProcesses(args, self.device.type, self.dtype_name, self.max_model_len)
+            self._finalizer = weakref.finalize(self, self.ranks.shutdown)
+            group = self.ranks.group
+        try:
+            with tensor_parallel(group):
+                model, num_blocks = self._load(num_blocks, per_block, kv_dtype)
+        except BaseException:
+            self.shutdown()
+            raise
         self.num_blocks = num_blocks
-        # each sequence's drafts are decode rows of their own: the graphs hold them all
-        self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
-                                  max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
-                                  max_model_len=self.max_model_len,
-                                  enforce_eager=args.enforce_eager, kv_layout=self.kv_layout)
         salt = "|".join(map(str, (cfg.architecture, self.dtype_name, cfg.num_layers, cfg.num_kv_heads,
                                   cfg.head_dim, self.block_size, path.resolve(), sorted(quant_types))))
         self.kv = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching,
@@ -237,6 +230,50 @@ class LLMEngine:
                  self.max_model_len)
 
     # -- set-up helpers --------------------------------------------------------------------------
+    def _load(self, num_blocks: int | None, per_block: int, kv_dtype: torch.dtype):
+        """(the model, the KV cache's blocks): the weights read, the cache sized (CUDA: what the
+        weights leave), the runner built; with tensor parallelism as rank 0, the others' shards in."""
+        args, spec = self.args, self.args.speculative
+        t0 = time.perf_counter()
+        model = self.source.load(self.runtime.model_class, self.dtype, self.device, self.max_model_len,
+                                 seed=args.seed, dequantize_at_load=args.dequantize_at_load,
+                                 exact_kernels=args.exact_kernels)
+        self.weight_bytes = weight_bytes(model, self.device)  # before the runner binds the KV cache to it
+        if self.drafter is not None:
+            self.drafter.load()
+            self.weight_bytes += self.drafter.weight_bytes()
+        if self.ranks is not None:
+            self.ranks.wait_loaded()
+        self.load_time = time.perf_counter() - t0
+
+        if num_blocks is None:
+            torch.cuda.empty_cache()  # what loading left in the allocator's cache is free for the KV cache
+            free, _ = torch.cuda.mem_get_info(self.device)
+            log.info("GPU memory after loading: %s free, %s held by this process's tensors", _size(free),
+                     _size(torch.cuda.memory_allocated(self.device)))
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = free - (1 - args.gpu_memory_utilization) * total
+            # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.
+            cap = 4 * args.max_num_seqs * self._blocks_per_request(self.max_model_len)
+            num_blocks = max(0, min(int(budget // per_block), cap))
+            self._fit_max_model_len(num_blocks, per_block)
+        if self.ranks is not None:
+            self.ranks.share_num_blocks(num_blocks)
+        # each sequence's drafts are decode rows of their own: the graphs hold them all
+        self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
+                                  max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=args.enforce_eager, kv_layout=self.kv_layout)
+        if self.ranks is not None:
+            self.ranks.broadcast = self.runner.broadcast
+        return model, num_blocks
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        if self.ranks is not None:
+            self._finalizer()
+            self.ranks = None
+
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         asked = self.args.max_model_len

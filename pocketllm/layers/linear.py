@@ -1,11 +1,20 @@
 """Linear layers whose output may fuse several checkpoint tensors (QKV, gate/up), dense or
-kept in a quantized GGUF format."""
+kept in a quantized GGUF format, and their tensor-parallel shards.
+
+With tensor parallelism (``pocketllm.distributed``) a layer built ``parallel="column"`` holds a
+slice of each part's output rows (QKV, gate/up, the LM head), one built ``parallel="row"`` a slice
+of its input columns (o_proj, down_proj) and sums the ranks' outputs (an all-reduce; its bias is
+added by rank 0 alone). Slices are taken as the checkpoint tensors load: GGUF rows are independent
+blocks, and GGUF columns split at block boundaries (the capabilities check, before loading, that
+they do), so quantized weights stay quantized."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from pocketllm.distributed.parallel_state import get_tp
 
 
 @dataclass
@@ -16,11 +25,58 @@ class QuantizedTensor:
     qtype: object  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]
 
+    def rows(self, first: int, count: int) -> QuantizedTensor:
+        data = self.data.reshape(self.shape[0], -1)[first:first + count]
+        return replace(self, data=data, shape=(count, *self.shape[1:]))
+
+    def columns(self, first: int, count: int) -> QuantizedTensor:
+        """Weights ``first .. first + count`` of every row: whole GGUF blocks."""
+        from pocketllm.quant.gguf_types import block_size, type_size
+
+        bs, ts = block_size(self.qtype), type_size(self.qtype)
+        assert first % bs == 0 and count % bs == 0, f"columns {first}+{count} split a block of {bs}"
+        data = self.data.reshape(self.shape[0], -1)[:, first // bs * ts:(first + count) // bs * ts].contiguous()
+        return replace(self, data=data, shape=(self.shape[0], count))
+
+
+def _shard(tensor, rows: tuple[int, int] | None, cols: tuple[int, int] | None):
+    """This rank's slice of a checkpoint tensor (dense or GGUF): rows and/or input columns."""
+    if isinstance(tensor, QuantizedTensor):
+        tensor = tensor.rows(*rows) if rows else tensor
+        return tensor.columns(*cols) if cols else tensor
+    if rows:
+        tensor = tensor[rows[0]:rows[0] + rows[1]]
+    if cols:
+        tensor = tensor[:, cols[0]:cols[0] + cols[1]]
+    return tensor
+
 
 class Linear(torch.nn.Module):
+    """``parallel``: None (every rank holds it whole), "column" (each part's output rows split
+    evenly over the ranks, or as ``rows`` says: per part, (first row, rows) of the checkpoint's part
+    this rank holds) or "row" (the input features split evenly; ``reduce``: sum the ranks' outputs
+    here, else the caller does, e.g. once after a mixture of experts). ``gather``: a column-parallel
+    layer whose callers need every rank's rows (the LM head's logits)."""
+
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", *, parallel: str | None = None,
+                 rows: list[tuple[int, int]] | None = None, reduce: bool = True, gather: bool = False):
         super().__init__()
+        tp = get_tp()
+        self.tp = tp
+        self.rows: list[tuple[int, int]] | None = None  # per part: this rank's rows of it
+        self.cols: tuple[int, int] | None = None  # this rank's input features
+        self.reduce, self.gather = False, False
+        if tp.size > 1 and parallel == "column":
+            self.rows = rows or [tp.split(n) for n in out_sizes]
+            out_sizes = [n for _, n in self.rows]
+            self.gather = gather
+        elif tp.size > 1 and parallel == "row":
+            self.cols = tp.split(in_features)
+            in_features = self.cols[1]
+            self.reduce = reduce
+        else:
+            assert parallel in (None, "column", "row"), parallel
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
         self.dtype, self.device = dtype, torch.device(device)  # where GGUF weights go
@@ -38,8 +94,10 @@ class Linear(torch.nn.Module):
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         lo = sum(self.out_sizes[:shard])
         hi = lo + self.out_sizes[shard]
+        tensor = _shard(tensor, self.rows[shard] if self.rows else None, self.cols if kind == "weight" else None)
         if kind == "bias":
-            self.bias.data[lo:hi].copy_(tensor)
+            if self.cols is None or self.tp.rank == 0:  # a row-parallel bias: added once, by rank 0
+                self.bias.data[lo:hi].copy_(tensor)
         elif isinstance(tensor, QuantizedTensor):
             self._quant_parts[shard] = tensor
             if len(self._quant_parts) == len(self.out_sizes):
@@ -73,8 +131,12 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized(x).to(x.dtype)  # CPU paths compute in float32, CUDA ones in x's dtype
-        return F.linear(x, self.weight, self.bias)
+            y = self.quantized(x).to(x.dtype)  # CPU paths compute in float32, CUDA ones in x's dtype
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if self.reduce:
+            return self.tp.all_reduce(y)
+        return self.tp.all_gather(y) if self.gather else y
 
 
 class ConcatLinear(torch.nn.Module):
@@ -89,8 +151,13 @@ class ConcatLinear(torch.nn.Module):
 
 
 class Embedding(torch.nn.Module):
+    """With tensor parallelism each rank holds an even share of the vocabulary's rows (a tied LM
+    head too): a rank looks up the ids it holds, zeros for the others, and the ranks sum."""
+
     def __init__(self, num_embeddings: int, dim: int, dtype=torch.float32, device="cpu"):
         super().__init__()
+        self.tp = get_tp()
+        self.vocab_start, num_embeddings = self.tp.split(num_embeddings)
         self.num_embeddings, self.dim = num_embeddings, dim
         self.weight = torch.nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device),
                                          requires_grad=False)
@@ -103,6 +170,7 @@ class Embedding(torch.nn.Module):
         self.dequantize_at_load, self.int8_activations = False, 0  # for the tied output projection
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
+        tensor = _shard(tensor, (self.vocab_start, self.num_embeddings) if self.tp.size > 1 else None, None)
         if isinstance(tensor, QuantizedTensor) and self.device.type == "cpu":
             self.quantized = self.source = tensor
             self.weight = None
@@ -122,6 +190,14 @@ class Embedding(torch.nn.Module):
             self.weight.data.copy_(tensor)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._lookup(ids)
+        local = ids - self.vocab_start
+        held = (local >= 0) & (local < self.num_embeddings)
+        x = self._lookup(torch.where(held, local, 0)) * held.unsqueeze(-1).to(self.dtype)
+        return self.tp.all_reduce(x)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.rows_from is not None:
             return self.rows_from.embedding_rows(ids).to(self.dtype)
         if self.quantized is not None:
@@ -135,7 +211,7 @@ class Embedding(torch.nn.Module):
         """The same matrix as an output projection (tied embeddings), loaded as the Linear
         layers are (the engine sets this table's load settings as theirs)."""
         lin = Linear(self.dim, [self.num_embeddings], dtype=self.dtype, device="meta")
-        lin.device = self.device
+        lin.device, lin.gather = self.device, self.tp.size > 1  # this rank's rows already
         lin.dequantize_at_load, lin.int8_activations = self.dequantize_at_load, self.int8_activations
         if self.source is not None:  # stays quantized (CUDA: the Triton kernels)
             lin.load(self.source)

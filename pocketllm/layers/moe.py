@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from pocketllm.distributed.parallel_state import get_tp
 from pocketllm.layers.linear import ConcatLinear, Linear
 from pocketllm.quant.linear import GGUFLinear
 
@@ -116,6 +117,7 @@ class SparseMoE(torch.nn.Module):
         super().__init__()
         assert 0 < top_k <= num_experts, (top_k, num_experts)
         self.top_k, self.renormalize, self.softmax_of_top_k = top_k, renormalize, softmax_of_top_k
+        self.tp = get_tp()
         self.gate = Linear(hidden_size, [num_experts], router_bias, dtype=dtype, device=device)
         self.experts = torch.nn.ModuleList(make_expert() for _ in range(num_experts))
         self.stacks: tuple[ExpertStack, ExpertStack] | None = None  # (gate_up, down), after loading
@@ -138,6 +140,12 @@ class SparseMoE(torch.nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # With tensor parallelism each expert holds a share of its intermediate features (its
+        # down projection's bias on rank 0 alone, `make_expert` builds it without a sum): the
+        # ranks' weighted sums add up to the layer's output, one all-reduce.
+        return self.tp.all_reduce(self._experts(x))
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         if self.stacks is not None and x.shape[0] <= GROUPED_MAX_TOKENS:
             gate_up, down = self.stacks

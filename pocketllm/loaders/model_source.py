@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from pocketllm.config import ModelConfig
+from pocketllm.distributed.parallel_state import get_tp
 
 
 @dataclass
@@ -72,7 +73,8 @@ class ModelSource:
         model.eval()
         if self.is_gguf:
             self.gguf.release()
-        if not exact_kernels and device.type == "cpu" and dtype == torch.float32:
+        # (its fused layers hold whole matrices: a tensor-parallel rank runs the modules)
+        if not exact_kernels and device.type == "cpu" and dtype == torch.float32 and get_tp().size == 1:
             from pocketllm.kernels.cpu import layer_ops
 
             if layer_ops.available():  # the fast path's fused norms, rotary and decode attention

@@ -28,6 +28,9 @@ class RuntimeCapabilities:
     # the window go back to the pool (the layers read their group's table: the Attention of
     # pocketllm.models.llama); "full" = in the full-attention layers' table, the whole sequence.
     sliding_window_kv: str = "full"
+    # Tensor parallelism: every layer sharded as pocketllm.layers.linear describes (attention heads,
+    # MLP and expert intermediate features, vocabulary), under the rule of `check_tensor_parallel`.
+    tensor_parallel: bool = True
 
 
 SLIDING_WINDOW_KV = frozenset({"full", "window"})  # the KV layouts the engine builds
@@ -65,3 +68,39 @@ def check(what: str, asked: str, supported: frozenset[str] | set[str], where: st
     if asked not in supported:
         raise UnsupportedFeatureError(
             f"{where} does not support {what} {asked!r}; supported: {', '.join(sorted(supported))}")
+
+
+def check_tensor_parallel(cfg, tp: int, quant_types: set[str], caps: RuntimeCapabilities, where: str) -> None:
+    """The sharding rule, before any weight is read: attention heads, KV heads (or ranks per KV
+    head), intermediate features (dense and expert) and the vocabulary split evenly over the
+    ranks, and a row-parallel layer's input share (o_proj's heads, down_proj's features) holds
+    whole GGUF blocks of every quantized type in the file."""
+    if tp == 1:
+        return
+    if not caps.tensor_parallel:
+        raise UnsupportedFeatureError(f"{where} does not support tensor parallelism; use tensor_parallel_size 1")
+    sizes = {"attention heads": cfg.num_heads, "vocabulary size": cfg.vocab_size,
+             "intermediate size": cfg.intermediate_size}
+    if cfg.num_experts:
+        sizes["expert intermediate size"] = cfg.moe_intermediate_size
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        bad.append(f"KV heads {cfg.num_kv_heads} (nor does it divide {tp})")
+    if bad:
+        raise UnsupportedFeatureError(f"tensor_parallel_size {tp} does not divide the model's {', '.join(bad)}; "
+                                      "pick a size that divides each")
+    from gguf import GGMLQuantizationType
+
+    from pocketllm.quant.gguf_types import block_size
+
+    blocks = {q: block_size(GGMLQuantizationType[q]) for q in quant_types if q in GGMLQuantizationType.__members__}
+    inputs = {"o_proj": cfg.num_heads * cfg.head_dim // tp,
+              "down_proj": (cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size) // tp}
+    if cfg.num_experts and cfg.intermediate_size:
+        inputs["dense down_proj"] = cfg.intermediate_size // tp
+    for q, bs in sorted(blocks.items()):
+        for name, k in inputs.items():
+            if k % bs:
+                raise UnsupportedFeatureError(
+                    f"tensor_parallel_size {tp} gives each rank {k} of {name}'s input features, which splits "
+                    f"{q}'s blocks of {bs}; pick a size that leaves each rank whole blocks")

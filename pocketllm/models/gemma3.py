@@ -97,7 +97,8 @@ class Gemma3ForCausalLM(CausalLM):
         self.final_softcap = raw.get("final_logit_softcapping")
         if not cfg.tie_word_embeddings:
             from pocketllm.layers.linear import Linear
-            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device)
+            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device, parallel="column",
+                                  gather=True)
 
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)

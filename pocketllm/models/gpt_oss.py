@@ -34,8 +34,8 @@ class GptOssExpert(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = Linear(h, [i, i], True, dtype, device)
-        self.down_proj = Linear(i, [h], True, dtype, device)
+        self.gate_up_proj = Linear(h, [i, i], True, dtype, device, parallel="column")
+        self.down_proj = Linear(i, [h], True, dtype, device, parallel="row", reduce=False)  # the MoE layer sums
         self.alpha = float(cfg.raw.get("swiglu_alpha", 1.702))
         self.limit = float(cfg.raw.get("swiglu_limit", 7.0))
         self.cpu_kernels = False  # the CPU fast path: the activation in one C call

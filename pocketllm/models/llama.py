@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.config import ModelConfig
+from pocketllm.distributed.parallel_state import get_tp
 from pocketllm.layers.attention import AttentionMetadata, paged_attention
 from pocketllm.layers.linear import Embedding, Linear
 from pocketllm.layers.norm import RMSNorm
@@ -25,12 +26,13 @@ class Sinks(torch.nn.Module):
     """A learned logit per attention head that joins each softmax and attends to nothing (gpt-oss's
     `self_attn.sinks`); float32, as the scores it joins."""
 
-    def __init__(self, num_heads: int, device):
+    def __init__(self, heads: tuple[int, int], device):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(num_heads, device=device), requires_grad=False)
+        self.first = heads[0]  # this rank's query heads: (first, count)
+        self.weight = torch.nn.Parameter(torch.zeros(heads[1], device=device), requires_grad=False)
 
     def load(self, tensor: torch.Tensor, shard: int = 0, kind: str = "weight") -> None:
-        self.weight.data.copy_(tensor)
+        self.weight.data.copy_(tensor[self.first:self.first + self.weight.numel()])
 
 
 class Attention(torch.nn.Module):
@@ -38,17 +40,19 @@ class Attention(torch.nn.Module):
                  qk_norm: bool, dtype, device, window: int | None = None, scale: float | None = None,
                  softcap: float | None = None, norm_offset: float = 0.0, sinks: bool = False):
         super().__init__()
-        d = cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.qkv_proj = Linear(cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d,
-                                                 cfg.num_kv_heads * d], qkv_bias, dtype, device)
-        self.o_proj = Linear(cfg.num_heads * d, [cfg.hidden_size], o_bias, dtype, device)
+        d, tp = cfg.head_dim, get_tp()
+        (q0, hq), (kv0, hkv) = tp.split(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads)  # this rank's heads
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.qkv_proj = Linear(cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
+                               qkv_bias, dtype, device, parallel="column",
+                               rows=[(q0 * d, hq * d), (kv0 * d, hkv * d), (kv0 * d, hkv * d)])
+        self.o_proj = Linear(cfg.num_heads * d, [cfg.hidden_size], o_bias, dtype, device, parallel="row")
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset, dtype, device) if qk_norm else None
         self.rotary = rotary
         self.window, self.softcap = window, softcap
         self.scale = d ** -0.5 if scale is None else scale
-        self.sinks = Sinks(cfg.num_heads, device) if sinks else None
+        self.sinks = Sinks((q0, hq), device) if sinks else None
         self.k_cache = self.v_cache = None  # bound by the runner
         self.kv_group = 0  # the KV group whose block table this layer reads (bound by the runner)
         self.cpu_kernels = False  # the CPU fast path's cache write and decode attention
@@ -81,11 +85,13 @@ class Attention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device, intermediate_size: int | None = None):
+    """``reduce``: sum the tensor-parallel ranks' outputs here (False for experts: their layer sums once)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device, intermediate_size: int | None = None, reduce: bool = True):
         super().__init__()
         h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(h, [i, i], cfg.mlp_bias, dtype, device)
-        self.down_proj = Linear(i, [h], cfg.mlp_bias, dtype, device)
+        self.gate_up_proj = Linear(h, [i, i], cfg.mlp_bias, dtype, device, parallel="column")
+        self.down_proj = Linear(i, [h], cfg.mlp_bias, dtype, device, parallel="row", reduce=reduce)
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.act_code = _KERNEL_ACTIVATIONS[cfg.hidden_act]
         self.cpu_kernels = False  # the CPU fast path's fused gated activation (where it has this one)
@@ -149,7 +155,8 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(cfg, layers, dtype, device)
         self.rotary = rotary
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device)
+            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device, parallel="column",
+                                  gather=True)
         self.cpu_kernels = False  # the CPU fast path: decode-only steps' layers in one C call
         self._cpu_decoder = None  # built at the first such step (the KV cache is bound by then)
 

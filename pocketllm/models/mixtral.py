@@ -25,4 +25,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, True,
-                         lambda: MLP(cfg, dtype, device), dtype, device)
+                         lambda: MLP(cfg, dtype, device, reduce=False), dtype, device)

@@ -20,4 +20,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if cfg.num_experts == 0 or layer in (cfg.raw.get("mlp_only_layers") or []) or (layer + 1) % step:
             return MLP(cfg, dtype, device)
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                         lambda: MLP(cfg, dtype, device, cfg.moe_intermediate_size), dtype, device)
+                         lambda: MLP(cfg, dtype, device, cfg.moe_intermediate_size, reduce=False), dtype, device)

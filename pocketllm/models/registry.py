@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pocketllm.config import EngineArgs, ModelConfig
 from pocketllm.engine.kv_groups import KVLayout
 from pocketllm.errors import UnsupportedFeatureError
-from pocketllm.models.capabilities import PLATFORMS, SLIDING_WINDOW_KV, RuntimeCapabilities, check
+from pocketllm.models.capabilities import PLATFORMS, SLIDING_WINDOW_KV, RuntimeCapabilities, check, check_tensor_parallel
 
 _RUNTIMES = {
     "LlamaForCausalLM": ("pocketllm.models.llama", "LlamaForCausalLM"),
@@ -64,6 +64,7 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
     if args.enable_prefix_caching and not caps.prefix_caching:
         raise UnsupportedFeatureError(f"{where} does not support prefix caching; "
                                       "pass enable_prefix_caching=False")
+    check_tensor_parallel(cfg, args.tensor_parallel_size, quant_types, caps, where)
     if caps.max_batch_size is not None and args.max_num_seqs > caps.max_batch_size:
         raise UnsupportedFeatureError(
             f"{where} supports at most {caps.max_batch_size} sequences per batch; "

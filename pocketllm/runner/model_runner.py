@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pocketllm.distributed.parallel_state import TPGroup, get_tp
 from pocketllm.engine.kv_cache_manager import NO_BLOCK
 from pocketllm.engine.kv_groups import KVLayout
 from pocketllm.engine.scheduler import SchedulerOutput
@@ -90,9 +91,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         cfg = model.cfg
+        self.tp = get_tp()
         layout = kv_layout or KVLayout.of([None] * cfg.num_layers)
         self.windows = layout.windows  # per KV group
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, self.tp.kv_heads(cfg.num_kv_heads)[1], cfg.head_dim)  # this rank's heads
         # KV tensor t holds place t of every group: layers of different groups share it, each
         # through its own group's block ids.
         self.k_caches = [_zeros(shape, kv_dtype, device) for _ in range(layout.layers_per_block)]
@@ -106,17 +108,24 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.use_kernels = device.type == "cuda"
         self.graphs = None
-        if self.use_kernels and model.capabilities.cuda_graphs and not enforce_eager:
+        self.broadcast = None  # tensor parallelism: rank 0 sends each step to the other ranks, they receive it
+        if self.tp.size > 1:
+            from pocketllm.distributed.step_broadcast import StepBroadcast
+
+            self.broadcast = StepBroadcast(device)
+        # (graphs with the collectives inside are not measured yet: tensor-parallel steps run eagerly)
+        if self.use_kernels and model.capabilities.cuda_graphs and not enforce_eager and self.tp.size == 1:
             from pocketllm.runner.cuda_graphs import DecodeGraphs
 
             largest = min(max_decode_rows, model.capabilities.cuda_graph_max_batch or max_decode_rows)
             self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows)
 
     @staticmethod
-    def kv_bytes_per_block(cfg, layout: KVLayout, block_size: int, kv_dtype: torch.dtype) -> int:
-        """K and V of one block id: `layout.layers_per_block` layers' worth."""
+    def kv_bytes_per_block(cfg, layout: KVLayout, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
+        """K and V of one block id on one rank: `layout.layers_per_block` layers' worth of its KV heads."""
         elem = torch.empty((), dtype=kv_dtype).element_size()
-        return 2 * layout.layers_per_block * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        heads = TPGroup(0, tp_size).kv_heads(cfg.num_kv_heads)[1]
+        return 2 * layout.layers_per_block * block_size * heads * cfg.head_dim * elem
 
     def flatten(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         bs = self.block_size
@@ -310,6 +319,8 @@ class ModelRunner:
                 dst, tokens, src = pending
                 ids[dst] = tokens[src]
             pos = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
+            if self.broadcast is not None:
+                self.broadcast.send(step, self._score_rows(step.prompt_scores), ids)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
         prompt_sample = self._score_prompts(hidden, step.prompt_scores) if step.prompt_scores else None
@@ -329,13 +340,34 @@ class ModelRunner:
         return LaunchedStep(sample, tokens, step.sampling, t1 - t0, time.perf_counter() - t1,
                             step.prompt_scores, prompt_sample)
 
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: run the steps rank 0 broadcasts, until it stops.
+        The forward, and the LM head on the same rows as rank 0's (its logits are gathered
+        there): prompt rows scored, then the rows sampled."""
+        while (received := self.broadcast.recv()) is not None:
+            step, score_rows, ids = received
+            meta = self._kernel_metadata(step) if self.use_kernels else self._torch_metadata(step)
+            pos = torch.tensor(step.positions, dtype=torch.long).to(self.device)
+            hidden = self.model(ids.to(self.device), pos, meta)
+            rows = torch.tensor(score_rows, dtype=torch.long, device=hidden.device)
+            for i in range(0, len(rows), self._SCORE_ROWS):
+                self.model.compute_logits(hidden[rows[i:i + self._SCORE_ROWS]])
+            if step.logits_rows:
+                self.model.compute_logits(hidden[torch.tensor(step.logits_rows, dtype=torch.long, device=hidden.device)])
+
     _SCORE_ROWS = 512  # prompt positions whose logits exist at once (512 x vocab float32)
+
+    @staticmethod
+    def _score_rows(scores: list[tuple]) -> list[int]:
+        """The hidden rows whose logits score prompt tokens, in order."""
+        return [r0 + j for _, _, r0, ts in scores for j in range(len(ts))]
 
     def _score_prompts(self, hidden: torch.Tensor, scores: list[tuple]) -> DeviceSample:
         """The logprobs of the next prompt token at each scored position (raw logits, as vLLM's
         prompt logprobs), read back like sampled tokens'."""
         dev = hidden.device
-        rows = torch.tensor([r0 + j for _, _, r0, ts in scores for j in range(len(ts))], dtype=torch.long)
+        rows = torch.tensor(self._score_rows(scores), dtype=torch.long)
         targets = torch.tensor([t for _, _, _, ts in scores for t in ts], dtype=torch.long)
         rows, targets = rows.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         counts = [req.params.prompt_logprobs for req, _, _, ts in scores for _ in ts]

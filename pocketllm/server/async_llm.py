@@ -227,6 +227,8 @@ class AsyncLLM:
             self._stopping = True
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
+        if self.engine is not None:
+            self.engine.shutdown()  # the other tensor-parallel ranks, once no step runs
 
     def _busy(self) -> bool:
         return self.num_in_flight > 0

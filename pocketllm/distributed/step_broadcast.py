@@ -1,0 +1,83 @@
+"""How rank 0 tells the other tensor-parallel ranks what to run: each step as two broadcasts of
+int64 tensors (a 2-entry header, then the step's flattened positions, slots, block tables and the
+rows whose logits are computed) plus one of the input ids as rank 0 built them on its device
+(with the tokens still in flight from the step before filled in). No Python objects are pickled."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pocketllm.runner.model_runner import StepInputs
+
+STEP, STOP = 1, 2
+
+
+def encode(step: StepInputs, score_rows: list[int]) -> list[int]:
+    """The step as ints: counts, then positions, (query_len, context_len) per row, per KV group
+    the slots and the block tables (lengths, then entries), the logits rows and the prompt rows
+    scored (``score_rows``)."""
+    n_groups = len(step.slots)
+    out = [len(step.positions), len(step.rows), step.num_decodes, n_groups, len(step.logits_rows), len(score_rows)]
+    out += step.positions
+    out += [v for row in step.rows for v in row]
+    for g in range(n_groups):
+        out += step.slots[g]
+        out += [len(t) for t in step.tables[g]]
+        out += [b for t in step.tables[g] for b in t]
+    out += step.logits_rows
+    out += score_rows
+    return out
+
+
+def decode(flat: list[int]) -> tuple[StepInputs, list[int]]:
+    """``encode``'s inverse: the step (without input ids or sampling state) and its scored rows."""
+    n_tok, n_rows, num_decodes, n_groups, n_logits, n_scores = flat[:6]
+    i = 6
+
+    def take(n: int) -> list[int]:
+        nonlocal i
+        i += n
+        return flat[i - n:i]
+
+    positions = take(n_tok)
+    r = take(2 * n_rows)
+    rows = list(zip(r[0::2], r[1::2]))
+    slots, tables = [], []
+    for _ in range(n_groups):
+        slots.append(take(n_tok))
+        lens = take(n_rows)
+        tables.append([take(n) for n in lens])
+    logits_rows = take(n_logits)
+    score_rows = take(n_scores)
+    assert i == len(flat), (i, len(flat))
+    return StepInputs([], positions, slots, rows, tables, num_decodes, logits_rows, []), score_rows
+
+
+class StepBroadcast:
+    """Rank 0's end (``send``, ``stop``) and the other ranks' (``recv``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device  # where the backend takes tensors (NCCL: the GPU)
+
+    def _bcast(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        dist.broadcast(t, src=0)
+        return t
+
+    def send(self, step: StepInputs, score_rows: list[int], ids: torch.Tensor) -> None:
+        flat = encode(step, score_rows)
+        self._bcast(torch.tensor([STEP, len(flat)], dtype=torch.long))
+        self._bcast(torch.tensor(flat, dtype=torch.long))
+        self._bcast(ids)
+
+    def stop(self) -> None:
+        self._bcast(torch.tensor([STOP, 0], dtype=torch.long))
+
+    def recv(self) -> tuple[StepInputs, list[int], torch.Tensor] | None:
+        """The next step (None: stop)."""
+        head = self._bcast(torch.zeros(2, dtype=torch.long)).tolist()
+        if head[0] == STOP:
+            return None
+        step, score_rows = decode(self._bcast(torch.zeros(head[1], dtype=torch.long)).tolist())
+        ids = self._bcast(torch.zeros(len(step.positions), dtype=torch.long))
+        return step, score_rows, ids
