@@ -40,12 +40,8 @@ class RankSpec:
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
+    """A rank's device, which is also where its backend takes tensors (NCCL the GPU's, gloo the host's)."""
     return torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
-
-
-def comm_device(device_type: str, rank: int) -> torch.device:
-    """Where the backend takes tensors: NCCL the GPU's, gloo the host's."""
-    return rank_device(device_type, rank)
 
 
 def join_group(spec: RankSpec, rank: int) -> TPGroup:
@@ -81,7 +77,7 @@ def _rank_main(spec: RankSpec, rank: int, conn) -> None:
     except BaseException:  # noqa: BLE001  (rank 0 raises it)
         conn.send(traceback.format_exc())
         return
-    blocks = torch.zeros(1, dtype=torch.long, device=comm_device(spec.device_type, rank))
+    blocks = torch.zeros(1, dtype=torch.long, device=rank_device(spec.device_type, rank))
     dist.broadcast(blocks, src=0)
     runner = ModelRunner(model, int(blocks.item()), args.block_size, dtype, device, args.seed,
                          max_model_len=spec.max_model_len, enforce_eager=True, kv_layout=runtime.kv_layout)
@@ -115,8 +111,15 @@ class RankProcesses:
             self.procs.append(p)
             self.conns.append(parent)
         torch.set_num_threads(threads)
-        self.group = join_group(self.spec, 0)
+        try:
+            self.group = join_group(self.spec, 0)
+        except BaseException:
+            for p in self.procs:
+                p.kill()
+            torch.set_num_threads(self.old_threads)
+            raise
         self.broadcast = None  # the runner's StepBroadcast, once it exists
+        self.out_of_step = False  # a step failed half-way: the ranks cannot be stopped in turn, only ended
 
     def wait_loaded(self) -> None:
         """Every other rank's weights are in (or the first error, raised here)."""
@@ -129,12 +132,14 @@ class RankProcesses:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to load:\n{error}")
 
     def share_num_blocks(self, num_blocks: int) -> None:
-        blocks = torch.tensor([num_blocks], dtype=torch.long, device=comm_device(self.spec.device_type, 0))
+        blocks = torch.tensor([num_blocks], dtype=torch.long, device=rank_device(self.spec.device_type, 0))
         dist.broadcast(blocks, src=0)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the other ranks (after their current step) and leave the group."""
-        if self.broadcast is not None:
+        if self.out_of_step:
+            timeout = 0.0
+        elif self.broadcast is not None:
             try:
                 self.broadcast.stop()
             except Exception:  # noqa: BLE001  (a rank already gone: end the others below)
@@ -145,7 +150,10 @@ class RankProcesses:
             if p.is_alive():
                 p.kill()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001  (a group left mid-collective: it goes with the process)
+                pass
         torch.set_num_threads(self.old_threads)
         if os.path.exists(self.init_file):
             os.unlink(self.init_file)

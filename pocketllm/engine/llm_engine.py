@@ -579,6 +579,10 @@ class LLMEngine:
         """A step raised: fail the requests it carried (every running one if scheduling itself
         failed) and drop the step in flight; the rest of the engine's state is untouched."""
         self._failed_steps += 1
+        if self.runner.ranks_mid_step:  # the other tensor-parallel ranks are inside that step for good
+            self.ranks.out_of_step = True
+            raise EngineDeadError(f"a tensor-parallel step failed after its ranks began it: {type(error).__name__}: "
+                                  f"{error}") from error
         if _is_device_fault(error) or self._failed_steps >= self.MAX_FAILED_STEPS:
             raise EngineDeadError(f"the engine cannot go on after: {type(error).__name__}: {error}") from error
         log.error("a step failed; failing the requests it carried", exc_info=error)

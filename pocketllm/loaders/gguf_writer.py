@@ -12,6 +12,7 @@ largest tensor.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -592,21 +593,28 @@ def _gpt_oss_experts(path: Path, hf: str, m: re.Match, shape: tuple[int, ...]) -
     for stem, cols in (("ffn_gate_exps", slice(0, None, 2)), ("ffn_up_exps", slice(1, None, 2))):
         half = (shape[0], shape[1] // 2) if bias else (shape[0], shape[2] // 2, shape[1])
 
-        def load(cols=cols):
-            t = _read_tensor(path, hf)
-            return np.ascontiguousarray(t[:, cols] if bias else t[:, :, cols].transpose(0, 2, 1))
+        def load(cols=cols):  # only its half of the columns read
+            t = _read_tensor(path, hf, (slice(None), cols) if bias else (slice(None), slice(None), cols))
+            return np.ascontiguousarray(t if bias else t.transpose(0, 2, 1))
 
         out.append(_Tensor(f"{b}{stem}.{kind}", half, load))
     return out
 
 
-def _read_tensor(path: Path, name: str) -> np.ndarray:
-    """One safetensors tensor as float32."""
+def _read_tensor(path: Path, name: str, index: tuple | None = None) -> np.ndarray:
+    """One safetensors tensor (or its ``index`` slice) as float32."""
     import torch
+
+    t = _open(path).get_tensor(name) if index is None else _open(path).get_slice(name)[index]
+    return t.to(torch.float32).numpy()
+
+
+@functools.lru_cache(maxsize=8)
+def _open(path: Path):
+    """A safetensors file's handle, kept open while its tensors are read (one per expert matrix)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor(name).to(torch.float32).numpy()
+    return safe_open(str(path), framework="pt")
 
 
 def _size_label(n_params: int) -> str:
@@ -630,6 +638,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, file_type: str = 
     hp = load_hparams(model_dir)
     arch = _arch_of(hp)
     rope = _rope_parameters(hp)
+    _open.cache_clear()  # handles of an earlier file at these paths
     tensors = _collect_tensors(model_dir, arch, hp)
     vocab_size = hp.get("vocab_size") or next(t.shape[0] for t in tensors if t.name == "token_embd.weight")
     n_head = hp["num_attention_heads"]
@@ -653,6 +662,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, file_type: str = 
         out, arch, name or Path(hp.get("_name_or_path") or model_dir.name).name or model_dir.name, hp, rope,
         vocab_size, ftype, n_params, lambda w: add_tokenizer(w, model_dir, vocab_size, arch),
         [(t.name, t.shape) for t in tensors], types, lambda tname, qt: _encode(by_name[tname].load(), qt), progress)
+    _open.cache_clear()  # the next file at these paths may be another
     return WriteResult(out, ft_name, types, n_params, out.stat().st_size, time.perf_counter() - t0, tokenizer)
 
 

@@ -109,6 +109,9 @@ class ModelRunner:
         self.use_kernels = device.type == "cuda"
         self.graphs = None
         self.broadcast = None  # tensor parallelism: rank 0 sends each step to the other ranks, they receive it
+        # a step was sent to the other ranks and has not run all its collectives: if it raised, the
+        # ranks are out of step for good (the engine cannot go on)
+        self.ranks_mid_step = False
         if self.tp.size > 1:
             from pocketllm.distributed.step_broadcast import StepBroadcast
 
@@ -320,6 +323,7 @@ class ModelRunner:
                 ids[dst] = tokens[src]
             pos = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
             if self.broadcast is not None:
+                self.ranks_mid_step = True
                 self.broadcast.send(step, self._score_rows(step.prompt_scores), ids)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
@@ -329,6 +333,8 @@ class ModelRunner:
             if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:
                 hidden = hidden[torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)]
             logits = self.model.compute_logits(hidden)
+        self.ranks_mid_step = False  # the step's last collective is done
+        if step.sampling:
             try:
                 sample = self.sampler.sample(logits, step.sampling)
             except Exception:  # noqa: BLE001  (find the rows at fault; the others go on)
