@@ -82,6 +82,9 @@ class EngineArgs:
              f"num_threads must be >= 1; got {self.num_threads}")
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}")
+        need(self.tensor_parallel_size == 1 or not self.device.startswith("cuda:"),
+             f"device {self.device!r} names one GPU; with tensor_parallel_size {self.tensor_parallel_size} rank r "
+             "takes cuda:r (choose the GPUs with CUDA_VISIBLE_DEVICES)")
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
         if self.model is not None and not (self.load_format == "dummy" and self._named_shape()):
             need(os.path.exists(self.model),

@@ -99,6 +99,8 @@ def test_shapes_that_do_not_split_are_refused_before_loading(tiny_models):
         check_tensor_parallel(cfg, 2, set(), RuntimeCapabilities(tensor_parallel=False), "qwen2")
     with pytest.raises(ConfigurationError, match="tensor_parallel_size must be an integer >= 1"):
         EngineArgs(model=str(qwen2), tensor_parallel_size=0)
+    with pytest.raises(ConfigurationError, match="rank r takes cuda:r"):
+        EngineArgs(model=str(qwen2), tensor_parallel_size=2, device="cuda:1")
     with pytest.raises(ConfigurationError, match="a draft model runs with tensor_parallel_size 1 only"):
         EngineArgs(model=str(qwen2), tensor_parallel_size=2,
                    speculative_config={"model": str(qwen2), "num_speculative_tokens": 2})
