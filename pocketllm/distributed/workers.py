@@ -149,6 +149,7 @@ class RankProcesses:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
+                p.join(5.0)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
