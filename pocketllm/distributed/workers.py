@@ -118,7 +118,7 @@ class RankProcesses:
                 p.kill()
             torch.set_num_threads(self.old_threads)
             raise
-        self.broadcast = None  # the runner's StepBroadcast, once it exists
+        self.following = False  # the other ranks run the steps (past the block count): they take a stop
         self.out_of_step = False  # a step failed half-way: the ranks cannot be stopped in turn, only ended
 
     def wait_loaded(self) -> None:
@@ -134,14 +134,17 @@ class RankProcesses:
     def share_num_blocks(self, num_blocks: int) -> None:
         blocks = torch.tensor([num_blocks], dtype=torch.long, device=rank_device(self.spec.device_type, 0))
         dist.broadcast(blocks, src=0)
+        self.following = True
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the other ranks (after their current step) and leave the group."""
         if self.out_of_step:
             timeout = 0.0
-        elif self.broadcast is not None:
+        elif self.following:
+            from pocketllm.distributed.step_broadcast import StepBroadcast
+
             try:
-                self.broadcast.stop()
+                StepBroadcast(rank_device(self.spec.device_type, 0)).stop()
             except Exception:  # noqa: BLE001  (a rank already gone: end the others below)
                 pass
         deadline = time.monotonic() + timeout

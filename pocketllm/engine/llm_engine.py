@@ -264,8 +264,6 @@ class LLMEngine:
                                   max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
                                   max_model_len=self.max_model_len,
                                   enforce_eager=args.enforce_eager, kv_layout=self.kv_layout)
-        if self.ranks is not None:
-            self.ranks.broadcast = self.runner.broadcast
         return model, num_blocks
 
     def shutdown(self) -> None:

@@ -303,6 +303,7 @@ class ModelRunner:
         `prev` is the step before, whose sampled tokens some decode rows take as input."""
         t0 = time.perf_counter()
         step = self.flatten(out, prev)
+        score_rows = [r0 + j for _, _, r0, ts in step.prompt_scores for j in range(len(ts))]  # hidden rows
         dev = self.device
         rows = step.logits_rows
         pending = None
@@ -316,7 +317,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             hidden = self.graphs.run(step, pending)
         else:
-            meta = self._kernel_metadata(step) if self.use_kernels else self._torch_metadata(step)
+            meta = self._metadata(step)
             ids = torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True)
             if pending is not None:
                 dst, tokens, src = pending
@@ -324,10 +325,10 @@ class ModelRunner:
             pos = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
             if self.broadcast is not None:
                 self.ranks_mid_step = True
-                self.broadcast.send(step, self._score_rows(step.prompt_scores), ids)
+                self.broadcast.send(step, score_rows, ids)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
-        prompt_sample = self._score_prompts(hidden, step.prompt_scores) if step.prompt_scores else None
+        prompt_sample = self._score_prompts(hidden, step.prompt_scores, score_rows) if score_rows else None
         sample = None
         if step.sampling:
             if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:
@@ -353,33 +354,34 @@ class ModelRunner:
         there): prompt rows scored, then the rows sampled."""
         while (received := self.broadcast.recv()) is not None:
             step, score_rows, ids = received
-            meta = self._kernel_metadata(step) if self.use_kernels else self._torch_metadata(step)
             pos = torch.tensor(step.positions, dtype=torch.long).to(self.device)
-            hidden = self.model(ids.to(self.device), pos, meta)
-            rows = torch.tensor(score_rows, dtype=torch.long, device=hidden.device)
-            for i in range(0, len(rows), self._SCORE_ROWS):
-                self.model.compute_logits(hidden[rows[i:i + self._SCORE_ROWS]])
+            hidden = self.model(ids.to(self.device), pos, self._metadata(step))
+            for _ in self._score_logits(hidden, torch.tensor(score_rows, dtype=torch.long, device=hidden.device)):
+                pass
             if step.logits_rows:
                 self.model.compute_logits(hidden[torch.tensor(step.logits_rows, dtype=torch.long, device=hidden.device)])
 
     _SCORE_ROWS = 512  # prompt positions whose logits exist at once (512 x vocab float32)
 
-    @staticmethod
-    def _score_rows(scores: list[tuple]) -> list[int]:
-        """The hidden rows whose logits score prompt tokens, in order."""
-        return [r0 + j for _, _, r0, ts in scores for j in range(len(ts))]
+    def _metadata(self, step: StepInputs) -> AttentionMetadata:
+        return self._kernel_metadata(step) if self.use_kernels else self._torch_metadata(step)
 
-    def _score_prompts(self, hidden: torch.Tensor, scores: list[tuple]) -> DeviceSample:
-        """The logprobs of the next prompt token at each scored position (raw logits, as vLLM's
-        prompt logprobs), read back like sampled tokens'."""
+    def _score_logits(self, hidden: torch.Tensor, rows: torch.Tensor):
+        """The logits of hidden[rows], _SCORE_ROWS rows at a time (with tensor parallelism every rank
+        runs these LM-head calls, in this order)."""
+        for i in range(0, len(rows), self._SCORE_ROWS):
+            yield self.model.compute_logits(hidden[rows[i:i + self._SCORE_ROWS]])
+
+    def _score_prompts(self, hidden: torch.Tensor, scores: list[tuple], score_rows: list[int]) -> DeviceSample:
+        """The logprobs of the next prompt token at each scored position (hidden rows `score_rows`;
+        raw logits, as vLLM's prompt logprobs), read back like sampled tokens'."""
         dev = hidden.device
-        rows = torch.tensor(self._score_rows(scores), dtype=torch.long)
-        targets = torch.tensor([t for _, _, _, ts in scores for t in ts], dtype=torch.long)
-        rows, targets = rows.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
+        rows = torch.tensor(score_rows, dtype=torch.long).to(dev, non_blocking=True)
+        targets = torch.tensor([t for _, _, _, ts in scores for t in ts], dtype=torch.long).to(dev, non_blocking=True)
         counts = [req.params.prompt_logprobs for req, _, _, ts in scores for _ in ts]
         n = self._SCORE_ROWS
-        parts = [token_logprobs(self.model.compute_logits(hidden[rows[i:i + n]]).float(), targets[i:i + n], max(counts))
-                 for i in range(0, len(rows), n)]
+        parts = [token_logprobs(logits.float(), targets[i:i + n], max(counts))
+                 for i, logits in zip(range(0, len(rows), n), self._score_logits(hidden, rows))]
         return DeviceSample(targets, list(range(len(counts))), counts,
                             tuple(torch.cat(p) for p in zip(*parts))).start_copy()
 
