@@ -2,6 +2,8 @@
 
     python benchmarks/triton_gguf_sass.py                        # Q4_K Q6_K Q8_0: gemv (M=1), dot (M=16)
     python benchmarks/triton_gguf_sass.py Q4_K gemv '{"BLOCK_N": 32}'   # a tile config
+    python benchmarks/triton_gguf_sass.py Q4_K,Q6_K gemv_q8      # the 8-bit-activation GEMV
+    MOE=1 BLOCK_M=16 python benchmarks/triton_gguf_sass.py Q4_K mma   # the tile kernel's MoE variant
     DUMP=1 python benchmarks/triton_gguf_sass.py Q4_K gemv       # print the loop's SASS
 
 Runs on any machine with the triton wheel (it ships ptxas and cuobjdump): the kernels are compiled
@@ -32,7 +34,7 @@ from triton.compiler import ASTSource
 from pocketllm.kernels.triton import gguf as kg
 
 _TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-_DIVISIBLE = ["x_ptr", "w_ptr", "lut_ptr", "y_ptr", "out_ptr", "row_bytes", "hdr_start", "stride_xm", "stride_ys",
+_DIVISIBLE = ["x_ptr", "xq_ptr", "xd_ptr", "xs_ptr", "stride_xq", "stride_xd", "w_ptr", "lut_ptr", "y_ptr", "out_ptr", "row_bytes", "hdr_start", "stride_xm", "stride_ys",
               "stride_ym", "stride_on", "N"]
 
 
@@ -48,8 +50,16 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
         extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
     elif regime == "mma":
         fn, c = kg._mma().kernel, dict(kg.MMA_CONFIG, **(cfg or {}))
-        extra = {"WIDEN": False, "BLOCK_M": block_m, "BLOCK_K": c["BLOCK_K"], "STAGES": c["num_stages"]}
+        extra = {"WIDEN": False, "BLOCK_M": block_m, "BLOCK_K": c["BLOCK_K"], "STAGES": c["num_stages"],
+                 "MOE": bool(os.environ.get("MOE")), "DENSE": False}
         targs = {"QT": int(qtype), "BPS": 256 // kg.block_size(qtype)}
+        opts = {"num_warps": c["num_warps"]}
+    elif regime == "gemv_q8":
+        from pocketllm.kernels.triton import gguf_q8 as kq
+        fn = kq._gemv_q8_kernel
+        c = dict(kq.GEMV_Q8_CONFIG, **kq.GEMV_Q8_TYPE_CONFIG.get(qtype, {}), **(cfg or {}))
+        extra = {"EMU": False, "GROUPED": False, "BS": targs["S"] * targs["SPB"]}
+        targs = {"QT": int(qtype), "BB": targs["BB"], "HB": targs["HB"]}
         opts = {"num_warps": c["num_warps"]}
     else:
         fn, c = kg._dequant_kernel, dict(kg.DEQUANT_CONFIG, **(cfg or {}))
@@ -60,7 +70,7 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
         consts = dict(**targs, BLOCK_N=c["BLOCK_N"], **extra)
     else:
         consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=bpi, **extra)
-    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+    ptrs = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i64", "pairs_ptr": "*i32", "experts_ptr": "*i32", "x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)

@@ -89,9 +89,11 @@ def test_a_step_runs_only_the_selected_experts(tiny_models):
 def test_grouped_expert_path_equals_the_sorted_path(tiny_models, tmp_path, monkeypatch):
     """Experts on the Triton kernels (interpreted here) are stacked after loading, one copy, and
     steps of up to GROUPED_MAX_TOKENS tokens multiply every (token, expert) pair in one launch
-    (what the CUDA graphs capture): the same greedy tokens as the sorted path on the C kernels,
+    (what the CUDA graphs capture), steps of FUSED_MIN_TOKENS or more (4 here) sorted by expert on
+    the device into the tile kernel: the same greedy tokens as the sorted path on the C kernels,
     logits within float32 rounding."""
     from pocketllm.kernels.triton import gguf as kg
+    from pocketllm.kernels.triton import moe as tmoe
     from pocketllm.loaders.gguf_writer import write_gguf
     from pocketllm.quant import linear as qlinear
 
@@ -99,7 +101,12 @@ def test_grouped_expert_path_equals_the_sorted_path(tiny_models, tmp_path, monke
     path = write_gguf(src, tmp_path / "mixtral.Q8_0.gguf", "Q8_0").path
     tuned = kg.kernel_config  # 16-row tiles: fewer programs for the interpreter
     monkeypatch.setattr(kg, "kernel_config", lambda regime, qtype: {**tuned(regime, qtype), "BLOCK_N": 16})
+    monkeypatch.setattr(tmoe, "FUSED_MIN_TOKENS", {"gguf": 4, "dense": 4})
     prompts = prompts_of([3, 7])
+    kernels = []  # which expert kernel each projection ran: the 10-token prefill fused, decodes grouped
+    for mod, name, tag in ((tmoe, "fused_moe", "fused"), (kg, "gguf_grouped_gemv", "grouped")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=real, _t=tag, **kw: kernels.append(_t) or _f(*a, **kw))
     runs = {}
     for devices in ({"cuda"}, {"cuda", "cpu"}):
         monkeypatch.setattr(qlinear, "TRITON_DEVICES", devices)
@@ -117,6 +124,8 @@ def test_grouped_expert_path_equals_the_sorted_path(tiny_models, tmp_path, monke
                                 SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         if grouped:
             assert not sorted_calls
+            layers = len(llm.engine.runner.model.model.layers)
+            assert kernels == ["fused"] * 2 * layers + ["grouped"] * 2 * layers * 2, kernels
         runs[grouped] = ([o.outputs[0].token_ids for o in outs], torch.cat(logits))
     (tokens_s, logits_s), (tokens_g, logits_g) = runs[False], runs[True]
     assert tokens_g == tokens_s

@@ -182,6 +182,43 @@ def test_grouped_gemv_multiplies_each_pair_by_its_expert(qtype):
                 check(y[p:p + 1], xt[p // x_div:p // x_div + 1], w[e * n:(e + 1) * n])
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, None], ids=lambda t: t.name if t else "dense")
+def test_fused_moe_multiplies_each_pair_by_its_expert(qtype, monkeypatch):
+    """The expert-sorted tile kernel: pairs sorted by expert on the device (experts chosen by
+    several tokens, by one, by none, and more pairs than a row block), each expert's pairs one tile;
+    row p is x[p // x_div] @ W[ids[p]].T, in float32 within its rounding and in bfloat16."""
+    from pocketllm.kernels.triton import moe
+
+    monkeypatch.setattr(kg, "MMA_TYPE_CONFIG", {t: {"BLOCK_N": 16, "BLOCK_K": 64} for t in kg.MMA_TYPE_CONFIG})
+    monkeypatch.setattr(kg, "MMA_CONFIG", {**kg.MMA_CONFIG, "BLOCK_N": 16, "BLOCK_K": 64})
+    monkeypatch.setattr(moe, "FUSED_DENSE_CONFIG", {**moe.FUSED_DENSE_CONFIG, "BLOCK_N": 16, "BLOCK_K": 64})
+    n, k, experts = 24, 512, 5
+    g = torch.Generator().manual_seed(7)
+    if qtype is None:
+        w = torch.randn(experts * n, k, generator=g).to(DEV)
+    else:
+        raw, w = make(qtype, n=experts * n, k=k, seed=40 + qtype.value)
+        stacked = kg.pack_gguf(raw, qtype, k)
+    # 18 tokens, 2 experts each: experts 4 and 1 take 17 pairs each (two row blocks), 2 and 0 one, 3 none
+    ids = torch.tensor([[4, 1]] * 17 + [[2, 0]]).to(DEV)
+    routing = moe.align(ids, experts, block_m=16)
+    assert routing.experts.tolist() == [0, 1, 1, 2, 4, 4, -1, -1]
+    assert sorted(routing.pairs[routing.pairs < 36].tolist()) == list(range(36))
+    monkeypatch.setattr(moe, "ONE_HOT_MAX", 0)  # the sorting branch (large steps) sorts the same
+    by_sort = moe.align(ids, experts, block_m=16)
+    assert torch.equal(by_sort.pairs, routing.pairs) and torch.equal(by_sort.experts, routing.experts)
+    for x_div, rows in ((2, 18), (1, 36)):
+        x = torch.randn(rows, k, generator=g).to(DEV)
+        for xt in (x, x.to(torch.bfloat16)):
+            if qtype is None:
+                stacked = w.to(xt.dtype)
+            y = moe.fused_moe(xt, stacked, qtype, k, n, routing if xt.dtype == torch.float32 else by_sort, x_div)
+            assert y.shape == (36, n) and y.dtype == xt.dtype
+            for p, e in enumerate(ids.flatten().tolist()):
+                we = stacked[e * n:(e + 1) * n].float() if qtype is None else w[e * n:(e + 1) * n]
+                check(y[p:p + 1], xt[p // x_div:p // x_div + 1], we)
+
+
 def test_grouped_dense_gemv():
     from pocketllm.kernels.triton.moe import grouped_dense_gemv
 
@@ -499,14 +536,15 @@ def sm90_resources(qtype, regime, dtype="bf16", block_m=16, cfg=None, k=4096):
     elif regime == "mma":
         fn, opts = kg._mma().kernel, {"num_warps": c["num_warps"]}
         targs = dict(QT=targs["QT"], BPS=256 // kg.block_size(qtype))
-        extra = {"WIDEN": False, "BLOCK_M": block_m, "BLOCK_K": c["BLOCK_K"], "STAGES": c["num_stages"]}
+        extra = {"WIDEN": False, "BLOCK_M": block_m, "BLOCK_K": c["BLOCK_K"], "STAGES": c["num_stages"],
+                 "MOE": False, "DENSE": False}
     else:
         fn, extra, opts = kg._dequant_kernel, {"GATHER": False}, {"num_warps": c["num_warps"]}
     consts = dict(**targs, BLOCK_N=c["BLOCK_N"], **extra)
     if regime != "mma":
         consts["BPI"] = kg._blocks_per_step(qtype, c["BLOCK_K"])
     ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*i32" if qtype in kg._LATTICE else "*fp32",
-            "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "ids_ptr": "*i64", "xq_ptr": "*i8", "xd_ptr": "*fp32",
+            "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "ids_ptr": "*i64", "pairs_ptr": "*i32", "experts_ptr": "*i32", "xq_ptr": "*i8", "xd_ptr": "*fp32",
             "xs_ptr": "*fp32"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
     divisible = ["x_ptr", "w_ptr", "lut_ptr", "y_ptr", "out_ptr", "row_bytes", "hdr_start", "stride_xm",

@@ -243,10 +243,10 @@ def test_engine_on_kernel_attention_matches_transformers(tiny):
     from pocketllm import LLM, SamplingParams
 
     model, path = tiny
-    prompts = prompts_of([1, 5, 17, 33])
+    prompts = prompts_of([1, 17, 33])
     llm = LLM(str(path), device=DEV, dtype="float32", max_num_batched_tokens=24)
     llm.engine.runner.use_kernels = True  # what CUDA uses; on the CPU the kernel runs interpreted
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 6) for p in prompts]
     llm.engine.check_no_leaks()

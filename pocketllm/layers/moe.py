@@ -11,7 +11,10 @@ Two ways through the experts:
 - grouped (the GPU, steps of up to GROUPED_MAX_TOKENS tokens: decode): after loading, each
   projection of all experts is re-bound as one stack (`ExpertStack`, the same bytes, one copy),
   and every pair is multiplied in one launch by `kernels/triton/moe.py`, with no host sync, so
-  decode steps run in CUDA graphs (the runtimes declare graphs up to that batch).
+  decode steps run in CUDA graphs (the runtimes declare graphs up to that batch). From
+  FUSED_MIN_TOKENS tokens, prefill included, the pairs are first sorted by expert on the device,
+  and each expert's pairs are tiles of rows (its weights read once a tile of tokens) where the
+  tile kernel covers the experts' encoding.
 """
 from __future__ import annotations
 
@@ -45,9 +48,15 @@ class ExpertStack:
             return None
         return ExpertStack(parts)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
-        """[P, N]: row p = x[p // x_div] @ W[ids[p]].T (+ its bias)."""
-        ys = [part(x, ids, x_div) for part in self.parts]
+    @property
+    def fused(self) -> bool:
+        """Whether the expert-sorted tile kernel covers every part."""
+        return all(p.fused for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None) -> torch.Tensor:
+        """[P, N]: row p = x[p // x_div] @ W[ids[p]].T (+ its bias); ``routing``: the pairs sorted by
+        expert (`kernels.triton.moe.align`) for the tile kernel, else one launch over the pairs."""
+        ys = [part(x, ids, x_div, routing) for part in self.parts]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
 
@@ -68,6 +77,11 @@ class _PartStack:
         self.n = sum(first.out_sizes) if dense else first.out_features
         self.k = first.in_features
         self.qtype = None if dense or first.path != "triton" else first.qtype
+        if self.qtype is None:
+            self.fused = True
+        else:  # the Triton GGUF path: triton is there
+            from pocketllm.kernels.triton.gguf_mma import MMA_TYPES
+            self.fused = self.qtype in MMA_TYPES
         weights = [m.weight.data if dense else m._store for m in modules]
         self.stacked = torch.cat(weights)
         biases = [m.bias for m in modules]
@@ -91,8 +105,12 @@ class _PartStack:
             return len({m.qtype for m in modules}) == 1
         return all(m.path == "dense" and m._store.is_cuda for m in modules)  # dequantized at load
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
-        if self.qtype is not None:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None) -> torch.Tensor:
+        if routing is not None:
+            from pocketllm.kernels.triton.moe import fused_moe
+            y = fused_moe(x if self.qtype is not None else x.to(self.stacked.dtype), self.stacked, self.qtype,
+                          self.k, self.n, routing, x_div)
+        elif self.qtype is not None:
             from pocketllm.kernels.triton.gguf import gguf_grouped_gemv
 
             y = gguf_grouped_gemv(x, self.stacked, self.qtype, self.k, self.n, ids, x_div)
@@ -147,11 +165,18 @@ class SparseMoE(torch.nn.Module):
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if self.stacks is not None and x.shape[0] <= GROUPED_MAX_TOKENS:
+        t, k = ids.shape
+        routing = None
+        if self.stacks is not None and all(s.fused for s in self.stacks):
+            from pocketllm.kernels.triton import moe as kmoe
+
+            dense = all(part.qtype is None for stack in self.stacks for part in stack.parts)
+            if t >= kmoe.FUSED_MIN_TOKENS["dense" if dense else "gguf"]:
+                routing = kmoe.align(ids, len(self.experts))
+        if routing is not None or self.stacks is not None and t <= GROUPED_MAX_TOKENS:
             gate_up, down = self.stacks
-            t, k = ids.shape
-            h = self.experts[0].activation(gate_up(x, ids, k))  # [T * k, inter]: pair p is token p // k's
-            y = down(h, ids, 1).view(t, k, -1).float()
+            h = self.experts[0].activation(gate_up(x, ids, k, routing))  # [T * k, inter]: pair p is token p // k's
+            y = down(h, ids, 1, routing).view(t, k, -1).float()
             return torch.einsum("tkh,tk->th", y, weights).to(x.dtype)
         assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), \
             "a CUDA graph was captured over more tokens than the grouped expert path takes"

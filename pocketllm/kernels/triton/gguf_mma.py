@@ -11,6 +11,11 @@ read once per ``BLOCK_M`` rows.  Measured on the H200 (``results/h200-triton-ggu
 bound by decoding (450-550 GB/s of K-type bytes, the same at 16 rows as at 64), which is still
 1.1-1.5x faster than dequantize + cuBLAS for Q4_K.
 
+The same kernel multiplies mixture-of-experts layers (``MOE``, driven by ``moe.fused_moe``): its row
+blocks are then one expert's (token, expert) pairs, gathered as activation rows, against that
+expert's weight rows, so each selected expert is decoded once per block of its pairs; ``DENSE``
+takes bf16 expert stacks the same way.
+
 The tile decoders shape a step as [rows, groups, weights of a group] so that a group's scale is a
 [rows, groups, 1] broadcast, and every index is a function of the group and the weight's place in
 it: loads of 16 or 32 contiguous code bytes, one shift and mask per weight, one FMA.  The weights
@@ -71,17 +76,12 @@ def _tile_q8_0(row, blk, G: tl.constexpr, hdr_start, mask):
 
 
 @triton.jit
-def kernel(x_ptr, w_ptr, y_ptr, M, N, row_bytes, hdr_start, n_blocks, blocks_per_split,
-           stride_xm, stride_ys, stride_ym,
-           QT: tl.constexpr, BPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WIDEN: tl.constexpr):
-    """y[split, m, n] = this split's part of sum_k x[m, k] * W[n, k]: a step is BPS blocks (256
-    weights), taken BLOCK_K weights at a time."""
-    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = w_ptr + (n.to(tl.int64) * row_bytes)[:, None, None]
+def _gguf(x_ptr, w_ptr, w_rows, n, x_rows, m_ok, N, row_bytes, hdr_start, n_blocks, blocks_per_split, pid_s,
+          stride_xm, QT: tl.constexpr, BPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WIDEN: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] of split ``pid_s``: GGUF weight rows ``w_rows`` decoded a tile at a time."""
+    row = w_ptr + (w_rows * row_bytes)[:, None, None]
     mask_n = (n < N)[:, None, None]
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     b0 = pid_s * blocks_per_split
     b_end = tl.minimum(b0 + blocks_per_split, n_blocks)
@@ -100,14 +100,63 @@ def kernel(x_ptr, w_ptr, y_ptr, M, N, row_bytes, hdr_start, n_blocks, blocks_per
                                mask_n & (blk + tl.arange(0, BLOCK_K // 32)[None, :, None] < b_end))
             w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
             k = bs * (256 // BPS) + part * BLOCK_K + kk
-            xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None],
-                         mask=(m[None, :] < M) & (k[:, None] < k_end), other=0.0)
-            if WIDEN:  # the interpreter's tl.dot reads bfloat16 as integers: same values in float32
-                w, xt = w.to(tl.float32), xt.to(tl.float32)
-            if w.dtype == tl.float32:
-                acc += tl.dot(w, xt, input_precision="ieee")
-            else:
-                acc += tl.dot(w, xt)
+            xt = tl.load(x_ptr + x_rows[None, :] * stride_xm + k[:, None], mask=m_ok[None, :] & (k[:, None] < k_end),
+                         other=0.0)
+            acc = _dot(acc, w, xt, WIDEN)
+    return acc
+
+
+@triton.jit
+def _dense(x_ptr, w_ptr, w_rows, n, x_rows, m_ok, N, K, stride_xm, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] for dense weight rows ``w_rows`` of K elements in x's dtype."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    w_row = w_ptr.to(x_ptr.dtype) + w_rows[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_row + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        xt = tl.load(x_ptr + x_rows[None, :] * stride_xm + k[:, None], mask=m_ok[None, :] & (k[:, None] < K),
+                     other=0.0)
+        acc = _dot(acc, w, xt, WIDEN)
+    return acc
+
+
+@triton.jit
+def _dot(acc, w, xt, WIDEN: tl.constexpr):
+    if WIDEN:  # the interpreter's tl.dot reads bfloat16 as integers: same values in float32
+        w, xt = w.to(tl.float32), xt.to(tl.float32)
+    if w.dtype == tl.float32:
+        return acc + tl.dot(w, xt, input_precision="ieee")
+    return acc + tl.dot(w, xt)
+
+
+@triton.jit
+def kernel(x_ptr, w_ptr, y_ptr, pairs_ptr, experts_ptr, M, N, row_bytes, hdr_start, n_blocks, blocks_per_split,
+           x_div, stride_xm, stride_ys, stride_ym,
+           QT: tl.constexpr, BPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WIDEN: tl.constexpr, MOE: tl.constexpr,
+           DENSE: tl.constexpr):
+    """y[split, m, n] = this split's part of sum_k x[m, k] * W[n, k]: a step is BPS blocks (256
+    weights), taken BLOCK_K weights at a time.  MOE: the M rows are (token, expert) pairs and W a
+    stack of expert matrices of N rows; row block ``pid_m`` holds the pairs
+    ``pairs[pid_m * BLOCK_M ...]`` (``M`` where padding) of expert ``experts[pid_m]`` (-1: none),
+    pair p reading activation row p // x_div.  DENSE: W is [E * N, K] in x's dtype (K = row_bytes)."""
+    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    w_rows, x_rows = n.to(tl.int64), m
+    if MOE:
+        e = tl.load(experts_ptr + pid_m)
+        if e < 0:  # a row block past the last expert's
+            return
+        m = tl.load(pairs_ptr + m)
+        w_rows += e.to(tl.int64) * N
+        x_rows = m // x_div
+    if DENSE:
+        acc = _dense(x_ptr, w_ptr, w_rows, n, x_rows, m < M, N, row_bytes, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, WIDEN)
+    else:
+        acc = _gguf(x_ptr, w_ptr, w_rows, n, x_rows, m < M, N, row_bytes, hdr_start, n_blocks, blocks_per_split, pid_s,
+                    stride_xm, QT, BPS, BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WIDEN)
     ptrs = y_ptr + pid_s * stride_ys + m[None, :] * stride_ym + n[:, None]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(m[None, :] < M) & (n[:, None] < N))
 
@@ -117,7 +166,7 @@ def launch(x, packed, qtype, plan, block_m: int) -> None:
     m, n = x.shape[0], packed.shape[0]
     block_n, out = plan.cfg["BLOCK_N"], plan.out
     kernel[(triton.cdiv(n, block_n), out.shape[0], triton.cdiv(m, block_m))](
-        x, packed, out, m, n, packed.shape[1], plan.hdr_start, plan.n_blocks, plan.per_split,
+        x, packed, out, out, out, m, n, packed.shape[1], plan.hdr_start, plan.n_blocks, plan.per_split, 1,
         x.stride(0), out.stride(0), out.stride(1), QT=int(qtype), BPS=256 // block_size(qtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=plan.cfg["BLOCK_K"], STAGES=plan.cfg["num_stages"],
-        WIDEN=_INTERPRET, num_warps=plan.cfg["num_warps"])
+        WIDEN=_INTERPRET, MOE=False, DENSE=False, num_warps=plan.cfg["num_warps"])

@@ -8,16 +8,33 @@ model's dtype, by ``_grouped_dense_kernel`` here).  Row p of a product is
 (x_div = top_k), the down projection its own row (x_div = 1).
 
 Each pair reads its expert's weights: at a few tokens a step that is what a grouped GEMM reads
-too; at many tokens the same expert is read once per token that chose it (from L2 where it fits),
-which is why the layer keeps its sort-by-expert path for large steps (layers/moe.py).
+too; at many tokens the same expert is read once per token that chose it.  From
+``FUSED_MIN_TOKENS`` tokens a step the pairs are sorted by expert on the device (``align``, no
+host sync) and ``fused_moe`` multiplies each expert's pairs as one tile of rows on the tensor cores
+(``gguf_mma.kernel`` with ``MOE``): every selected expert's weights are read once a step.  Steps
+past the graphs' largest batch take the layer's sort-by-expert path (layers/moe.py).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from pocketllm.quant.gguf_types import block_size
 
 DENSE_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
+# From this many tokens a step the expert-sorted tile kernel, below it the grouped GEMV: measured
+# on the H200 at the Qwen3-30B-A3B shapes (results/h200-fused-moe-kernels.txt), GGUF experts
+# broke even at 32 tokens and gained 1.2x at 64; dense ones gained from 16.
+FUSED_MIN_TOKENS = {"gguf": 48, "dense": 16}
+# Pairs a row block: the tensor cores' smallest tile side for decode steps (a few pairs an
+# expert), larger for prefill, where an expert has many.
+FUSED_BLOCK_M, FUSED_BLOCK_M_PREFILL, PREFILL_TOKENS = 16, 64, 64
+ONE_HOT_MAX = 1 << 22  # align: pairs x experts up to which ranks come from a running count, not a sort
+FUSED_DENSE_CONFIG = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4)
 
 
 @triton.jit
@@ -51,4 +68,68 @@ def grouped_dense_gemv(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torc
         _grouped_dense_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), ids.numel())](
             x, stacked, ids, out, n, k, x_div, x.stride(0), out.stride(0), BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    return out
+
+
+class Routing(NamedTuple):
+    """The (token, expert) pairs of a step sorted by expert for ``fused_moe``: ``pairs`` int32
+    [blocks * block_m] (each expert's pairs from a row block's start, padded with P),
+    ``experts`` int32 [blocks] (a row block's expert, -1 past the last), P the number of pairs."""
+    pairs: torch.Tensor
+    experts: torch.Tensor
+    num_pairs: int
+    block_m: int
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> Routing:
+    """Sort the pairs ``ids`` ([T, k]: the experts of token t) by expert into row blocks of
+    ``block_m`` (by default as T says), on the device with shapes fixed by T, k and E alone
+    (capturable in a CUDA graph)."""
+    if block_m is None:
+        block_m = FUSED_BLOCK_M if ids.shape[0] <= PREFILL_TOKENS else FUSED_BLOCK_M_PREFILL
+    flat = ids.reshape(-1)
+    p = flat.numel()
+    blocks = triton.cdiv(p, block_m) + min(num_experts, p)  # each expert wastes less than a block
+    if p * num_experts <= ONE_HOT_MAX:  # a pair's rank among its expert's: a cumulative count, no sort
+        order = torch.arange(p, device=flat.device)
+        seen = torch.cumsum(torch.arange(num_experts, device=flat.device)[:, None] == flat, 1, dtype=torch.int32)
+        counts, rank, expert = seen[:, -1].long(), seen[flat, order].long() - 1, flat
+    else:
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        order = torch.argsort(flat, stable=True)
+        expert = flat[order]
+        rank = torch.arange(p, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pairs = torch.full((blocks * block_m,), p, dtype=torch.int32, device=flat.device)
+    pairs.scatter_(0, (pad_end - padded)[expert] + rank, order.to(torch.int32))
+    starts = torch.arange(blocks, device=flat.device) * block_m
+    experts = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
+    return Routing(pairs, torch.where(experts < num_experts, experts, -1).to(torch.int32), p, block_m)
+
+
+def fused_moe(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType | None, k: int, n: int,
+              routing: Routing, x_div: int = 1) -> torch.Tensor:
+    """[P, n] in x's dtype: row p = ``x[p // x_div] @ W_e.T`` for pair p's expert e, every expert's
+    pairs one tile of rows.  ``stacked``: the experts' ``pack_gguf`` rows for ``qtype`` (a type of
+    ``gguf_mma.MMA_TYPES``), or for None a dense [E * n, k] stack in x's dtype."""
+    from pocketllm.kernels.triton import gguf as kg
+    from pocketllm.kernels.triton import gguf_mma
+
+    x = x.contiguous()
+    out = torch.empty((routing.num_pairs, n), dtype=x.dtype, device=x.device)
+    blocks = routing.experts.numel()
+    if qtype is None:
+        assert stacked.dtype == x.dtype and stacked.shape[1] == k, (stacked.dtype, x.dtype, stacked.shape, k)
+        cfg, row_bytes, hdr_start, n_blocks, consts = FUSED_DENSE_CONFIG, k, 0, 0, dict(QT=0, BPS=1)
+    else:
+        cfg = kg.kernel_config("mma", qtype)
+        n_blocks, hdr_start, _ = kg._type_args(qtype, k)
+        row_bytes, consts = stacked.shape[1], dict(QT=int(qtype), BPS=256 // block_size(qtype))
+    gguf_mma.kernel[(triton.cdiv(n, cfg["BLOCK_N"]), 1, blocks)](
+        x, stacked, out, routing.pairs, routing.experts, routing.num_pairs, n, row_bytes, hdr_start, n_blocks,
+        n_blocks, x_div, x.stride(0), 0, out.stride(0), **consts, BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], STAGES=cfg.get("num_stages", 1), WIDEN=kg._INTERPRET, MOE=True,
+        DENSE=qtype is None, num_warps=cfg["num_warps"])
     return out
