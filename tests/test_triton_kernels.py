@@ -234,15 +234,18 @@ def test_gated_activation(act, ref):
     assert math.isfinite(float(out.abs().max()))
 
 
-def test_engine_on_kernel_attention_matches_transformers(tiny):
+@pytest.mark.parametrize("kind", ["gemma3", "llama", "qwen2", "qwen3"])
+def test_engine_on_kernel_attention_matches_transformers(kind, tiny_models):
     """The runner's kernel metadata (flat block tables, query_start_loc, seq_lens) through the
-    attention kernel, with chunked prefill over cached prefixes: greedy tokens equal transformers'."""
+    attention kernel, with chunked prefill over cached prefixes: greedy tokens equal transformers'.
+    The mixtures of experts attend as llama and qwen3 do; gpt-oss's sinks take this path in
+    test_sliding_window_kv's kernel test."""
     from conftest import prompts_of
     from reference import hf_greedy
 
     from pocketllm import LLM, SamplingParams
 
-    model, path = tiny
+    model, path = tiny_models[kind]
     prompts = prompts_of([1, 17, 33])
     llm = LLM(str(path), device=DEV, dtype="float32", max_num_batched_tokens=24)
     llm.engine.runner.use_kernels = True  # what CUDA uses; on the CPU the kernel runs interpreted

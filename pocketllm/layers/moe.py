@@ -171,7 +171,8 @@ class SparseMoE(torch.nn.Module):
             from pocketllm.kernels.triton import moe as kmoe
 
             dense = all(part.qtype is None for stack in self.stacks for part in stack.parts)
-            if t >= kmoe.FUSED_MIN_TOKENS["dense" if dense else "gguf"]:
+            if kmoe.FUSED_MIN_TOKENS["dense" if dense else "gguf"] <= t \
+                    and t * k <= kmoe.FUSED_MAX_PAIRS_PER_EXPERT * len(self.experts):
                 routing = kmoe.align(ids, len(self.experts))
         if routing is not None or self.stacks is not None and t <= GROUPED_MAX_TOKENS:
             gate_up, down = self.stacks

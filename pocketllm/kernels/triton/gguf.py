@@ -620,7 +620,11 @@ DOT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
     **{t: dict(PROGRAMS_PER_SM=1) for t in (T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)},
 }
 DEQUANT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {}
-MMA_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {T.Q8_0: dict(BLOCK_N=64, BLOCK_K=256, num_warps=4)}
+# MXFP4 (not swept): Q8_0's tile in parts of 128, which keeps 64 activation rows in registers
+# without spilling on sm_90 (the H200 figures of results/h200-fused-moe-kernels-gpt-oss.txt were
+# taken with parts of 256: the same instructions a weight, more registers).
+MMA_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {T.Q8_0: dict(BLOCK_N=64, BLOCK_K=256, num_warps=4),
+                                                      T.MXFP4: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)}
 WAVE_EFFICIENCY = 0.9  # _split_k: the fewest splits whose programs fill their waves this well
 SPLIT_MAX = 32  # at most this many K splits
 

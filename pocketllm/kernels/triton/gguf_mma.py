@@ -28,12 +28,14 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from pocketllm.kernels.triton.gguf import _INTERPRET, _Q4_K, _Q6_K, _Q8_0, _f16, _scale_min_k4, _u2f, _u8
+from pocketllm.kernels.triton.gguf import _INTERPRET, _MXFP4, _Q4_K, _Q6_K, _Q8_0, _f16, _scale_min_k4, _u2f, _u8
 from pocketllm.quant.gguf_types import block_size
 
 T = GGMLQuantizationType
 
-MMA_TYPES = frozenset({T.Q4_K, T.Q6_K, T.Q8_0})  # the types with a tile decoder
+_FP4_X2 = tl.constexpr(0xC8643210 - (1 << 32))  # nibble i: twice E2M1 magnitude i (an int32)
+
+MMA_TYPES = frozenset({T.Q4_K, T.Q6_K, T.Q8_0, T.MXFP4})  # the types with a tile decoder
 
 
 @triton.jit
@@ -76,6 +78,22 @@ def _tile_q8_0(row, blk, G: tl.constexpr, hdr_start, mask):
 
 
 @triton.jit
+def _tile_mxfp4(row, blk, G: tl.constexpr, hdr_start, mask):
+    """MXFP4 blocks ``blk`` .. ``blk`` + G - 1: [R, G, 2, 16] (a block's low then high nibbles).  Body: 16 bytes, weight j in the low
+    nibble of byte j, 16 + j in the high one, an FP4 (E2M1) code: sign in bit 3, twice the magnitude
+    0 1 2 3 4 6 8 12; header: an E8M0 exponent, its scale halved (ggml_e8m0_to_fp32_half)."""
+    b = blk + tl.arange(0, G)[None, :, None, None]
+    half = tl.arange(0, 2)[None, None, :, None]
+    row, mask = row[:, :, :, None], mask[:, :, :, None]
+    q = (_u8(row + b * 16 + tl.arange(0, 16)[None, None, None, :], mask) >> (4 * half)) & 15
+    v = _u2f(((tl.zeros_like(q) + _FP4_X2) >> ((q & 7) * 4)) & 15)  # twice the magnitude: a nibble table
+    v = (v.to(tl.int32, bitcast=True) | ((q & 8) << 28)).to(tl.float32, bitcast=True)  # the sign bit
+    e = _u8(row + hdr_start + b, mask)
+    d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+    return v * d
+
+
+@triton.jit
 def _gguf(x_ptr, w_ptr, w_rows, n, x_rows, m_ok, N, row_bytes, hdr_start, n_blocks, blocks_per_split, pid_s,
           stride_xm, QT: tl.constexpr, BPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WIDEN: tl.constexpr):
@@ -93,11 +111,14 @@ def _gguf(x_ptr, w_ptr, w_rows, n, x_rows, m_ok, N, row_bytes, hdr_start, n_bloc
                 w = _tile_q4_k(row, bs, part * (BLOCK_K // 32), BLOCK_K // 32, hdr_start, mask_n)
             elif QT == _Q6_K:
                 w = _tile_q6_k(row, bs, part * (BLOCK_K // 16), BLOCK_K // 16, hdr_start, mask_n)
-            else:
-                tl.static_assert(QT == _Q8_0, "type without a tile decoder")
+            else:  # 32-weight blocks: a step's last blocks may lie past the split's end
                 blk = bs + part * (BLOCK_K // 32)
-                w = _tile_q8_0(row, blk, BLOCK_K // 32, hdr_start,
-                               mask_n & (blk + tl.arange(0, BLOCK_K // 32)[None, :, None] < b_end))
+                mask_b = mask_n & (blk + tl.arange(0, BLOCK_K // 32)[None, :, None] < b_end)
+                if QT == _MXFP4:
+                    w = _tile_mxfp4(row, blk, BLOCK_K // 32, hdr_start, mask_b)
+                else:
+                    tl.static_assert(QT == _Q8_0, "type without a tile decoder")
+                    w = _tile_q8_0(row, blk, BLOCK_K // 32, hdr_start, mask_b)
             w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
             k = bs * (256 // BPS) + part * BLOCK_K + kk
             xt = tl.load(x_ptr + x_rows[None, :] * stride_xm + k[:, None], mask=m_ok[None, :] & (k[:, None] < k_end),

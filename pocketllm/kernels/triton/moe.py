@@ -30,6 +30,11 @@ DENSE_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
 # on the H200 at the Qwen3-30B-A3B shapes (results/h200-fused-moe-kernels.txt), GGUF experts
 # broke even at 32 tokens and gained 1.2x at 64; dense ones gained from 16.
 FUSED_MIN_TOKENS = {"gguf": 48, "dense": 16}
+# Up to this many pairs per expert on average a step: past it (long prefills over few experts)
+# dequantizing each expert once for a cuBLAS GEMM beats decoding its weights once per row block.
+# Measured end to end: Qwen3-30B-A3B prefill (512 pairs an expert) 8.0x faster tiled, gpt-oss-20b
+# (1,024) 0.72x.
+FUSED_MAX_PAIRS_PER_EXPERT = 512
 # Pairs a row block: the tensor cores' smallest tile side for decode steps (a few pairs an
 # expert), larger for prefill, where an expert has many.
 FUSED_BLOCK_M, FUSED_BLOCK_M_PREFILL, PREFILL_TOKENS = 16, 64, 64
