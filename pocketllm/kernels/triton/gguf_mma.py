@@ -14,7 +14,7 @@ bound by decoding (450-550 GB/s of K-type bytes, the same at 16 rows as at 64), 
 The same kernel multiplies mixture-of-experts layers (``MOE``, driven by ``moe.fused_moe``): its row
 blocks are then one expert's (token, expert) pairs, gathered as activation rows, against that
 expert's weight rows, so each selected expert is decoded once per block of its pairs; ``DENSE``
-takes bf16 expert stacks the same way.
+takes dense expert stacks (in the activations' dtype) the same way.
 
 The tile decoders shape a step as [rows, groups, weights of a group] so that a group's scale is a
 [rows, groups, 1] broadcast, and every index is a function of the group and the weight's place in
@@ -79,9 +79,10 @@ def _tile_q8_0(row, blk, G: tl.constexpr, hdr_start, mask):
 
 @triton.jit
 def _tile_mxfp4(row, blk, G: tl.constexpr, hdr_start, mask):
-    """MXFP4 blocks ``blk`` .. ``blk`` + G - 1: [R, G, 2, 16] (a block's low then high nibbles).  Body: 16 bytes, weight j in the low
-    nibble of byte j, 16 + j in the high one, an FP4 (E2M1) code: sign in bit 3, twice the magnitude
-    0 1 2 3 4 6 8 12; header: an E8M0 exponent, its scale halved (ggml_e8m0_to_fp32_half)."""
+    """MXFP4 blocks ``blk`` .. ``blk`` + G - 1: [R, G, 2, 16], a block's low then high nibbles.
+    Body: 16 bytes, weight j in the low nibble of byte j, 16 + j in the high one, an FP4 (E2M1)
+    code: sign in bit 3, twice the magnitude 0 1 2 3 4 6 8 12; header: an E8M0 exponent, its scale
+    halved (ggml_e8m0_to_fp32_half)."""
     b = blk + tl.arange(0, G)[None, :, None, None]
     half = tl.arange(0, 2)[None, None, :, None]
     row, mask = row[:, :, :, None], mask[:, :, :, None]
@@ -165,20 +166,20 @@ def kernel(x_ptr, w_ptr, y_ptr, pairs_ptr, experts_ptr, M, N, row_bytes, hdr_sta
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    w_rows, x_rows = n.to(tl.int64), m
+    w_rows, x_rows = n.to(tl.int64), m.to(tl.int64)
     if MOE:
         e = tl.load(experts_ptr + pid_m)
         if e < 0:  # a row block past the last expert's
             return
         m = tl.load(pairs_ptr + m)
         w_rows += e.to(tl.int64) * N
-        x_rows = m // x_div
+        x_rows = (m // x_div).to(tl.int64)  # a long prefill's pairs x features can pass 2**31
     if DENSE:
         acc = _dense(x_ptr, w_ptr, w_rows, n, x_rows, m < M, N, row_bytes, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, WIDEN)
     else:
         acc = _gguf(x_ptr, w_ptr, w_rows, n, x_rows, m < M, N, row_bytes, hdr_start, n_blocks, blocks_per_split, pid_s,
                     stride_xm, QT, BPS, BLOCK_N, BLOCK_M, BLOCK_K, STAGES, WIDEN)
-    ptrs = y_ptr + pid_s * stride_ys + m[None, :] * stride_ym + n[:, None]
+    ptrs = y_ptr + pid_s * stride_ys + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(m[None, :] < M) & (n[:, None] < N))
 
 
