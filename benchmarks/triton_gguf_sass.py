@@ -34,8 +34,8 @@ from triton.compiler import ASTSource
 from pocketllm.kernels.triton import gguf as kg
 
 _TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-_DIVISIBLE = ["x_ptr", "xq_ptr", "xd_ptr", "xs_ptr", "stride_xq", "stride_xd", "w_ptr", "lut_ptr", "y_ptr", "out_ptr", "row_bytes", "hdr_start", "stride_xm", "stride_ys",
-              "stride_ym", "stride_on", "N"]
+_DIVISIBLE = ["x_ptr", "xq_ptr", "xd_ptr", "xs_ptr", "stride_xq", "stride_xd", "w_ptr", "lut_ptr", "y_ptr", "out_ptr",
+              "row_bytes", "hdr_start", "stride_xm", "stride_ys", "stride_ym", "stride_on", "N"]
 
 
 def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", cfg: dict | None = None, k: int = 4096):
@@ -49,15 +49,13 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
         fn, c = kg._dot_kernel, dict(kg.DOT_CONFIG, **(cfg or {}))
         extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
     elif regime == "mma":
-        fn, c = kg._mma().kernel, dict(kg.MMA_CONFIG, **(cfg or {}))
+        fn, c = kg._mma().kernel, dict(kg.kernel_config("mma", qtype), **(cfg or {}))
         extra = {"WIDEN": False, "BLOCK_M": block_m, "BLOCK_K": c["BLOCK_K"], "STAGES": c["num_stages"],
                  "MOE": bool(os.environ.get("MOE")), "DENSE": False}
         targs = {"QT": int(qtype), "BPS": 256 // kg.block_size(qtype)}
         opts = {"num_warps": c["num_warps"]}
     elif regime == "gemv_q8":
-        from pocketllm.kernels.triton import gguf_q8 as kq
-        fn = kq._gemv_q8_kernel
-        c = dict(kq.GEMV_Q8_CONFIG, **kq.GEMV_Q8_TYPE_CONFIG.get(qtype, {}), **(cfg or {}))
+        fn, c = kg._q8()._gemv_q8_kernel, dict(kg.kernel_config("gemv_q8", qtype), **(cfg or {}))
         extra = {"EMU": False, "GROUPED": False, "BS": targs["S"] * targs["SPB"]}
         targs = {"QT": int(qtype), "BB": targs["BB"], "HB": targs["HB"]}
         opts = {"num_warps": c["num_warps"]}
@@ -70,7 +68,9 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
         consts = dict(**targs, BLOCK_N=c["BLOCK_N"], **extra)
     else:
         consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=bpi, **extra)
-    ptrs = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i64", "pairs_ptr": "*i32", "experts_ptr": "*i32", "x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+            "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i64", "pairs_ptr": "*i32",
+            "experts_ptr": "*i32"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)

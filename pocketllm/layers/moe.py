@@ -139,12 +139,16 @@ class SparseMoE(torch.nn.Module):
         self.gate = Linear(hidden_size, [num_experts], router_bias, dtype=dtype, device=device)
         self.experts = torch.nn.ModuleList(make_expert() for _ in range(num_experts))
         self.stacks: tuple[ExpertStack, ExpertStack] | None = None  # (gate_up, down), after loading
+        self.fused_kind: str | None = None  # "gguf" / "dense" where the tile kernel covers both stacks
 
     def finish_loading(self) -> None:
         """Stack the experts' projections where the grouped kernels take them."""
         gate_up = ExpertStack.of([e.gate_up_proj for e in self.experts])
         down = ExpertStack.of([e.down_proj for e in self.experts]) if gate_up is not None else None
         self.stacks = (gate_up, down) if down is not None else None
+        if self.stacks is not None and gate_up.fused and down.fused:
+            dense = all(part.qtype is None for stack in self.stacks for part in stack.parts)
+            self.fused_kind = "dense" if dense else "gguf"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) for the tokens x [T, hidden]."""
@@ -167,12 +171,11 @@ class SparseMoE(torch.nn.Module):
         weights, ids = self.route(x)
         t, k = ids.shape
         routing = None
-        if self.stacks is not None and all(s.fused for s in self.stacks):
+        if self.fused_kind is not None:
             from pocketllm.kernels.triton import moe as kmoe
 
-            dense = all(part.qtype is None for stack in self.stacks for part in stack.parts)
-            if kmoe.FUSED_MIN_TOKENS["dense" if dense else "gguf"] <= t \
-                    and t * k <= kmoe.FUSED_MAX_PAIRS_PER_EXPERT * len(self.experts):
+            most = kmoe.FUSED_MAX_PAIRS_PER_EXPERT * len(self.experts) // k  # tokens: past it, dequantize + cuBLAS
+            if kmoe.FUSED_MIN_TOKENS[self.fused_kind] <= t <= most:
                 routing = kmoe.align(ids, len(self.experts))
         if routing is not None or self.stacks is not None and t <= GROUPED_MAX_TOKENS:
             gate_up, down = self.stacks

@@ -11,8 +11,10 @@ Each pair reads its expert's weights: at a few tokens a step that is what a grou
 too; at many tokens the same expert is read once per token that chose it.  From
 ``FUSED_MIN_TOKENS`` tokens a step the pairs are sorted by expert on the device (``align``, no
 host sync) and ``fused_moe`` multiplies each expert's pairs as one tile of rows on the tensor cores
-(``gguf_mma.kernel`` with ``MOE``): every selected expert's weights are read once a step.  Steps
-past the graphs' largest batch take the layer's sort-by-expert path (layers/moe.py).
+(``gguf_mma.kernel`` with ``MOE``): every selected expert's weights are read once a row block of
+its pairs.  Prefill steps take it too, up to ``FUSED_MAX_PAIRS_PER_EXPERT``; past that, and for
+encodings without a tile decoder past the graphs' largest batch, the layer sorts by expert on the
+host (layers/moe.py).
 """
 from __future__ import annotations
 
