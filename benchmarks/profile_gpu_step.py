@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed, by GPU time")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -59,13 +60,14 @@ def main() -> None:
             "prepare_ms": med([s.prepare_time for s in stats]),
             "forward_and_sample_ms": med([s.forward_time for s in stats]),
             "gpu_busy_ms_per_step": total_gpu / 1e3 / args.steps,
+            "launches_per_step": sum(e.count for e in kernels) / args.steps,
             "tok_s": b / statistics.median([s.total_time for s in stats]),
             "top_kernels": [{"name": e.key[:90], "ms_per_step": e.device_time_total / 1e3 / args.steps,
-                             "calls_per_step": e.count / args.steps} for e in kernels[:12]],
+                             "calls_per_step": e.count / args.steps} for e in kernels[:args.top]],
         }
         report["batches"][str(b)] = row
         print(f"batch {b}: step {row['step_ms']:.2f} ms ({row['tok_s']:.0f} tok/s), "
-              f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms, schedule {row['schedule_ms']:.2f}, "
+              f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms in {row['launches_per_step']:.0f} kernels, schedule {row['schedule_ms']:.2f}, "
               f"prepare {row['prepare_ms']:.2f}, forward+sample {row['forward_and_sample_ms']:.2f}")
         for k in row["top_kernels"]:
             print(f"   {k['ms_per_step']:8.3f} ms {k['calls_per_step']:6.1f}x  {k['name']}")

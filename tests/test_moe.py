@@ -86,19 +86,21 @@ def test_a_step_runs_only_the_selected_experts(tiny_models):
         assert calls[step] == [(e, int(n)) for e, n in enumerate(counts.tolist()) if n]
 
 
-def test_grouped_expert_path_equals_the_sorted_path(tiny_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_grouped_expert_path_equals_the_sorted_path(kind, tiny_models, tmp_path, monkeypatch):
     """Experts on the Triton kernels (interpreted here) are stacked after loading, one copy, and
     steps of up to GROUPED_MAX_TOKENS tokens multiply every (token, expert) pair in one launch
     (what the CUDA graphs capture), steps of FUSED_MIN_TOKENS or more (4 here) sorted by expert on
-    the device into the tile kernel: the same greedy tokens as the sorted path on the C kernels,
-    logits within float32 rounding."""
+    the device into the tile kernel, the experts' outputs summed by one kernel (gpt-oss's expert
+    biases added there and by the activation): the same greedy tokens as the sorted path on the C
+    kernels, logits within float32 rounding."""
     from pocketllm.kernels.triton import gguf as kg
     from pocketllm.kernels.triton import moe as tmoe
     from pocketllm.loaders.gguf_writer import write_gguf
     from pocketllm.quant import linear as qlinear
 
-    _, src = tiny_models["mixtral"]
-    path = write_gguf(src, tmp_path / "mixtral.Q8_0.gguf", "Q8_0").path
+    src = _gpt_oss_at_limit_7(tiny_models, tmp_path)[1] if kind == "gpt_oss" else tiny_models[kind][1]
+    path = write_gguf(src, tmp_path / f"{kind}.Q8_0.gguf", "Q8_0").path
     tuned = kg.kernel_config  # 16-row tiles: fewer programs for the interpreter
     monkeypatch.setattr(kg, "kernel_config", lambda regime, qtype: {**tuned(regime, qtype), "BLOCK_N": 16})
     monkeypatch.setattr(tmoe, "FUSED_MIN_TOKENS", {"gguf": 4, "dense": 4})

@@ -221,17 +221,98 @@ def test_rotary_in_place(scaling):
     assert torch.equal(xd[:, 6:].cpu(), x[:, 6:])  # the rest (v) untouched
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rotary_with_head_norms(offset):
+    """Qwen3's / Gemma 3's q and k RMSNorms in the rotary kernel: each head normalized by the query
+    or the key weight, rounded to the activations' dtype, then rotated (as the modules do it)."""
+    d, hq, hkv = 64, 6, 2
+    g = torch.Generator().manual_seed(3)
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), inv_frequencies(d, 10000.0, None))
+    cos, sin = freqs.cos(), freqs.sin()
+    pos = torch.tensor([0, 5, 63])
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(3, hq + 2 * hkv, d, generator=g).to(dtype)
+        qw, kw = torch.randn(d, generator=g).to(dtype), torch.randn(d, generator=g).to(dtype)
+        normed = torch.cat((F.rms_norm(qkv[:, :hq].float(), (d,), qw.float() + offset, 1e-6),
+                            F.rms_norm(qkv[:, hq:hq + hkv].float(), (d,), kw.float() + offset, 1e-6)), 1).to(dtype)
+        ref = _rotate(normed, cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+        xd = qkv.to(DEV)
+        out = fused.rotary_(xd[:, :hq + hkv], pos.to(DEV), cos.to(DEV), sin.to(DEV),
+                            (qw.to(DEV), kw.to(DEV), hq, 1e-6, offset))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+        assert torch.equal(xd[:, hq + hkv:].cpu(), qkv[:, hq + hkv:])  # v untouched
+
+
+def _clamped_swiglu(gate, up, alpha=1.702, limit=0.3):  # transformers' GptOssExperts, as gpt_oss.py has it
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 @pytest.mark.parametrize("act,ref", [
-    (fused.SILU, F.silu),
-    (fused.GELU_TANH, lambda g: F.gelu(g, approximate="tanh")),
-    (fused.GELU, F.gelu),
+    (fused.SILU, lambda g, u: F.silu(g) * u),
+    (fused.GELU_TANH, lambda g, u: F.gelu(g, approximate="tanh") * u),
+    (fused.GELU, lambda g, u: F.gelu(g) * u),
+    (fused.CLAMPED_SWIGLU, _clamped_swiglu),
 ])
 def test_gated_activation(act, ref):
     x = torch.randn(4, 2 * 1500)
-    out = fused.gated_act(x.to(DEV), act)
-    gate, up = x.chunk(2, -1)
-    torch.testing.assert_close(out.cpu(), ref(gate) * up, atol=1e-5, rtol=1e-5)
+    out = fused.gated_act(x.to(DEV), act, 1.702, 0.3)
+    torch.testing.assert_close(out.cpu(), ref(*x.chunk(2, -1)), atol=1e-5, rtol=1e-5)
     assert math.isfinite(float(out.abs().max()))
+    bias, ids = torch.randn(3, 2 * 1500), torch.tensor([2, 0, 2, 1])  # rows' experts' biases
+    out = fused.gated_act(x.to(DEV), act, 1.702, 0.3, bias.to(DEV), ids.to(DEV))
+    torch.testing.assert_close(out.cpu(), ref(*(x + bias[ids]).chunk(2, -1)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("experts,k,renormalize,softmax_of_top_k", [
+    (128, 8, True, False),  # Qwen3-MoE
+    (8, 2, True, False),  # Mixtral
+    (7, 3, False, False),
+    (32, 4, False, True),  # gpt-oss
+])
+def test_top_k_route_is_torchs_routing(experts, k, renormalize, softmax_of_top_k):
+    """The one-launch router: the experts torch.topk picks, largest first, and the weights of
+    SparseMoE.route's torch ops (softmax then top k, renormalized or not; or top k then softmax),
+    from float32 and bfloat16 logits."""
+    from pocketllm.kernels.triton.moe import top_k_route
+
+    g = torch.Generator().manual_seed(experts + k)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(9, experts, generator=g).to(dtype)
+        if softmax_of_top_k:
+            top, ref_ids = torch.topk(logits.float(), k, dim=-1)
+            ref_w = torch.softmax(top, dim=-1)
+        else:
+            ref_w, ref_ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+            if renormalize:
+                ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+        w, ids = top_k_route(logits.to(DEV), k, renormalize, softmax_of_top_k)
+        assert ids.dtype == torch.int64
+        # equal logits (bfloat16 has ties) may come in another order than torch's: compare by expert
+        ids, order = ids.cpu().sort(-1)
+        ref_ids, ref_order = ref_ids.sort(-1)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(w.cpu().gather(1, order), ref_w.gather(1, ref_order), atol=1e-6, rtol=1e-5)
+        assert bool((w[:, :-1] >= w[:, 1:]).all())  # largest first
+
+
+def test_weighted_sum_of_expert_outputs():
+    from pocketllm.kernels.triton.moe import weighted_sum
+
+    g = torch.Generator().manual_seed(4)
+    y, w = torch.randn(5 * 3, 1100, generator=g), torch.rand(5, 3, generator=g)
+    ref = torch.einsum("tkh,tk->th", y.view(5, 3, -1), w)
+    torch.testing.assert_close(weighted_sum(y.to(DEV), w.to(DEV)).cpu(), ref, atol=1e-5, rtol=1e-5)
+    bias, ids = torch.randn(4, 1100, generator=g), torch.tensor([3, 0, 1, 1, 2, 0, 3, 3, 3, 0, 1, 2, 2, 2, 0])
+    ref = torch.einsum("tkh,tk->th", (y + bias[ids]).view(5, 3, -1), w)
+    torch.testing.assert_close(weighted_sum(y.to(DEV), w.to(DEV), bias.to(DEV), ids.to(DEV)).cpu(), ref,
+                               atol=1e-5, rtol=1e-5)
+    yb = y.bfloat16()
+    out = weighted_sum(yb.to(DEV), w.to(DEV))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu().float(), torch.einsum("tkh,tk->th", yb.float().view(5, 3, -1), w),
+                               atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "llama", "qwen2", "qwen3"])

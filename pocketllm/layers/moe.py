@@ -14,7 +14,9 @@ Two ways through the experts:
   decode steps run in CUDA graphs (the runtimes declare graphs up to that batch). From
   FUSED_MIN_TOKENS tokens, prefill included, the pairs are first sorted by expert on the device,
   and each expert's pairs are tiles of rows (its weights read once a tile of tokens) where the
-  tile kernel covers the experts' encoding.
+  tile kernel covers the experts' encoding. On the GPU the routing (softmax, top k,
+  renormalization) and the weighted sum of the experts' outputs are a kernel each
+  (`kernels/triton/moe.py`), and the experts' biases are added by the activation and the sum.
 """
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ class ExpertStack:
 
     def __init__(self, parts: list[list[torch.nn.Module]]):
         self.parts = [_PartStack(p) for p in parts]
+        biases = [p.bias for p in self.parts]  # a layer's parts (one Linear's) all have biases, or none
+        assert len({b is None for b in biases}) == 1
+        # [E, N]: each expert's bias over all the parts' features (for kernels that add it), or None
+        self.bias = biases[0] if len(biases) == 1 or biases[0] is None else torch.cat(biases, dim=1)
 
     @staticmethod
     def of(layers: list[Linear]) -> ExpertStack | None:
@@ -53,10 +59,12 @@ class ExpertStack:
         """Whether the expert-sorted tile kernel covers every part."""
         return all(p.fused for p in self.parts)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None) -> torch.Tensor:
-        """[P, N]: row p = x[p // x_div] @ W[ids[p]].T (+ its bias); ``routing``: the pairs sorted by
-        expert (`kernels.triton.moe.align`) for the tile kernel, else one launch over the pairs."""
-        ys = [part(x, ids, x_div, routing) for part in self.parts]
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None,
+                 add_bias: bool = True) -> torch.Tensor:
+        """[P, N]: row p = x[p // x_div] @ W[ids[p]].T (+ its bias, unless the caller adds ``bias``);
+        ``routing``: the pairs sorted by expert (`kernels.triton.moe.align`) for the tile kernel,
+        else one launch over the pairs."""
+        ys = [part(x, ids, x_div, routing, add_bias) for part in self.parts]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
 
@@ -105,7 +113,8 @@ class _PartStack:
             return len({m.qtype for m in modules}) == 1
         return all(m.path == "dense" and m._store.is_cuda for m in modules)  # dequantized at load
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None,
+                 add_bias: bool = True) -> torch.Tensor:
         if routing is not None:
             from pocketllm.kernels.triton.moe import fused_moe
             y = fused_moe(x if self.qtype is not None else x.to(self.stacked.dtype), self.stacked, self.qtype,
@@ -118,7 +127,7 @@ class _PartStack:
             from pocketllm.kernels.triton.moe import grouped_dense_gemv
 
             y = grouped_dense_gemv(x.to(self.stacked.dtype), self.stacked, self.n, ids, x_div)
-        if self.bias is not None:
+        if self.bias is not None and add_bias:
             y = y + self.bias[ids.reshape(-1)]
         return y
 
@@ -152,6 +161,10 @@ class SparseMoE(torch.nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) for the tokens x [T, hidden]."""
+        if x.is_cuda:  # softmax, top k and renormalization in one launch
+            from pocketllm.kernels.triton.moe import top_k_route
+
+            return top_k_route(self.gate(x), self.top_k, self.renormalize, self.softmax_of_top_k)
         if self.softmax_of_top_k:
             logits, ids = torch.topk(self.gate(x).float(), self.top_k, dim=-1)
             return torch.softmax(logits, dim=-1), ids
@@ -178,10 +191,13 @@ class SparseMoE(torch.nn.Module):
             if kmoe.FUSED_MIN_TOKENS[self.fused_kind] <= t <= most:
                 routing = kmoe.align(ids, len(self.experts))
         if routing is not None or self.stacks is not None and t <= GROUPED_MAX_TOKENS:
+            from pocketllm.kernels.triton.moe import weighted_sum
+
+            # the experts' biases added by the activation and the weighted sum, not launches of their own
             gate_up, down = self.stacks
-            h = self.experts[0].activation(gate_up(x, ids, k, routing))  # [T * k, inter]: pair p is token p // k's
-            y = down(h, ids, 1, routing).view(t, k, -1).float()
-            return torch.einsum("tkh,tk->th", y, weights).to(x.dtype)
+            pair_ids = ids.reshape(-1)
+            h = self.experts[0].activation(gate_up(x, ids, k, routing, add_bias=False), gate_up.bias, pair_ids)
+            return weighted_sum(down(h, ids, 1, routing, add_bias=False), weights, down.bias, pair_ids).to(x.dtype)
         assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), \
             "a CUDA graph was captured over more tokens than the grouped expert path takes"
         # (token, slot) pairs grouped by expert: each selected expert runs once on its tokens

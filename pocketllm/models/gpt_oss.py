@@ -43,7 +43,15 @@ class GptOssExpert(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_up_proj(x)))
 
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def activation(self, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As `MLP.activation`, clamped SwiGLU."""
+        if gate_up.is_cuda:
+            from pocketllm.kernels.triton.fused import CLAMPED_SWIGLU, gated_act
+
+            return gated_act(gate_up, CLAMPED_SWIGLU, self.alpha, self.limit, bias, ids)
+        if bias is not None:
+            gate_up = gate_up + bias[ids]
         if self.cpu_kernels and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
             from pocketllm.kernels.cpu import layer_ops
 

@@ -63,7 +63,10 @@ class Attention(torch.nn.Module):
         t, hq = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
-        if self.q_norm is not None:
+        norms = None
+        if self.q_norm is not None and qk.is_cuda:  # normed by the rotary kernel, in place
+            norms = (self.q_norm.weight, self.k_norm.weight, hq, self.q_norm.eps, self.q_norm.offset)
+        elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
         fast = self.cpu_kernels
         sinks = None if self.sinks is None else self.sinks.weight
@@ -77,7 +80,7 @@ class Attention(torch.nn.Module):
                                                  meta.decode_block_tables, meta.decode_lens, self.scale,
                                                  self.window, self.softcap, (positions, rot.cos, rot.sin), sinks)
             return self.o_proj(o.reshape(t, -1))
-        qk = self.rotary(positions, qk)  # queries and keys rotate in one pass
+        qk = self.rotary(positions, qk, norms)  # queries and keys rotate in one pass
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap,
                             fast, sinks)
@@ -99,12 +102,16 @@ class MLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_up_proj(x)))
 
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] = [gate | up] -> act(gate) * up [T, I]."""
+    def activation(self, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> act(gate) * up [T, I]; ``bias`` [E, 2I]: row ids[t] added to
+        row t first (the experts' biases of a mixture-of-experts layer's pairs)."""
         if gate_up.is_cuda:
             from pocketllm.kernels.triton.fused import gated_act
 
-            return gated_act(gate_up, self.act_code)
+            return gated_act(gate_up, self.act_code, bias=bias, ids=ids)
+        if bias is not None:
+            gate_up = gate_up + bias[ids]
         if self.cpu_kernels and self.act_code in (0, 1):
             from pocketllm.kernels.cpu import layer_ops
 

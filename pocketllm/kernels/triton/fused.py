@@ -45,8 +45,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_cos, num_heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_t, stride_h, stride_cos, num_heads,
+                   num_q_heads, eps, offset, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
+                   NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     i = tl.arange(0, BLOCK)
@@ -57,48 +58,76 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_
     base = x_ptr + t * stride_t + h[:, None] * stride_h + i[None, :]
     x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+    if NORM:  # RMSNorm of each head first (query heads by qw, key heads by kw), rounded as stored
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1))[:, None] / (2 * HALF) + eps)
+        is_q = h[:, None] < num_q_heads
+        w1 = tl.where(is_q, tl.load(qw_ptr + i, mask=i < HALF, other=0.0)[None, :],
+                      tl.load(kw_ptr + i, mask=i < HALF, other=0.0)[None, :]).to(tl.float32) + offset
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + i, mask=i < HALF, other=0.0)[None, :],
+                      tl.load(kw_ptr + HALF + i, mask=i < HALF, other=0.0)[None, :]).to(tl.float32) + offset
+        x1 = (x1 * inv * w1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * inv * w2).to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(base, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=ok)
     tl.store(base + HALF, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=ok)
 
 
-def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] (rotate-half layout) in place; cos/sin [max_len, D/2] float32 tables."""
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            norms: tuple[torch.Tensor, torch.Tensor, int, float, float] | None = None) -> torch.Tensor:
+    """Rotate x [T, H, D] (rotate-half layout) in place; cos/sin [max_len, D/2] float32 tables.
+    ``norms`` = (q weight, k weight, query heads, eps, offset): each head RMS-normalized first
+    (Qwen3's and Gemma 3's q/k norms: the first heads by the q weight, the rest by the k one)."""
     t, h, d = x.shape
     assert x.stride(2) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_h = min(triton.next_power_of_2(h), 16)
-    _rotary_kernel[(t, triton.cdiv(h, block_h))](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                                 h, HALF=d // 2, BLOCK_H=block_h,
-                                                 BLOCK=triton.next_power_of_2(d // 2))
+    qw, kw, hq, eps, offset = norms if norms is not None else (cos, cos, h, 0.0, 0.0)
+    _rotary_kernel[(t, triton.cdiv(h, block_h))](x, positions, cos, sin, qw, kw, x.stride(0), x.stride(1),
+                                                 cos.stride(0), h, hq, eps, offset, HALF=d // 2, BLOCK_H=block_h,
+                                                 BLOCK=triton.next_power_of_2(d // 2), NORM=norms is not None)
     return x
 
 
-# activation codes
-SILU, GELU_TANH, GELU = 0, 1, 2
+# activation codes; CLAMPED_SWIGLU: gpt-oss's (up + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
+# up clamped to [-limit, limit]
+SILU, GELU_TANH, GELU, CLAMPED_SWIGLU = 0, 1, 2, 3
 
 
 @triton.jit
-def _gated_act_kernel(x_ptr, out_ptr, stride_x, stride_o, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_act_kernel(x_ptr, out_ptr, bias_ptr, ids_ptr, stride_x, stride_o, stride_b, n, alpha, limit,
+                      ACT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
     g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # row's expert's bias, [gate | up] as x
+        b = bias_ptr + tl.load(ids_ptr + row) * stride_b + cols
+        g += tl.load(b, mask=ok, other=0.0).to(tl.float32)
+        u += tl.load(b + n, mask=ok, other=0.0).to(tl.float32)
     if ACT == 0:
         a = g * tl.sigmoid(g)
     elif ACT == 1:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-    else:
+    elif ACT == 2:
         a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:
+        g = tl.minimum(g, limit)
+        a = g * tl.sigmoid(g * alpha)
+        u = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
     tl.store(out_ptr + row * stride_o + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def gated_act(x: torch.Tensor, act: int) -> torch.Tensor:
-    """x [T, 2I] = [gate | up] -> act(gate) * up [T, I]."""
+def gated_act(x: torch.Tensor, act: int, alpha: float = 0.0, limit: float = 0.0,
+              bias: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> act(gate) * up [T, I] (``alpha`` and ``limit``: CLAMPED_SWIGLU's).
+    With ``bias`` [E, 2I] and ``ids`` [T]: row t's gate and up get row ids[t] of ``bias`` added first
+    (a mixture-of-experts layer's pairs and their experts' biases)."""
     t, n2 = x.shape
     n = n2 // 2
-    assert x.stride(1) == 1
+    assert x.stride(1) == 1 and (bias is None or (bias.shape[1] == n2 and bias.stride(1) == 1 and ids is not None))
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(n), 1024)
-    _gated_act_kernel[(t, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, ACT=act, BLOCK=block)
+    _gated_act_kernel[(t, triton.cdiv(n, block))](x, out, x if bias is None else bias, x if ids is None else ids,
+                                                  x.stride(0), out.stride(0), 0 if bias is None else bias.stride(0),
+                                                  n, alpha, limit, ACT=act, BLOCK=block, HAS_BIAS=bias is not None)
     return out

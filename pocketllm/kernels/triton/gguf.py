@@ -86,6 +86,7 @@ _IQ3_XXS = tl.constexpr(int(T.IQ3_XXS))
 _IQ3_S = tl.constexpr(int(T.IQ3_S))
 _IQ1_S = tl.constexpr(int(T.IQ1_S))
 _IQ1_M = tl.constexpr(int(T.IQ1_M))
+_FP4_X2 = tl.constexpr(0xC8643210 - (1 << 32))  # nibble i: twice E2M1 magnitude i (an int32)
 _KS = tl.constexpr(128)  # lattice tables (_value_table): where the grid's int32 words start
 _IQ1_DELTA = tl.constexpr(float(gq.IQ1_S.delta))
 
@@ -200,11 +201,16 @@ def _iq4_nl(b, h, s, j0, mask, lut_ptr):
 
 
 @triton.jit
+def _e8m0_half(e):
+    """Half the E8M0 scale of exponent byte ``e`` (int32) as float32: ggml_e8m0_to_fp32_half (the
+    value tables hold twice the E2M1 values)."""
+    return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp4(b, h, s, j0, mask, lut_ptr):
     # h: e8m0 exponent | b: 16 bytes of nibbles indexing the value table
-    e = _u8(h, mask)
-    d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)  # ggml_e8m0_to_fp32_half
-    return _table(lut_ptr, _nibbles(b, j0, mask)), d, 0.0
+    return _table(lut_ptr, _nibbles(b, j0, mask)), _e8m0_half(_u8(h, mask)), 0.0
 
 
 @triton.jit

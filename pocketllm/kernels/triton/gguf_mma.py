@@ -28,12 +28,11 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from pocketllm.kernels.triton.gguf import _INTERPRET, _MXFP4, _Q4_K, _Q6_K, _Q8_0, _f16, _scale_min_k4, _u2f, _u8
+from pocketllm.kernels.triton.gguf import (_FP4_X2, _INTERPRET, _MXFP4, _Q4_K, _Q6_K, _Q8_0, _e8m0_half, _f16,
+                                           _scale_min_k4, _u2f, _u8)
 from pocketllm.quant.gguf_types import block_size
 
 T = GGMLQuantizationType
-
-_FP4_X2 = tl.constexpr(0xC8643210 - (1 << 32))  # nibble i: twice E2M1 magnitude i (an int32)
 
 MMA_TYPES = frozenset({T.Q4_K, T.Q6_K, T.Q8_0, T.MXFP4})  # the types with a tile decoder
 
@@ -89,9 +88,7 @@ def _tile_mxfp4(row, blk, G: tl.constexpr, hdr_start, mask):
     q = (_u8(row + b * 16 + tl.arange(0, 16)[None, None, None, :], mask) >> (4 * half)) & 15
     v = _u2f(((tl.zeros_like(q) + _FP4_X2) >> ((q & 7) * 4)) & 15)  # twice the magnitude: a nibble table
     v = (v.to(tl.int32, bitcast=True) | ((q & 8) << 28)).to(tl.float32, bitcast=True)  # the sign bit
-    e = _u8(row + hdr_start + b, mask)
-    d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-    return v * d
+    return v * _e8m0_half(_u8(row + hdr_start + b, mask))
 
 
 @triton.jit

@@ -11,8 +11,9 @@ rounding (relative ~2**-8 per block) is the price, as in llama.cpp; ``gguf_matmu
 bfloat16 / float16 activations only, float32 keeps the exact kernels.
 
 Covered (``Q8_TYPES``): Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K (the types of the Q4_K_M and IQ2_XXS
-mixes) and IQ2_XXS (signs applied to the grid bytes per byte: ``(g ^ m) + (m & 1)`` negates where
-the byte mask ``m`` is 0xFF).
+mixes), IQ2_XXS (signs applied to the grid bytes per byte: ``(g ^ m) + (m & 1)`` negates where
+the byte mask ``m`` is 0xFF) and MXFP4 (gpt-oss's experts: each nibble looked up as an int8 of
+twice its E2M1 value by byte permutes, llama.cpp's ``get_int_from_table_16``).
 
 Under ``TRITON_INTERPRET=1`` (the CPU tests) ``dp4a`` is computed by shifts: inline PTX does not
 run there.
@@ -25,8 +26,10 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from .gguf import (
+    _FP4_X2,
     _INTERPRET,
     _KS,
+    _e8m0_half,
     _f16,
     _plan,
     _reduce,
@@ -46,6 +49,7 @@ _Q6_K = tl.constexpr(int(T.Q6_K))
 _Q5_K = tl.constexpr(int(T.Q5_K))
 _Q2_K = tl.constexpr(int(T.Q2_K))
 _IQ2_XXS = tl.constexpr(int(T.IQ2_XXS))
+_MXFP4 = tl.constexpr(int(T.MXFP4))
 _LO = tl.constexpr(0x0F0F0F0F)
 _NEG32 = tl.constexpr(-0x1F1F1F20)  # 0xE0E0E0E0: four bytes of -32
 
@@ -175,6 +179,58 @@ def _q6_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
 
 
 @triton.jit
+def _fp4_bytes(q, EMU: tl.constexpr):
+    """The eight E2M1 codes of ``q`` (int32: a code per nibble) as int8s of twice their value:
+    (the low nibbles' four bytes, the high nibbles' four), byte i of each from byte i of ``q``.
+    Four table words hold 0 1 2 3 | 4 6 8 12 | -0 -1 -2 -3 | -4 -6 -8 -12; a byte permute picks by
+    a code's low 3 bits from the positive pair and from the negative pair, a third by its sign bit
+    (no selector sets bit 3, prmt's sign-replicate mode)."""
+    if EMU:
+        lo, hi, table = tl.zeros_like(q), tl.zeros_like(q), tl.zeros_like(q) + _FP4_X2
+        for i in tl.static_range(4):
+            c_lo, c_hi = (q >> (8 * i)) & 15, (q >> (8 * i + 4)) & 15
+            v_lo = (table >> ((c_lo & 7) * 4)) & 15
+            v_hi = (table >> ((c_hi & 7) * 4)) & 15
+            lo |= (tl.where(c_lo > 7, -v_lo, v_lo) & 0xFF) << (8 * i)
+            hi |= (tl.where(c_hi > 7, -v_hi, v_hi) & 0xFF) << (8 * i)
+        return lo, hi
+    else:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 m, s, m2, s2, tp0, tp1, tn0, tn1, p, n, r0, r1;
+            mov.b32 tp0, 0x03020100;
+            mov.b32 tp1, 0x0C080604;
+            mov.b32 tn0, 0xFDFEFF00;
+            mov.b32 tn1, 0xF4F8FAFC;
+            and.b32 m, $2, 0x77777777;
+            and.b32 s, $2, 0x88888888;
+            shr.u32 s, s, 1;
+            or.b32 s, s, 0x32103210;
+            prmt.b32 p, tp0, tp1, m;
+            prmt.b32 n, tn0, tn1, m;
+            prmt.b32 r0, p, n, s;
+            shr.u32 m2, m, 16;
+            shr.u32 s2, s, 16;
+            prmt.b32 p, tp0, tp1, m2;
+            prmt.b32 n, tn0, tn1, m2;
+            prmt.b32 r1, p, n, s2;
+            prmt.b32 $0, r0, r1, 0x6420;
+            prmt.b32 $1, r0, r1, 0x7531;
+            }""", "=r,=r,r", [q], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mxfp4(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
+    # 16 bytes: weight j in the low nibble of byte j, 16 + j in the high one; h: the E8M0 exponent
+    t = tl.arange(0, 4)[None, None, :]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
+    lo, hi = _fp4_bytes(q, EMU)
+    x3 = xw[:, :, None] + t
+    s = tl.sum(_dp4a(hi, _x(x3 + 4, xm[:, :, None]), _dp4a(lo, _x(x3, xm[:, :, None]), 0, EMU), EMU), axis=2)
+    return _e8m0_half(_u8(h, mask)) * _x(xd, xm) * s.to(tl.float32)
+
+
+@triton.jit
 def _byte_masks(bits):
     """Four sign bits (bits 0-3 of ``bits``) as a word of byte masks: byte j 0xFF where bit j is set
     (the four copies of the nibble, shifted by 0 / 7 / 14 / 21, never overlap)."""
@@ -241,6 +297,8 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, r
             acc += _q8_0(b, h, xw, xd, xs, mask, xm, EMU)
         elif QT == _Q4_0:
             acc += _q4_0(b, h, xw, xd, xs, mask, xm, EMU)
+        elif QT == _MXFP4:
+            acc += _mxfp4(b, h, xw, xd, xs, mask, xm, EMU)
         else:
             tl.static_assert(QT == _IQ2_XXS, "type without an int8 kernel")
             acc += _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
@@ -265,7 +323,8 @@ def _quantize_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, n_groups, stride_xm, stride_
     tl.store(xs_ptr + m * stride_xd + gi, d * tl.sum(q, axis=1, keep_dims=True), mask=ok)
 
 
-Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS})
+Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS,
+                                                        T.MXFP4})
 # Tiles as gguf.GEMV_CONFIG (BLOCK_N rows, BLOCK_K weights a row a step); per-type overrides.  The
 # fastest of `bench_triton_gguf.py --sweep --sweep-regimes gemv_q8` on the H200 over the 8B shapes
 # (results/h200-triton-gguf-q8-sweep.txt): longer steps than the float kernel's, more bytes in

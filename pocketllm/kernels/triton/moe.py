@@ -78,6 +78,82 @@ def grouped_dense_gemv(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torc
     return out
 
 
+@triton.jit
+def _top_k_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, SOFTMAX_OF_TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Token t's k experts and their weights from its router logits, largest first (the lowest
+    index first among equal ones): softmax over all experts then the top k (renormalized to sum
+    to 1 when RENORMALIZE), or SOFTMAX_OF_TOP_K the top k logits then their softmax."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    v = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    if not SOFTMAX_OF_TOP_K:
+        p = tl.exp(v - tl.max(v, 0))
+        v = p / tl.sum(p, 0)
+    j = tl.arange(0, BLOCK_K)
+    top, ids = tl.zeros((BLOCK_K,), dtype=tl.float32), tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for i in tl.static_range(K):
+        best = tl.max(v, 0)
+        pick = tl.min(tl.where(v == best, e, BLOCK_E), 0)
+        top, ids = tl.where(j == i, best, top), tl.where(j == i, pick, ids)
+        v = tl.where(e == pick, -float("inf"), v)
+    if SOFTMAX_OF_TOP_K:
+        p = tl.where(j < K, tl.exp(top - tl.max(tl.where(j < K, top, -float("inf")), 0)), 0.0)
+        top = p / tl.sum(p, 0)
+    elif RENORMALIZE:
+        top = top / tl.sum(tl.where(j < K, top, 0.0), 0)
+    tl.store(w_ptr + t * K + j, top, mask=j < K)
+    tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
+
+
+def top_k_route(logits: torch.Tensor, k: int, renormalize: bool, softmax_of_top_k: bool) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+    """(weights float32 [T, k], expert ids int64 [T, k]) from router logits [T, E], one launch:
+    what ``layers.moe.SparseMoE.route`` computes with torch's softmax and topk."""
+    t, n = logits.shape
+    w = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
+    if t:
+        _top_k_kernel[(t,)](logits, w, ids, n, logits.stride(0), K=k, BLOCK_K=triton.next_power_of_2(k),
+                            BLOCK_E=triton.next_power_of_2(n), SOFTMAX_OF_TOP_K=softmax_of_top_k,
+                            RENORMALIZE=renormalize, num_warps=1)
+    return w, ids
+
+
+@triton.jit
+def _weighted_sum_kernel(y_ptr, w_ptr, out_ptr, bias_ptr, ids_ptr, n, stride_y, stride_o, stride_b,
+                         K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[t] = sum_j w[t, j] * (y[t * K + j] (+ bias[ids[t, j]])), float32 sums in j's order."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        y = tl.load(y_ptr + (t * K + j) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + tl.load(ids_ptr + t * K + j) * stride_b + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.load(w_ptr + t * K + j) * y
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor, bias: torch.Tensor | None = None,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, N] in y's dtype: token t's k expert outputs (rows t * k .. t * k + k - 1 of ``y``, each
+    plus row ids[t, j] of ``bias`` [E, N] if given) summed with its float32 ``weights`` [T, k], one launch."""
+    t, k = weights.shape
+    n = y.shape[1]
+    assert y.shape[0] == t * k and y.stride(1) == 1, (y.shape, weights.shape)
+    assert bias is None or (bias.shape[1] == n and bias.stride(1) == 1 and ids is not None and ids.numel() == t * k)
+    out = torch.empty((t, n), dtype=y.dtype, device=y.device)
+    block = min(triton.next_power_of_2(n), 1024)
+    if t:
+        _weighted_sum_kernel[(t, triton.cdiv(n, block))](
+            y, weights.contiguous(), out, y if bias is None else bias, y if ids is None else ids.contiguous(), n,
+            y.stride(0), out.stride(0), 0 if bias is None else bias.stride(0), K=k, BLOCK=block,
+            HAS_BIAS=bias is not None)
+    return out
+
+
 class Routing(NamedTuple):
     """The (token, expert) pairs of a step sorted by expert for ``fused_moe``: ``pairs`` int32
     [blocks * block_m] (each expert's pairs from a row block's start, padded with P),
