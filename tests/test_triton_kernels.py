@@ -295,6 +295,9 @@ def test_top_k_route_is_torchs_routing(experts, k, renormalize, softmax_of_top_k
         assert torch.equal(ids, ref_ids)
         torch.testing.assert_close(w.cpu().gather(1, order), ref_w.gather(1, ref_order), atol=1e-6, rtol=1e-5)
         assert bool((w[:, :-1] >= w[:, 1:]).all())  # largest first
+    logits[0], logits[1, :2] = float("nan"), float("nan")  # broken rows: still k experts in range
+    ids = top_k_route(logits.to(DEV), k, renormalize, softmax_of_top_k)[1].cpu()
+    assert bool(((ids >= 0) & (ids < experts)).all())
 
 
 def test_weighted_sum_of_expert_outputs():

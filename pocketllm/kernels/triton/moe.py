@@ -90,11 +90,12 @@ def _top_k_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, BLOC
     if not SOFTMAX_OF_TOP_K:
         p = tl.exp(v - tl.max(v, 0))
         v = p / tl.sum(p, 0)
+    v = tl.where(v == v, v, -float("inf"))  # NaN (a broken row): still k experts in range, as torch.topk
     j = tl.arange(0, BLOCK_K)
     top, ids = tl.zeros((BLOCK_K,), dtype=tl.float32), tl.zeros((BLOCK_K,), dtype=tl.int32)
     for i in tl.static_range(K):
         best = tl.max(v, 0)
-        pick = tl.min(tl.where(v == best, e, BLOCK_E), 0)
+        pick = tl.min(tl.where((v == best) & (e < E), e, E - 1), 0)
         top, ids = tl.where(j == i, best, top), tl.where(j == i, pick, ids)
         v = tl.where(e == pick, -float("inf"), v)
     if SOFTMAX_OF_TOP_K:
