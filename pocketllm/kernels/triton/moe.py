@@ -27,7 +27,10 @@ from gguf import GGMLQuantizationType
 
 from pocketllm.quant.gguf_types import block_size
 
-DENSE_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
+# The grouped dense GEMV's tile: the fastest of benchmarks/bench_grouped_dense.py on the H200 at
+# Qwen3-30B-A3B's expert shapes (results/h200-grouped-dense-sweep.txt: 36.4 us against 48.3 for 8 x 512
+# on 4 warps; bf16 batch-1 decode 281.6 against 249.1 tok/s)
+DENSE_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, num_warps=2)
 # From this many tokens a step the expert-sorted tile kernel, below it the grouped GEMV: measured
 # on the H200 at the Qwen3-30B-A3B shapes (results/h200-fused-moe-kernels.txt), GGUF experts
 # broke even at 32 tokens and gained 1.2x at 64; dense ones gained from 16.
