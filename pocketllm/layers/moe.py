@@ -61,7 +61,8 @@ class ExpertStack:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None,
                  add_bias: bool = True) -> torch.Tensor:
-        """[P, N]: row p = x[p // x_div] @ W[ids[p]].T (+ its bias, unless the caller adds ``bias``);
+        """[P, N]: row p = x[p // x_div] @ W[ids[p]].T (+ its bias, unless ``add_bias`` is False: the
+        caller adds ``self.bias``);
         ``routing``: the pairs sorted by expert (`kernels.triton.moe.align`) for the tile kernel,
         else one launch over the pairs."""
         ys = [part(x, ids, x_div, routing, add_bias) for part in self.parts]
