@@ -134,6 +134,32 @@ def test_grouped_expert_path_equals_the_sorted_path(kind, tiny_models, tmp_path,
     assert float((logits_g - logits_s).abs().max()) < 1e-4 * float(logits_s.abs().max())
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])  # (qwen3_moe's tiny experts are 48 wide: not Q8_0)
+def test_one_call_experts_equal_the_module_loop(kind, tiny_models, tmp_path):
+    """On the CPU fast path a one-token step runs its selected experts in one C call
+    (DecodeExperts: gate/up with biases, SiLU or the clamped SwiGLU, down, the weighted sum): the
+    same greedy tokens as the experts' modules in turn, logits within float32 rounding."""
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    src = _gpt_oss_at_limit_7(tiny_models, tmp_path)[1] if kind == "gpt_oss" else tiny_models[kind][1]
+    llm = LLM(str(write_gguf(src, tmp_path / f"{kind}.Q8_0.gguf", "Q8_0").path), max_model_len=64,
+              num_kv_blocks=16, enable_prefix_caching=False)  # the same steps twice
+    blocks = [layer.mlp for layer in llm.engine.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    prompts = prompts_of([3, 11])
+    runs = []
+    for one_call in (True, False):
+        for moe in blocks:
+            moe._cpu_experts = None if one_call else False  # None: built at the first one-token step
+        with captured_logits(llm) as logits:
+            outs = [llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+                    for p in prompts]  # one sequence a step: the one-token path
+        runs.append(([o[0].outputs[0].token_ids for o in outs], torch.cat(logits)))
+        assert all(bool(moe._cpu_experts) == one_call for moe in blocks)
+    (tokens, logits), (want_tokens, want_logits) = runs
+    assert tokens == want_tokens
+    assert float((logits - want_logits).abs().max()) <= 1e-4 * float(want_logits.abs().max())
+
+
 def _copy_with_config(src, dst, **changes):
     """A copy of the checkpoint ``src`` at ``dst`` whose config.json has ``changes``."""
     shutil.copytree(src, dst)

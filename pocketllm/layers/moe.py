@@ -150,6 +150,8 @@ class SparseMoE(torch.nn.Module):
         self.experts = torch.nn.ModuleList(make_expert() for _ in range(num_experts))
         self.stacks: tuple[ExpertStack, ExpertStack] | None = None  # (gate_up, down), after loading
         self.fused_kind: str | None = None  # "gguf" / "dense" where the tile kernel covers both stacks
+        self.cpu_kernels = False  # the CPU fast path: a token's experts in one C call (DecodeExperts)
+        self._cpu_experts = None  # built at the first such step; False where the experts are not covered
 
     def finish_loading(self) -> None:
         """Stack the experts' projections where the grouped kernels take them."""
@@ -203,6 +205,13 @@ class SparseMoE(torch.nn.Module):
             "a CUDA graph was captured over more tokens than the grouped expert path takes"
         # (token, slot) pairs grouped by expert: each selected expert runs once on its tokens
         flat = ids.flatten()
+        if x.shape[0] == 1 and self.cpu_kernels and x.dtype == torch.float32:  # the experts in one C call
+            if self._cpu_experts is None:
+                from pocketllm.kernels.cpu.llama_decode import DecodeExperts
+
+                self._cpu_experts = DecodeExperts.build(self.experts) or False
+            if self._cpu_experts:
+                return self._cpu_experts(x.contiguous(), ids, weights)
         if x.shape[0] == 1:  # decode of one sequence: its k experts in turn, no grouping work
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for e, w in zip(flat.tolist(), weights[0]):

@@ -38,6 +38,7 @@ class GptOssExpert(torch.nn.Module):
         self.down_proj = Linear(i, [h], True, dtype, device, parallel="row", reduce=False)  # the MoE layer sums
         self.alpha = float(cfg.raw.get("swiglu_alpha", 1.702))
         self.limit = float(cfg.raw.get("swiglu_limit", 7.0))
+        self.act_code = 3  # kernels.triton.fused.CLAMPED_SWIGLU, and the CPU's one-call experts
         self.cpu_kernels = False  # the CPU fast path: the activation in one C call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +48,9 @@ class GptOssExpert(torch.nn.Module):
                    ids: torch.Tensor | None = None) -> torch.Tensor:
         """As `MLP.activation`, clamped SwiGLU."""
         if gate_up.is_cuda:
-            from pocketllm.kernels.triton.fused import CLAMPED_SWIGLU, gated_act
+            from pocketllm.kernels.triton.fused import gated_act
 
-            return gated_act(gate_up, CLAMPED_SWIGLU, self.alpha, self.limit, bias, ids)
+            return gated_act(gate_up, self.act_code, self.alpha, self.limit, bias, ids)
         if bias is not None:
             gate_up = gate_up + bias[ids]
         if self.cpu_kernels and gate_up.dtype == torch.float32 and gate_up.is_contiguous():

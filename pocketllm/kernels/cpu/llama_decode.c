@@ -29,6 +29,8 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
                          const float *sinks, float *out, const int64_t *slots, const int64_t *pos,
                          const float *cos_t, const float *sin_t, int nthreads);
 int cpu_gated_act(const float *gate_up, int64_t T, int64_t I, int act, float *out, int nthreads);
+int cpu_clamped_swiglu(const float *gate_up, int64_t T, int64_t I, float alpha, float limit, float *out,
+                       int nthreads);
 
 /* The structures mirror llama_decode.py's ctypes ones. */
 typedef struct {
@@ -117,5 +119,29 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
         rc = project(&L->down, act, t, x, tmp, nthreads);
     }
     free(normed); free(qkv); free(attn); free(gate_up); free(act); free(tmp);
+    return rc;
+}
+
+
+/* One token's selected experts of a mixture-of-experts block: out [h] = sum over j of
+ * w[j] * down_e(act(gate_up_e(x))), e = ids[j], in j's order, as the module path runs them (the
+ * same kernels: one call instead of a Python loop of module calls). gate_up / down: every expert's
+ * projections; act 0 SiLU, 1 GELU (tanh), 3 gpt-oss's clamped SwiGLU (alpha, limit). */
+int moe_decode_experts(const ld_proj *gate_up, const ld_proj *down, int64_t k, const int64_t *ids, const float *w,
+                       const float *x, int64_t inter, int act, float alpha, float limit, float *out, int nthreads) {
+    const int64_t h = down[0].n;
+    float *gu = malloc((size_t)(2 * inter) * sizeof(float)), *a = malloc((size_t)inter * sizeof(float));
+    float *y = malloc((size_t)h * sizeof(float));
+    int rc = gu && a && y ? 0 : -2;
+    memset(out, 0, (size_t)h * sizeof(float));
+    for (int64_t j = 0; j < k && rc == 0; j++) {
+        const int64_t e = ids[j];
+        if ((rc = project(&gate_up[e], x, 1, gu, NULL, nthreads))) break;
+        rc = act == 3 ? cpu_clamped_swiglu(gu, 1, inter, alpha, limit, a, nthreads)
+                      : cpu_gated_act(gu, 1, inter, act, a, nthreads);
+        if (rc || (rc = project(&down[e], a, 1, y, NULL, nthreads))) break;
+        for (int64_t i = 0; i < h; i++) out[i] += w[j] * y[i];
+    }
+    free(gu); free(a); free(y);
     return rc;
 }

@@ -1,5 +1,6 @@
 """A decode-only step of a Llama-family model's layers in one C call (llama_decode.c), for the
-CPU fast path: the layers' weights, norms and caches described once, in ctypes structures."""
+CPU fast path: the layers' weights, norms and caches described once, in ctypes structures; and a
+mixture-of-experts block's selected experts for one token in one call (DecodeExperts)."""
 from __future__ import annotations
 
 import ctypes
@@ -106,3 +107,40 @@ class LlamaDecoder:
                                     lens.data_ptr(), torch.get_num_threads())
         assert rc == 0, f"llama_decode failed ({rc})"
         return x, residual
+
+
+class DecodeExperts:
+    """One token's selected experts of a mixture-of-experts block (``layers.moe.SparseMoE``) in one C
+    call (moe_decode_experts): every expert's gate/up and down projections described once; build()
+    returns None where an expert is off the fast path's kernels or its activation has no C kernel."""
+
+    def __init__(self, gate_up, down, inter: int, act: int, alpha: float, limit: float, keep: list):
+        self._gate_up, self._down, self._keep = gate_up, down, keep
+        self._inter, self._act, self._alpha, self._limit = inter, act, alpha, limit
+        self._lib = load_cpu_kernels()
+
+    @classmethod
+    def build(cls, experts) -> "DecodeExperts | None":
+        e0 = experts[0]
+        act = getattr(e0, "act_code", None)  # 0 SiLU, 1 GELU (tanh), 3 clamped SwiGLU: the C activations
+        if load_cpu_kernels() is None or act not in (0, 1, 3):
+            return None
+        keep: list = []
+        gate_up = [_proj(e.gate_up_proj, keep) for e in experts]
+        down = [_proj(e.down_proj, keep) for e in experts]
+        if any(p is None for p in gate_up + down):
+            return None
+        return cls((_Proj * len(experts))(*gate_up), (_Proj * len(experts))(*down), e0.down_proj.in_features, act,
+                   getattr(e0, "alpha", 0.0), getattr(e0, "limit", 0.0), keep)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [1, hidden] float32, the token's experts ids int64 [1, k] and weights float32 [1, k] ->
+        [1, hidden]: the weighted sum of the experts' outputs."""
+        assert x.dtype == torch.float32 and x.shape[0] == 1 and x.is_contiguous()
+        ids, weights = ids.contiguous(), weights.to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        rc = self._lib.moe_decode_experts(self._gate_up, self._down, ids.numel(), ids.data_ptr(), weights.data_ptr(),
+                                          x.data_ptr(), self._inter, self._act, self._alpha, self._limit,
+                                          out.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"moe_decode_experts failed ({rc})"
+        return out
