@@ -25,7 +25,7 @@ if not layer_ops.available():
 def files(tiny_models, tmp_path_factory):
     """qwen2 with random q/k/v biases (transformers initializes them to 0) in Q8_0 and Q4_0; a llama
     with rows of 256 in Q4_K_M (Q4_K q/k with a Q6_K v: a fused projection of two types); qwen3
-    (q/k norms, which the one-call step does not cover)."""
+    (q/k norms); mixtral (a mixture of experts, which the one-call step does not cover)."""
     root = tmp_path_factory.mktemp("decode")
     qwen2 = copy.deepcopy(tiny_models["qwen2"][0])
     with torch.no_grad():
@@ -39,6 +39,7 @@ def files(tiny_models, tmp_path_factory):
         "llama256-Q4_K_M": write_gguf(make_llama256(root, num_layers=3)[1], root / "llama256.Q4_K_M.gguf",
                                       "Q4_K_M").path,
         "qwen3-Q8_0": write_gguf(tiny_models["qwen3"][1], root / "qwen3.Q8_0.gguf", "Q8_0").path,
+        "mixtral-Q8_0": write_gguf(tiny_models["mixtral"][1], root / "mixtral.Q8_0.gguf", "Q8_0").path,
     }
 
 
@@ -51,7 +52,7 @@ def generate(llm: LLM, prompts: list[list[int]], one_call: bool):
     return [o.outputs[0].token_ids for o in outs], logits, model._cpu_decoder
 
 
-@pytest.mark.parametrize("kind", ["qwen2-Q8_0", "qwen2-Q4_0", "llama256-Q4_K_M"])
+@pytest.mark.parametrize("kind", ["qwen2-Q8_0", "qwen2-Q4_0", "llama256-Q4_K_M", "qwen3-Q8_0"])
 @pytest.mark.parametrize("lengths", [[9], [1, 7, 30, 65]], ids=["one", "four"])
 def test_one_call_decode_equals_the_module_forward(files, kind, lengths):
     llm = LLM(str(files[kind]), max_model_len=128, num_kv_blocks=64, enable_prefix_caching=False)  # same steps twice
@@ -69,9 +70,9 @@ def test_one_call_decode_equals_the_module_forward(files, kind, lengths):
 
 
 def test_models_it_does_not_cover_keep_the_module_forward(files):
-    """q/k norms (Qwen3) and the exact path: no one-call step, the same tokens as ever."""
+    """A mixture of experts (Mixtral) and the exact path: no one-call step, the same tokens as ever."""
     prompts = prompts_of([5, 12])
-    fast = LLM(str(files["qwen3-Q8_0"]), max_model_len=128, num_kv_blocks=64)
+    fast = LLM(str(files["mixtral-Q8_0"]), max_model_len=128, num_kv_blocks=64)
     tokens, _, decoder = generate(fast, prompts, one_call=True)
     assert decoder is False
     assert tokens == generate(fast, prompts, one_call=False)[0]

@@ -6,7 +6,8 @@
  * modules do on this path (gguf_gemm*.c, layer_ops.c), in the modules' order, without leaving C:
  *
  *   residual = x (layer 0) or x + residual; h = rms_norm(residual)
- *   qkv = h Wqkv (+ b); rotary, cache write and attention (cpu_decode_attention); x = o Wo (+ b)
+ *   qkv = h Wqkv (+ b); q and k heads RMS-normalized where the layer has q/k norms (Qwen3);
+ *   rotary, cache write and attention (cpu_decode_attention); x = o Wo (+ b)
  *   residual = x + residual; h = rms_norm(residual)
  *   x = act(h Wgate) * (h Wup), then x Wdown (+ b)
  *
@@ -47,6 +48,7 @@ typedef struct {
 
 typedef struct {
     const float *in_norm, *post_norm; /* RMSNorm scales */
+    const float *q_norm, *k_norm;     /* per-head RMSNorm scales of the queries and keys, or NULL */
     ld_proj qkv, o, gate_up, down;
     float *k_cache, *v_cache;
     int64_t window;
@@ -108,6 +110,11 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
             cpu_rms_norm(x, residual, L->in_norm, normed, t, h, m->eps, nthreads);
         }
         if ((rc = project(&L->qkv, normed, t, qkv, tmp, nthreads))) break;
+        if (L->q_norm)  /* in place, head by head: a token's query heads, then its key heads */
+            for (int64_t r = 0; r < t; r++) {
+                cpu_rms_norm(qkv + r * qkv_w, NULL, L->q_norm, qkv + r * qkv_w, hq, d, m->eps, 1);
+                cpu_rms_norm(qkv + r * qkv_w + hq * d, NULL, L->k_norm, qkv + r * qkv_w + hq * d, hkv, d, m->eps, 1);
+            }
         if ((rc = cpu_decode_attention(qkv, qkv_w, L->k_cache, L->v_cache, m->block_size, hkv, d, hq, tables,
                                        width, lens, t, m->scale, L->window, L->softcap, NULL, attn, slots, pos,
                                        m->cos, m->sin, nthreads)))

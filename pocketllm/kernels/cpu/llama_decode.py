@@ -21,8 +21,9 @@ class _Proj(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj),
-                ("down", _Proj), ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64), ("softcap", _f32)]
+    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", _Proj),
+                ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("window", _i64), ("softcap", _f32)]
 
 
 class _Model(ctypes.Structure):
@@ -57,8 +58,9 @@ def _proj(linear, keep: list) -> _Proj | None:
 
 class LlamaDecoder:
     """Runs all decoder layers of a decode-only step; build() returns None for a model it does not
-    cover (projections off the fast path's kernels, q/k norms, activations other than SiLU and
-    tanh GELU, layers in several KV groups), which then keeps its module-by-module forward."""
+    cover (projections off the fast path's kernels, attention sinks, activations other than SiLU and
+    tanh GELU, layers in several KV groups, q/k norms of another epsilon), which then keeps its
+    module-by-module forward."""
 
     def __init__(self, spec: _Model, layers, keep: list):
         self._spec, self._layers, self._keep = spec, layers, keep
@@ -77,14 +79,16 @@ class LlamaDecoder:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             # (a mixture-of-experts block has no act_code: not covered)
-            if (attn.q_norm is not None or attn.sinks is not None or getattr(mlp, "act_code", None) not in (0, 1)
-                    or attn.scale != a0.scale):
+            if (attn.sinks is not None or getattr(mlp, "act_code", None) not in (0, 1) or attn.scale != a0.scale
+                    or attn.q_norm is not None and attn.q_norm.eps != layer.input_layernorm.eps):
                 return None
             projs = [_proj(x, keep) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):
                 return None
+            qn, kn = ((None, None) if attn.q_norm is None else
+                      (_f32_ptr(attn.q_norm.scale(), keep), _f32_ptr(attn.k_norm.scale(), keep)))
             specs.append(_Layer(_f32_ptr(layer.input_layernorm.scale(), keep),
-                                _f32_ptr(layer.post_attention_layernorm.scale(), keep), *projs,
+                                _f32_ptr(layer.post_attention_layernorm.scale(), keep), qn, kn, *projs,
                                 _f32_ptr(attn.k_cache, keep), _f32_ptr(attn.v_cache, keep),
                                 attn.window or 0, attn.softcap or 0.0))
         array = (_Layer * len(specs))(*specs)

@@ -1,12 +1,16 @@
-"""Single-stream CPU decode of a mixture-of-experts GGUF file with a token's experts in one C call
-(layers.moe.SparseMoE -> kernels.cpu.llama_decode.DecodeExperts) and without it (the experts'
-modules in turn), alternated in one process on one loaded model, the fast path, 2 threads.
+"""Single-stream CPU decode on the fast path with one of its one-C-call parts on and off, alternated
+in one process on one loaded model, 2 threads:
 
-    python benchmarks/cpu_moe_one_call.py /tmp/pocketllm-cpu-bench/gpt-oss-20b-MXFP4_MOE.gguf [--reps 3]
+- ``--part experts`` (a mixture-of-experts file): a token's selected experts in one C call
+  (layers.moe.SparseMoE -> kernels.cpu.llama_decode.DecodeExperts) or the experts' modules in turn;
+  then one block alone (layer 0's, a random hidden state, the router included), each way in turn
+  ``--block-calls`` times a round, the rounds alternated: what the one call saves, out of the
+  decode step's noise;
+- ``--part layers``: every decoder layer of a decode step in one C call (LlamaDecoder) or the
+  modules one by one.
 
-Then one block alone (layer 0's, a random hidden state, the router included), each way in turn
-``--block-calls`` times a round, the rounds alternated: what the one call saves, out of the
-decode step's noise.
+    python benchmarks/cpu_one_call.py /tmp/pocketllm-cpu-bench/gpt-oss-20b-MXFP4_MOE.gguf [--reps 3]
+    python benchmarks/cpu_one_call.py /tmp/pocketllm-cpu-bench/qwen3-0.6b-Q4_K_M.gguf --part layers --reps 7
 """
 from __future__ import annotations
 
@@ -28,13 +32,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-calls", type=int, default=200)
+    ap.add_argument("--part", choices=("experts", "layers"), default="experts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, max_model_len=512)
-    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    model = llm.engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
 
     def tok_s(one_call: bool, seed: int) -> float:
+        if args.part == "layers":
+            model._cpu_decoder = None if one_call else False  # None: built at the next decode-only step
         for m in blocks:
             m._cpu_experts = None if one_call else False  # None: built at the next one-token step
         llm.generate({"prompt_token_ids": [seed] * 16}, SamplingParams(max_tokens=2, temperature=0))  # warm-up
@@ -49,11 +57,14 @@ def main() -> None:
     env = environment()
     print(f"# {args.model}; commit {env['commit']}{' (dirty)' if env.get('dirty') else ''}, {env['machine']['cpu']}, "
           f"{args.threads} threads, {env['date']}; 16-token prompts, {args.tokens} generated, alternated")
-    for one_call, label in ((True, "experts in one C call"), (False, "experts' modules in turn")):
+    labels = {"experts": ("experts in one C call", "experts' modules in turn"),
+              "layers": ("layers in one C call", "modules one by one")}[args.part]
+    for one_call, label in zip((True, False), labels):
         print(f"{label:26s} " + " ".join(f"{v:6.2f}" for v in runs[one_call])
               + f"  median {statistics.median(runs[one_call]):.2f} tok/s")
     print(f"ratio of medians {statistics.median(runs[True]) / statistics.median(runs[False]):.3f}x")
-
+    if args.part != "experts":
+        return
     block = blocks[0]
     x = torch.randn(1, block.gate.in_features, generator=torch.Generator().manual_seed(0))
     us: dict[bool, list[float]] = {True: [], False: []}
