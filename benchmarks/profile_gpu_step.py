@@ -67,7 +67,8 @@ def main() -> None:
         }
         report["batches"][str(b)] = row
         print(f"batch {b}: step {row['step_ms']:.2f} ms ({row['tok_s']:.0f} tok/s), "
-              f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms in {row['launches_per_step']:.0f} kernels, schedule {row['schedule_ms']:.2f}, "
+              f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms in {row['launches_per_step']:.0f} kernels, "
+              f"schedule {row['schedule_ms']:.2f}, "
               f"prepare {row['prepare_ms']:.2f}, forward+sample {row['forward_and_sample_ms']:.2f}")
         for k in row["top_kernels"]:
             print(f"   {k['ms_per_step']:8.3f} ms {k['calls_per_step']:6.1f}x  {k['name']}")

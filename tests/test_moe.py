@@ -91,9 +91,9 @@ def test_grouped_expert_path_equals_the_sorted_path(kind, tiny_models, tmp_path,
     """Experts on the Triton kernels (interpreted here) are stacked after loading, one copy, and
     steps of up to GROUPED_MAX_TOKENS tokens multiply every (token, expert) pair in one launch
     (what the CUDA graphs capture), steps of FUSED_MIN_TOKENS or more (4 here) sorted by expert on
-    the device into the tile kernel, the experts' outputs summed by one kernel (gpt-oss's expert
-    biases added there and by the activation): the same greedy tokens as the sorted path on the C
-    kernels, logits within float32 rounding."""
+    the device into the tile kernel, the experts' outputs summed by one kernel (gpt-oss's down
+    projection biases added there): the same greedy tokens as the sorted path on the C kernels,
+    logits within float32 rounding."""
     from pocketllm.kernels.triton import gguf as kg
     from pocketllm.kernels.triton import moe as tmoe
     from pocketllm.loaders.gguf_writer import write_gguf

@@ -196,10 +196,12 @@ class SparseMoE(torch.nn.Module):
         if routing is not None or self.stacks is not None and t <= GROUPED_MAX_TOKENS:
             from pocketllm.kernels.triton.moe import weighted_sum
 
-            # the experts' biases added by the activation and the weighted sum, not launches of their own
+            # the experts' biases added by the weighted sum and (its kernel, on CUDA) the activation,
+            # not launches of their own
             gate_up, down = self.stacks
-            pair_ids = ids.reshape(-1)
-            h = self.experts[0].activation(gate_up(x, ids, k, routing, add_bias=False), gate_up.bias, pair_ids)
+            pair_ids, fold = ids.reshape(-1), x.is_cuda
+            h = self.experts[0].activation(gate_up(x, ids, k, routing, add_bias=not fold),
+                                           gate_up.bias if fold else None, pair_ids)
             return weighted_sum(down(h, ids, 1, routing, add_bias=False), weights, down.bias, pair_ids).to(x.dtype)
         assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), \
             "a CUDA graph was captured over more tokens than the grouped expert path takes"

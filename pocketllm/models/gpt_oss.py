@@ -51,8 +51,7 @@ class GptOssExpert(torch.nn.Module):
             from pocketllm.kernels.triton.fused import gated_act
 
             return gated_act(gate_up, self.act_code, self.alpha, self.limit, bias, ids)
-        if bias is not None:
-            gate_up = gate_up + bias[ids]
+        assert bias is None, "expert biases in the activation: the CUDA kernel's"
         if self.cpu_kernels and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
             from pocketllm.kernels.cpu import layer_ops
 

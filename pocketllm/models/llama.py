@@ -104,14 +104,13 @@ class MLP(torch.nn.Module):
 
     def activation(self, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
                    ids: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, 2I] = [gate | up] -> act(gate) * up [T, I]; ``bias`` [E, 2I]: row ids[t] added to
-        row t first (the experts' biases of a mixture-of-experts layer's pairs)."""
+        """[T, 2I] = [gate | up] -> act(gate) * up [T, I]; on CUDA ``bias`` [E, 2I]: row ids[t] added
+        to row t first (the experts' biases of a mixture-of-experts layer's pairs)."""
         if gate_up.is_cuda:
             from pocketllm.kernels.triton.fused import gated_act
 
             return gated_act(gate_up, self.act_code, bias=bias, ids=ids)
-        if bias is not None:
-            gate_up = gate_up + bias[ids]
+        assert bias is None, "expert biases in the activation: the CUDA kernel's"
         if self.cpu_kernels and self.act_code in (0, 1):
             from pocketllm.kernels.cpu import layer_ops
 

@@ -201,6 +201,12 @@ def _iq4_nl(b, h, s, j0, mask, lut_ptr):
 
 
 @triton.jit
+def _fp4_x2(c):
+    """Twice the E2M1 magnitude of FP4 codes ``c`` (int32; the sign bit 3 ignored): 0 1 2 3 4 6 8 12."""
+    return ((tl.zeros_like(c) + _FP4_X2) >> ((c & 7) * 4)) & 15
+
+
+@triton.jit
 def _e8m0_half(e):
     """Half the E8M0 scale of exponent byte ``e`` (int32) as float32: ggml_e8m0_to_fp32_half (the
     value tables hold twice the E2M1 values)."""

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from pocketllm.kernels.triton.gguf import (_FP4_X2, _INTERPRET, _MXFP4, _Q4_K, _Q6_K, _Q8_0, _e8m0_half, _f16,
+from pocketllm.kernels.triton.gguf import (_INTERPRET, _MXFP4, _Q4_K, _Q6_K, _Q8_0, _e8m0_half, _f16, _fp4_x2,
                                            _scale_min_k4, _u2f, _u8)
 from pocketllm.quant.gguf_types import block_size
 
@@ -86,7 +86,7 @@ def _tile_mxfp4(row, blk, G: tl.constexpr, hdr_start, mask):
     half = tl.arange(0, 2)[None, None, :, None]
     row, mask = row[:, :, :, None], mask[:, :, :, None]
     q = (_u8(row + b * 16 + tl.arange(0, 16)[None, None, None, :], mask) >> (4 * half)) & 15
-    v = _u2f(((tl.zeros_like(q) + _FP4_X2) >> ((q & 7) * 4)) & 15)  # twice the magnitude: a nibble table
+    v = _u2f(_fp4_x2(q))  # twice the magnitude
     v = (v.to(tl.int32, bitcast=True) | ((q & 8) << 28)).to(tl.float32, bitcast=True)  # the sign bit
     return v * _e8m0_half(_u8(row + hdr_start + b, mask))
 

@@ -26,11 +26,11 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from .gguf import (
-    _FP4_X2,
     _INTERPRET,
     _KS,
     _e8m0_half,
     _f16,
+    _fp4_x2,
     _plan,
     _reduce,
     _scale_min_k4,
@@ -186,13 +186,11 @@ def _fp4_bytes(q, EMU: tl.constexpr):
     a code's low 3 bits from the positive pair and from the negative pair, a third by its sign bit
     (no selector sets bit 3, prmt's sign-replicate mode)."""
     if EMU:
-        lo, hi, table = tl.zeros_like(q), tl.zeros_like(q), tl.zeros_like(q) + _FP4_X2
+        lo, hi = tl.zeros_like(q), tl.zeros_like(q)
         for i in tl.static_range(4):
             c_lo, c_hi = (q >> (8 * i)) & 15, (q >> (8 * i + 4)) & 15
-            v_lo = (table >> ((c_lo & 7) * 4)) & 15
-            v_hi = (table >> ((c_hi & 7) * 4)) & 15
-            lo |= (tl.where(c_lo > 7, -v_lo, v_lo) & 0xFF) << (8 * i)
-            hi |= (tl.where(c_hi > 7, -v_hi, v_hi) & 0xFF) << (8 * i)
+            lo |= (tl.where(c_lo > 7, -_fp4_x2(c_lo), _fp4_x2(c_lo)) & 0xFF) << (8 * i)
+            hi |= (tl.where(c_hi > 7, -_fp4_x2(c_hi), _fp4_x2(c_hi)) & 0xFF) << (8 * i)
         return lo, hi
     else:
         return tl.inline_asm_elementwise(
