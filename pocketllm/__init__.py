@@ -1,10 +1,20 @@
 """PocketLLM: an LLM inference engine for open-weight models on CPUs and NVIDIA GPUs."""
-from pocketllm.config import EngineArgs
-from pocketllm.errors import ConfigurationError, RequestError, UnsupportedFeatureError
-from pocketllm.llm import LLM
-from pocketllm.logging_config import configure_logging
-from pocketllm.outputs import CompletionOutput, RequestOutput
-from pocketllm.sampling_params import SamplingParams
+import os
+import sys
+
+# After each parallel region libgomp's threads spin ~300,000 times before they sleep. Next to other
+# busy programs that spinning holds cores our own threads then wait for: single-stream decode fell
+# to 0.1-0.3x of its idle speed, where 30,000 spins kept ~0.2-0.6x and the idle speed
+# (benchmarks/results/cpu-under-load.md). Read once, when torch loads libgomp; a user's setting wins.
+if "torch" not in sys.modules and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
+    os.environ["GOMP_SPINCOUNT"] = "30000"
+
+from pocketllm.config import EngineArgs  # noqa: E402
+from pocketllm.errors import ConfigurationError, RequestError, UnsupportedFeatureError  # noqa: E402
+from pocketllm.llm import LLM  # noqa: E402
+from pocketllm.logging_config import configure_logging  # noqa: E402
+from pocketllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pocketllm.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -129,8 +129,8 @@ def test_decode_attention_is_batch_invariant():
                                                   (None, None, True)])
 @pytest.mark.parametrize("decodes", [[300], [1, 290], [64, 64, 64]])
 def test_long_contexts_split_among_threads(decodes, window, softcap, sinks):
-    """Fewer queries than threads: each query's context is split in chunks whose partial softmax
-    results are merged (4 threads here; chunks of at least 64 positions), a sink with them."""
+    """Each query's context is split in chunks (at least 64 positions each) whose partial softmax
+    results are merged, a sink with them; 4 threads share the chunks."""
     bs, nb, hq, hkv, d = 16, 48, 6, 2, 32
     meta, t = step_metadata(decodes, [], bs, nb)
     caches = randn(2, nb, bs, hkv, d)

@@ -98,10 +98,12 @@ static inline float exp_approx(float x) {
  * caller has done both.
  * Tasks are (query, chunk of its context) with all heads: a task reads whole cache rows (every
  * head of a position is adjacent), in order, which the prefetchers stream; a query's context is
- * split into up to `nthreads` chunks of at least MIN_CHUNK positions. Each chunk keeps its unnormalized output,
- * maximum and sum per head, merged at the end (flash decoding's split). Weights below e^-80 of
- * the maximum count as 0: no denormal arithmetic. */
+ * split into chunks of at least MIN_CHUNK positions, a power of two of them up to MAX_CHUNKS (even
+ * shares for 2, 4, 8 ... threads). Each chunk keeps its unnormalized output, maximum and sum per
+ * head, merged at the end (flash decoding's split). Weights below e^-80 of the maximum count as 0:
+ * no denormal arithmetic. */
 #define MIN_CHUNK 64
+#define MAX_CHUNKS 8
 static inline const float *cache_row(const float *cache, const int64_t *table, int64_t p, int64_t bs, int64_t row) {
     return cache + (table[p / bs] * bs + p % bs) * row;
 }
@@ -228,16 +230,17 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
             memcpy(k_cache + slots[i] * row, k, (size_t)row * sizeof(float));
             memcpy(v_cache + slots[i] * row, v, (size_t)row * sizeof(float));
         }
-    /* A row's chunks follow from its own context length alone, never from the rest of the batch:
-     * a query's output is the same bits whatever else the step holds (a speculative step's
-     * rows against plain decoding, one sequence against many). */
+    /* A row's chunks follow from its own context length alone, never from the rest of the batch
+     * or the thread count: a query's output is the same bits whatever else the step holds (a
+     * speculative step's rows against plain decoding, one sequence against many) and on any
+     * number of threads. */
     int64_t *first = malloc((size_t)(n + 1) * sizeof(int64_t)), most = 1;  /* first[i]: row i's first task */
     if (!first) return -2;
     first[0] = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t m = window > 0 && lens[i] > window ? window : lens[i];
-        int64_t chunks = m / MIN_CHUNK < nthreads ? m / MIN_CHUNK : nthreads;
-        chunks = chunks > 1 ? chunks : 1;
+        int64_t chunks = 1;
+        while (chunks < MAX_CHUNKS && 2 * chunks * MIN_CHUNK <= m) chunks *= 2;
         first[i + 1] = first[i] + chunks;
         most = (m + chunks - 1) / chunks > most ? (m + chunks - 1) / chunks : most;
     }
@@ -304,17 +307,17 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
                 }
         }
         free(scores);
-    }
-    /* merge the chunks: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c; a sink is one more
-     * chunk of maximum sink, sum 1 and no output */
-    for (int64_t i = 0; i < n && !failed; i++)
-        for (int64_t hh = 0; hh < hq; hh++) {
+        /* merge the chunks (after the loop's barrier): out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c;
+         * a sink is one more chunk of maximum sink, sum 1 and no output */
+        #pragma omp for schedule(static)
+        for (int64_t ih = 0; ih < (failed ? 0 : n * hq); ih++) {
+            const int64_t i = ih / hq, hh = ih % hq;
             float M = sinks ? sinks[hh] : -INFINITY, den = 0.f;
             for (int64_t t = first[i]; t < first[i + 1]; t++) {
                 const float m = part[t * hq * (d + 2) + hq * d + hh];
                 M = m > M ? m : M;
             }
-            float *dst = out + (i * hq + hh) * d;
+            float *dst = out + ih * d;
             memset(dst, 0, (size_t)d * sizeof(float));
             if (sinks) den += expf(sinks[hh] - M);
             for (int64_t t = first[i]; t < first[i + 1]; t++) {
@@ -327,6 +330,7 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
             const float inv = 1.f / den;
             for (int64_t e = 0; e < d; e++) dst[e] *= inv;
         }
+    }
     free(part);
     free(task_row);
     free(first);
