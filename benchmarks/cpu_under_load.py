@@ -53,7 +53,7 @@ def pocketllm(path: Path, exact: bool, env: dict, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the default model)")
-    ap.add_argument("--loads", nargs="+", default=["busy", "omp"], choices=sorted(LOADS))
+    ap.add_argument("--loads", nargs="*", default=["busy", "omp"], choices=sorted(LOADS))
     ap.add_argument("--envs", nargs="+", default=["default", "GOMP_SPINCOUNT=300000"],
                     help="PocketLLM's OpenMP settings: default (its own), or NAME=VALUE[,NAME=VALUE...] "
                          "(GOMP_SPINCOUNT=300000 is libgomp's default)")

@@ -3,9 +3,10 @@ import os
 import sys
 
 # After each parallel region libgomp's threads spin ~300,000 times before they sleep. Next to other
-# busy programs that spinning holds cores our own threads then wait for: single-stream decode fell
-# to 0.1-0.3x of its idle speed, where 30,000 spins kept ~0.2-0.6x and the idle speed
-# (benchmarks/results/cpu-under-load.md). Read once, when torch loads libgomp; a user's setting wins.
+# busy programs that spinning holds the cores our own threads then wait for: with a busy process per
+# core, single-stream decode ran at 0.19x of its idle speed with 300,000 spins and 0.50x with 30,000,
+# whose idle speed is the same (benchmarks/results/cpu-under-load*.md). libgomp reads it once, when
+# torch loads it; a user's setting wins.
 if "torch" not in sys.modules and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
     os.environ["GOMP_SPINCOUNT"] = "30000"
 

@@ -6,10 +6,9 @@ import pytest
 
 # xdist workers that together fill the cores get one OpenMP team's share each, and so do the
 # servers they start (they inherit the variable). Teams of the cores' size in every worker spin
-# against each other: the suite ran 789 s that way on 2 cores against 428 s with one thread a
-# worker, and one server's request under that contention took over 120 s instead of 4.5 s.
-# Before torch is imported, which reads the variable once. The kernels' results at other thread
-# counts are tested explicitly (test_cpu_threads.py).
+# against each other: on 2 cores the suite took 789 s that way against ~400 s with one thread a
+# worker, and a server's 4.5 s request once ran past its client's 120 s timeout. Set before torch
+# is imported, which reads it once. Other thread counts are tested in test_cpu_threads.py.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))

@@ -423,7 +423,7 @@ def test_sigterm_drains(servers):
             started.wait()
             events[name] += [line[6:] for line in lines if line.startswith("data: ")]
 
-    threads = [threading.Thread(target=stream, args=("short", 100)),
+    threads = [threading.Thread(target=stream, args=("short", 20)),
                threading.Thread(target=stream, args=("long", 4000))]
     for t in threads:
         t.start()
