@@ -1,6 +1,6 @@
 """Single-stream decode on a CPU that other programs also use: PocketLLM (fast and exact paths,
-under OpenMP settings such as the wait policy) and llama.cpp on the same GGUF file, idle and under loads of one
-busy process per core.
+under OpenMP settings such as the spin count) and llama.cpp on the same GGUF file, idle and next
+to one busy process per core.
 
 Loads: `busy`, a Python loop per core (a program that computes and never syncs); `omp`, a process
 per core running torch matmuls on all the cores' threads (another OpenMP program, whose threads
@@ -21,25 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from cpu_vs_llamacpp import model_file
 from llamacpp import bin_dir, llama_bench, run
 
 from pocketllm.bench.report import environment
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 LOADS = {
     "busy": "while True: pass",
     "omp": ("import torch\na = torch.randn(384, 384)\n"
             "while True:\n    a = torch.tanh(a @ a / 20)\n    b = torch.randn(4096).sum()"),
 }
-
-
-def default_model() -> Path:
-    shared = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if shared.is_file():
-        return shared
-    from pocketllm.pull import pull_default_model
-    return Path(pull_default_model())
 
 
 def pocketllm(path: Path, exact: bool, env: dict, reps: int) -> float:
@@ -61,7 +53,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu-under-load.json")
     args = ap.parse_args()
-    path = args.model or default_model()
+    path = args.model or model_file("Q4_1", Path(tempfile.gettempdir()), bin_dir())  # the default model
     cores = len(os.sched_getaffinity(0))
     have_peer = (bin_dir() / "llama-bench").exists()
     report = {**environment(), "command": " ".join(["python", *sys.argv]), "model": path.name, "cores": cores,
