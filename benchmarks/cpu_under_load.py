@@ -24,6 +24,7 @@ from pathlib import Path
 from cpu_vs_llamacpp import model_file
 from llamacpp import bin_dir, llama_bench, run
 
+from pocketllm import OPENMP_SPINS
 from pocketllm.bench.report import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -93,7 +94,7 @@ def markdown(report: dict) -> str:
              f"{' (dirty)' if report['dirty'] else ''}, {report['date']}. Decode tok/s (tg64); in brackets the "
              f"share of the first idle row's figure. Loads: one process per core (`busy`: a Python loop; `omp`: "
              f"torch matmuls on {report['cores']} threads). `default`: PocketLLM's own OpenMP settings "
-             f"(GOMP_SPINCOUNT=30000); libgomp's own spin count is 300000.", f"Command: `{report['command']}`", "",
+             f"(GOMP_SPINCOUNT={OPENMP_SPINS}); libgomp's own spin count is 300000.", f"Command: `{report['command']}`", "",
              "| load | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     idle = report["rows"][0]
     for row in report["rows"]:

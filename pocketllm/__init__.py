@@ -7,8 +7,9 @@ import sys
 # core, single-stream decode ran at 0.19x of its idle speed with 300,000 spins and 0.50x with 30,000,
 # whose idle speed is the same (benchmarks/results/cpu-under-load*.md). libgomp reads it once, when
 # torch loads it; a user's setting wins.
+OPENMP_SPINS = 30000
 if "torch" not in sys.modules and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
-    os.environ["GOMP_SPINCOUNT"] = "30000"
+    os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPINS)
 
 from pocketllm.config import EngineArgs  # noqa: E402
 from pocketllm.errors import ConfigurationError, RequestError, UnsupportedFeatureError  # noqa: E402

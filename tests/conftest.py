@@ -6,9 +6,10 @@ import pytest
 
 # xdist workers that together fill the cores get one OpenMP team's share each, and so do the
 # servers they start (they inherit the variable). Teams of the cores' size in every worker spin
-# against each other: on 2 cores the suite took 789 s that way against ~400 s with one thread a
-# worker, and a server's 4.5 s request once ran past its client's 120 s timeout. Set before torch
-# is imported, which reads it once. Other thread counts are tested in test_cpu_threads.py.
+# against each other: on 2 cores the suite took 857 s that way against 401-436 s with one thread a
+# worker, and a server's 4.8 s request once ran past its client's 120 s timeout
+# (benchmarks/results/cpu-test-suite-threads.txt). Set before torch is imported, which reads it
+# once. Other thread counts are tested in test_cpu_threads.py.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))

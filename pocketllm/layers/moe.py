@@ -205,8 +205,6 @@ class SparseMoE(torch.nn.Module):
             return weighted_sum(down(h, ids, 1, routing, add_bias=False), weights, down.bias, pair_ids).to(x.dtype)
         assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), \
             "a CUDA graph was captured over more tokens than the grouped expert path takes"
-        # (token, slot) pairs grouped by expert: each selected expert runs once on its tokens
-        flat = ids.flatten()
         if x.shape[0] == 1 and self.cpu_kernels and x.dtype == torch.float32:  # the experts in one C call
             if self._cpu_experts is None:
                 from pocketllm.kernels.cpu.llama_decode import DecodeExperts
@@ -214,6 +212,8 @@ class SparseMoE(torch.nn.Module):
                 self._cpu_experts = DecodeExperts.build(self.experts) or False
             if self._cpu_experts:
                 return self._cpu_experts(x.contiguous(), ids, weights)
+        # (token, slot) pairs grouped by expert: each selected expert runs once on its tokens
+        flat = ids.flatten()
         if x.shape[0] == 1:  # decode of one sequence: its k experts in turn, no grouping work
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for e, w in zip(flat.tolist(), weights[0]):

@@ -140,7 +140,7 @@ class DecodeExperts:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [1, hidden] float32, the token's experts ids int64 [1, k] and weights float32 [1, k] ->
         [1, hidden]: the weighted sum of the experts' outputs."""
-        assert x.dtype == torch.float32 and x.shape[0] == 1 and x.is_contiguous()
+        assert x.dtype == torch.float32 and x.shape[0] == 1 and x.is_contiguous() and ids.dtype == torch.int64
         ids, weights = ids.contiguous(), weights.to(torch.float32).contiguous()
         out = torch.empty_like(x)
         rc = self._lib.moe_decode_experts(self._gate_up, self._down, ids.numel(), ids.data_ptr(), weights.data_ptr(),
