@@ -10,16 +10,19 @@ weights.  Per sub-block the integer sum is scaled once in float.  Not exact: the
 rounding (relative ~2**-8 per block) is the price, as in llama.cpp; ``gguf_matmul`` uses this for
 bfloat16 / float16 activations only, float32 keeps the exact kernels.
 
-Covered (``Q8_TYPES``): Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K (the types of the Q4_K_M and IQ2_XXS
-mixes), IQ2_XXS (signs applied to the grid bytes per byte: ``(g ^ m) + (m & 1)`` negates where
-the byte mask ``m`` is 0xFF) and MXFP4 (gpt-oss's experts: each nibble looked up as an int8 of
-twice its E2M1 value by byte permutes, llama.cpp's ``get_int_from_table_16``).
+Covered (``Q8_TYPES``): the legacy types but Q8_1 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the fifth bits
+of Q5_0 / Q5_1 spread into the bytes by one multiply), Q2_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS
+(each nibble looked up as an int8 of the type's table by byte permutes, llama.cpp's
+``get_int_from_table_16``), IQ2_XXS (signs applied to the grid bytes per byte: ``(g ^ m) + (m & 1)``
+negates where the byte mask ``m`` is 0xFF) and MXFP4 (gpt-oss's experts: the same table lookup,
+twice the E2M1 values).
 
 Under ``TRITON_INTERPRET=1`` (the CPU tests) ``dp4a`` is computed by shifts: inline PTX does not
 run there.
 """
 from __future__ import annotations
 
+import gguf.quants as gq
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +33,6 @@ from .gguf import (
     _KS,
     _e8m0_half,
     _f16,
-    _fp4_x2,
     _plan,
     _reduce,
     _scale_min_k4,
@@ -43,6 +45,11 @@ from .gguf import (
 T = GGMLQuantizationType
 
 _Q4_0 = tl.constexpr(int(T.Q4_0))
+_Q4_1 = tl.constexpr(int(T.Q4_1))
+_Q5_0 = tl.constexpr(int(T.Q5_0))
+_Q5_1 = tl.constexpr(int(T.Q5_1))
+_IQ4_NL = tl.constexpr(int(T.IQ4_NL))
+_IQ4_XS = tl.constexpr(int(T.IQ4_XS))
 _Q8_0 = tl.constexpr(int(T.Q8_0))
 _Q4_K = tl.constexpr(int(T.Q4_K))
 _Q6_K = tl.constexpr(int(T.Q6_K))
@@ -94,6 +101,72 @@ def _q4_0(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     s = _dp4a(q & _LO, _x(x3, xm[:, :, None]), 0, EMU)
     s = tl.sum(_dp4a((q >> 4) & _LO, _x(x3 + 4, xm[:, :, None]), s, EMU), axis=2)
     return _f16(h, mask) * (_x(xd, xm) * s.to(tl.float32) - 8.0 * _x(xs, xm))
+
+
+@triton.jit
+def _q4_1(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
+    # as Q4_0, codes 0..15; h: fp16 d, fp16 m (w = d * q + m)
+    t = tl.arange(0, 4)[None, None, :]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
+    x3 = xw[:, :, None] + t
+    s = _dp4a(q & _LO, _x(x3, xm[:, :, None]), 0, EMU)
+    s = tl.sum(_dp4a((q >> 4) & _LO, _x(x3 + 4, xm[:, :, None]), s, EMU), axis=2)
+    return _f16(h, mask) * _x(xd, xm) * s.to(tl.float32) + _f16(h + 2, mask) * _x(xs, xm)
+
+
+@triton.jit
+def _fifth_bits(bits):
+    """Bits 0-3 of ``bits`` as bit 4 of bytes 0-3 (the copies of the nibble, shifted by 0 / 7 / 14
+    / 21, never overlap)."""
+    return (((bits & 15) * 0x00204081) & 0x01010101) << 4
+
+
+@triton.jit
+def _q5_01(b, h, xw, xd, xs, mask, xm, HAS_M: tl.constexpr, EMU: tl.constexpr):
+    # Q5_0: h: fp16 d, then 32 bits of fifth bits (bit j for weight j; 2-aligned); w = d * (q - 16).
+    # Q5_1 (HAS_M): h: fp16 d, fp16 m, the fifth bits; w = d * q + m.  Body as Q4_0's.
+    t = tl.arange(0, 4)[None, None, :]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
+    hq = h + 4 if HAS_M else h + 2
+    qh = (tl.load(hq.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
+          | (tl.load((hq + 2).to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32) << 16))[:, :, None]
+    x3 = xw[:, :, None] + t
+    s = _dp4a((q & _LO) | _fifth_bits(qh >> (4 * t)), _x(x3, xm[:, :, None]), 0, EMU)
+    s = tl.sum(_dp4a(((q >> 4) & _LO) | _fifth_bits(qh >> (4 * t + 16)), _x(x3 + 4, xm[:, :, None]), s, EMU), axis=2)
+    d = _f16(h, mask)
+    if HAS_M:
+        return d * _x(xd, xm) * s.to(tl.float32) + _f16(h + 2, mask) * _x(xs, xm)
+    else:
+        return d * (_x(xd, xm) * s.to(tl.float32) - 16.0 * _x(xs, xm))
+
+
+@triton.jit
+def _iq4_nl(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # 16 bytes of 4-bit indices into IQ4_NL's table (low nibbles weights 0-15); h: fp16 d
+    t = tl.arange(0, 4)[None, None, :]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
+    lo, hi = _table_bytes(q, lut_ptr, _IQ4_ASM, EMU)
+    x3 = xw[:, :, None] + t
+    s = tl.sum(_dp4a(hi, _x(x3 + 4, xm[:, :, None]), _dp4a(lo, _x(x3, xm[:, :, None]), 0, EMU), EMU), axis=2)
+    return _f16(h, mask) * _x(xd, xm) * s.to(tl.float32)
+
+
+@triton.jit
+def _iq4_xs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # 8 sub-blocks of 32 as IQ4_NL's (16 bytes each); h: fp16 d, 16 bits of the scales' high 2 bits,
+    # 4 bytes of their low 4 bits; sub-block j's scale d * (ls - 32)
+    j = tl.arange(0, 8)[None, None, :, None]
+    t = tl.arange(0, 4)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None, None] + 4 * j + t, mask=m4, other=0)
+    lo, hi = _table_bytes(q, lut_ptr, _IQ4_ASM, EMU)
+    x4 = xw[:, :, None, None] + 8 * j + t
+    s = tl.sum(_dp4a(hi, _x(x4 + 4, xm4), _dp4a(lo, _x(x4, xm4), 0, EMU), EMU), axis=3, keep_dims=True)
+    h4 = h[:, :, None, None]
+    sh = tl.load((h4 + 2).to(tl.pointer_type(tl.uint16)), mask=m4, other=0).to(tl.int32)
+    ls = ((_u8(h4 + 4 + j // 2, m4) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+    r = _u2f(ls, 32.0) * _x(xd[:, :, None, None] + j, xm4) * s.to(tl.float32)
+    return _f16(h, mask) * tl.sum(tl.sum(r, axis=3), axis=2)
 
 
 @triton.jit
@@ -178,28 +251,15 @@ def _q6_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     return tl.sum(tl.sum(tl.sum(d * r, axis=4), axis=3), axis=2)
 
 
-@triton.jit
-def _fp4_bytes(q, EMU: tl.constexpr):
-    """The eight E2M1 codes of ``q`` (int32: a code per nibble) as int8s of twice their value:
-    (the low nibbles' four bytes, the high nibbles' four), byte i of each from byte i of ``q``.
-    Four table words hold 0 1 2 3 | 4 6 8 12 | -0 -1 -2 -3 | -4 -6 -8 -12; a byte permute picks by
-    a code's low 3 bits from the positive pair and from the negative pair, a third by its sign bit
-    (no selector sets bit 3, prmt's sign-replicate mode)."""
-    if EMU:
-        lo, hi = tl.zeros_like(q), tl.zeros_like(q)
-        for i in tl.static_range(4):
-            c_lo, c_hi = (q >> (8 * i)) & 15, (q >> (8 * i + 4)) & 15
-            lo |= (tl.where(c_lo > 7, -_fp4_x2(c_lo), _fp4_x2(c_lo)) & 0xFF) << (8 * i)
-            hi |= (tl.where(c_hi > 7, -_fp4_x2(c_hi), _fp4_x2(c_hi)) & 0xFF) << (8 * i)
-        return lo, hi
-    else:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 m, s, m2, s2, tp0, tp1, tn0, tn1, p, n, r0, r1;
-            mov.b32 tp0, 0x03020100;
-            mov.b32 tp1, 0x0C080604;
-            mov.b32 tn0, 0xFDFEFF00;
-            mov.b32 tn1, 0xF4F8FAFC;
+def _table_asm(words: tuple[int, int, int, int]) -> str:
+    """PTX for ``_table_bytes`` with a table of 16 int8 values in four little-endian words."""
+    w = [f"0x{v & 0xFFFFFFFF:08X}" for v in words]
+    return f"""{{
+            .reg .b32 tp0, tp1, tn0, tn1, m, s, p, n, r0, r1, m2, s2;
+            mov.b32 tp0, {w[0]};
+            mov.b32 tp1, {w[1]};
+            mov.b32 tn0, {w[2]};
+            mov.b32 tn1, {w[3]};
             and.b32 m, $2, 0x77777777;
             and.b32 s, $2, 0x88888888;
             shr.u32 s, s, 1;
@@ -214,15 +274,44 @@ def _fp4_bytes(q, EMU: tl.constexpr):
             prmt.b32 r1, p, n, s2;
             prmt.b32 $0, r0, r1, 0x6420;
             prmt.b32 $1, r0, r1, 0x7531;
-            }""", "=r,=r,r", [q], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            }}"""
+
+
+def _table_words(values) -> tuple[int, int, int, int]:
+    b = bytes(int(v) & 0xFF for v in values)
+    return tuple(int.from_bytes(b[4 * i:4 * i + 4], "little") for i in range(4))
+
+
+# MXFP4: twice the E2M1 values, 0 1 2 3 4 6 8 12 and their negatives; IQ4_NL (and IQ4_XS): its 16 values
+_MXFP4_ASM = tl.constexpr(_table_asm(_table_words([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])))
+_IQ4_ASM = tl.constexpr(_table_asm(_table_words(gq.IQ4_NL.kvalues)))
 
 
 @triton.jit
-def _mxfp4(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
+def _table_bytes(q, lut_ptr, ASM: tl.constexpr, EMU: tl.constexpr):
+    """The eight 4-bit codes of ``q`` (int32: a code per nibble) looked up in a table of 16 int8
+    values: (the low nibbles' four bytes, the high nibbles' four), byte i of each from byte i of
+    ``q``.  On the GPU four byte permutes pick by a code's low 3 bits from the table's first and
+    last eight values, a fifth by its bit 3 (no selector sets bit 3, prmt's sign-replicate mode),
+    two more put the bytes in order (llama.cpp's ``get_int_from_table_16``); under the
+    interpreter the values come from ``lut_ptr`` (the float32 table of the type)."""
+    if EMU:
+        lo, hi = tl.zeros_like(q), tl.zeros_like(q)
+        for i in tl.static_range(4):
+            c_lo, c_hi = (q >> (8 * i)) & 15, (q >> (8 * i + 4)) & 15
+            lo |= (tl.load(lut_ptr + c_lo).to(tl.int32) & 0xFF) << (8 * i)
+            hi |= (tl.load(lut_ptr + c_hi).to(tl.int32) & 0xFF) << (8 * i)
+        return lo, hi
+    else:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r", [q], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mxfp4(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     # 16 bytes: weight j in the low nibble of byte j, 16 + j in the high one; h: the E8M0 exponent
     t = tl.arange(0, 4)[None, None, :]
     q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
-    lo, hi = _fp4_bytes(q, EMU)
+    lo, hi = _table_bytes(q, lut_ptr, _MXFP4_ASM, EMU)
     x3 = xw[:, :, None] + t
     s = tl.sum(_dp4a(hi, _x(x3 + 4, xm[:, :, None]), _dp4a(lo, _x(x3, xm[:, :, None]), 0, EMU), EMU), axis=2)
     return _e8m0_half(_u8(h, mask)) * _x(xd, xm) * s.to(tl.float32)
@@ -296,7 +385,17 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, r
         elif QT == _Q4_0:
             acc += _q4_0(b, h, xw, xd, xs, mask, xm, EMU)
         elif QT == _MXFP4:
-            acc += _mxfp4(b, h, xw, xd, xs, mask, xm, EMU)
+            acc += _mxfp4(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _Q4_1:
+            acc += _q4_1(b, h, xw, xd, xs, mask, xm, EMU)
+        elif QT == _Q5_0:
+            acc += _q5_01(b, h, xw, xd, xs, mask, xm, False, EMU)
+        elif QT == _Q5_1:
+            acc += _q5_01(b, h, xw, xd, xs, mask, xm, True, EMU)
+        elif QT == _IQ4_NL:
+            acc += _iq4_nl(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _IQ4_XS:
+            acc += _iq4_xs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
         else:
             tl.static_assert(QT == _IQ2_XXS, "type without an int8 kernel")
             acc += _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
@@ -321,8 +420,8 @@ def _quantize_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, n_groups, stride_xm, stride_
     tl.store(xs_ptr + m * stride_xd + gi, d * tl.sum(q, axis=1, keep_dims=True), mask=ok)
 
 
-Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ2_XXS,
-                                                        T.MXFP4})
+Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K,
+                                                        T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.MXFP4})
 # Tiles as gguf.GEMV_CONFIG (BLOCK_N rows, BLOCK_K weights a row a step); per-type overrides.  The
 # fastest of `bench_triton_gguf.py --sweep --sweep-regimes gemv_q8` on the H200 over the 8B shapes
 # (results/h200-triton-gguf-q8-sweep.txt): longer steps than the float kernel's, more bytes in
