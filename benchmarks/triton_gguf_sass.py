@@ -68,7 +68,7 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
         consts = dict(**targs, BLOCK_N=c["BLOCK_N"], **extra)
     else:
         consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=bpi, **extra)
-    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*i32" if qtype in kg._LATTICE else "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
             "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i64", "pairs_ptr": "*i32",
             "experts_ptr": "*i32"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}

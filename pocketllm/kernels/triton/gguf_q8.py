@@ -10,12 +10,13 @@ weights.  Per sub-block the integer sum is scaled once in float.  Not exact: the
 rounding (relative ~2**-8 per block) is the price, as in llama.cpp; ``gguf_matmul`` uses this for
 bfloat16 / float16 activations only, float32 keeps the exact kernels.
 
-Covered (``Q8_TYPES``): the legacy types but Q8_1 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the fifth bits
-of Q5_0 / Q5_1 spread into the bytes by one multiply), Q2_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS
-(each nibble looked up as an int8 of the type's table by byte permutes, llama.cpp's
-``get_int_from_table_16``), IQ2_XXS (signs applied to the grid bytes per byte: ``(g ^ m) + (m & 1)``
-negates where the byte mask ``m`` is 0xFF) and MXFP4 (gpt-oss's experts: the same table lookup,
-twice the E2M1 values).
+Covered (``Q8_TYPES``): every quantized type of ``TRITON_GGUF_TYPES`` but IQ1_S and IQ1_M. The
+legacy types (Q5_0 / Q5_1's fifth bits spread into the bytes by one multiply), the K types (Q3_K's
+codes - 4 as a dp4a of -4s beside the codes'), IQ4_NL, IQ4_XS and MXFP4 (each nibble looked up as an
+int8 of the type's table by byte permutes, llama.cpp's ``get_int_from_table_16``: MXFP4's table
+holds twice the E2M1 values), and the lattice types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (grid
+words gathered from the type's table, their bytes negated per sign bit as ``(g ^ m) + (m & 1)`` with
+``m`` the sign bits expanded to byte masks in registers, 0xFF where set).
 
 Under ``TRITON_INTERPRET=1`` (the CPU tests) ``dp4a`` is computed by shifts: inline PTX does not
 run there.
@@ -30,6 +31,7 @@ from gguf import GGMLQuantizationType
 
 from .gguf import (
     _INTERPRET,
+    _IQ1_DELTA,
     _KS,
     _e8m0_half,
     _f16,
@@ -38,6 +40,7 @@ from .gguf import (
     _scale_min_k4,
     _u2f,
     _u8,
+    _u16,
     _u32,
     _value_table,
 )
@@ -46,6 +49,13 @@ T = GGMLQuantizationType
 
 _Q4_0 = tl.constexpr(int(T.Q4_0))
 _Q4_1 = tl.constexpr(int(T.Q4_1))
+_Q3_K = tl.constexpr(int(T.Q3_K))
+_IQ2_XS = tl.constexpr(int(T.IQ2_XS))
+_IQ2_S = tl.constexpr(int(T.IQ2_S))
+_IQ3_XXS = tl.constexpr(int(T.IQ3_XXS))
+_IQ3_S = tl.constexpr(int(T.IQ3_S))
+_IQ1_S = tl.constexpr(int(T.IQ1_S))
+_IQ1_M = tl.constexpr(int(T.IQ1_M))
 _Q5_0 = tl.constexpr(int(T.Q5_0))
 _Q5_1 = tl.constexpr(int(T.Q5_1))
 _IQ4_NL = tl.constexpr(int(T.IQ4_NL))
@@ -59,6 +69,7 @@ _IQ2_XXS = tl.constexpr(int(T.IQ2_XXS))
 _MXFP4 = tl.constexpr(int(T.MXFP4))
 _LO = tl.constexpr(0x0F0F0F0F)
 _NEG32 = tl.constexpr(-0x1F1F1F20)  # 0xE0E0E0E0: four bytes of -32
+_NEG4 = tl.constexpr(-0x03030304)  # 0xFCFCFCFC: four bytes of -4
 
 
 @triton.jit
@@ -219,6 +230,30 @@ def _q2_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
 
 
 @triton.jit
+def _q3_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
+    # group m of 32 (half m // 4 of 128): 2-bit field m % 4 of qs bytes 32 * (m // 4) + l and bit m
+    # of hmask byte l (clear: -4), l = 0..31; sub-blocks of 16 (u // 4: the group's words 0-3 or
+    # 4-7) s = 8 * (m // 4) + 2 * (m % 4) + u // 4 with 6-bit scales - 32 (low nibbles in bytes
+    # 0-7, high 2 bits in bytes 8-11), fp16 d.  Body: hmask (32 bytes), qs (64).
+    g = tl.arange(0, 8)[None, None, :, None, None]
+    hs = tl.arange(0, 2)[None, None, None, :, None]
+    u = 4 * hs + tl.arange(0, 4)[None, None, None, None, :]
+    m5, xm5 = mask[:, :, None, None, None], xm[:, :, None, None, None]
+    w5 = b.to(tl.pointer_type(tl.int32))[:, :, None, None, None]
+    crumbs = (tl.load(w5 + 8 + 8 * (g // 4) + u, mask=m5, other=0) >> (2 * (g % 4))) & 0x03030303
+    hbits = ((tl.load(w5 + u, mask=m5, other=0) >> g) & 0x01010101) << 2
+    xj = _x(xw[:, :, None, None, None] + 8 * g + u, xm5)
+    isum = tl.sum(_dp4a(crumbs | hbits, xj, _dp4a(tl.zeros_like(xj) + _NEG4, xj, 0, EMU), EMU), axis=4, keep_dims=True)
+    h5 = h[:, :, None, None, None]
+    sb = 8 * (g // 4) + 2 * (g % 4) + hs  # [1, 1, 8, 2, 1]
+    lo = (_u8(h5 + sb % 8, m5) >> (4 * (sb // 8))) & 15
+    hi = (_u8(h5 + 8 + sb % 4, m5) >> (2 * (sb // 4))) & 3
+    r = tl.sum(isum * ((lo | (hi << 4)) - 32), axis=3, keep_dims=True).to(tl.float32)
+    r = r * _x(xd[:, :, None, None, None] + g, xm5)
+    return _f16(h + 12, mask) * tl.sum(tl.sum(tl.sum(r, axis=4), axis=3), axis=2)
+
+
+@triton.jit
 def _q6_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     # two halves of 128 weights: ql words A (weights l, l + 64 by nibble) and B (l + 32, l + 96),
     # qh words C (their 2 high bits); codes - 32 (a dp4a of -32s); int8 scales per 16 weights
@@ -347,6 +382,122 @@ def _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
 
 
 @triton.jit
+def _signed_grid(grid, sgn, i):
+    """Grid words' bytes negated where bits 4i .. 4i + 3 of the sign masks ``sgn`` are set."""
+    msk = _byte_masks(sgn >> (4 * i))
+    return (grid ^ msk) + (msk & 0x01010101)
+
+
+@triton.jit
+def _iq3_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # per group of 32: 8 grid indices (bytes at 8 * group, 4 weights each), and a word at 64 + 4 *
+    # group of 4 x 7-bit sign indices (ksigns) and a 4-bit scale; h: fp16 d
+    sg = tl.arange(0, 8)[None, None, :, None]
+    g8 = tl.arange(0, 4)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    b4 = b[:, :, None, None]
+    e = _u16(b4 + 8 * sg + 2 * g8, m4)  # the two entries of 8 weights
+    aux = _u32(b4 + 64 + 4 * sg, m4)
+    sgn = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
+    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
+    s = tl.zeros_like(e)
+    for i in tl.static_range(2):
+        grid = tl.load(lut_ptr + _KS + ((e >> (8 * i)) & 0xFF))
+        s = _dp4a(_signed_grid(grid, sgn, i), _x(x4 + i, xm4), s, EMU)
+    s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
+    db = (0.5 + _u2f((aux >> 28) & 15)) * 0.5
+    return _f16(h, mask) * tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
+
+
+@triton.jit
+def _iq3_s(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # per group of 32: 8 grid index lows (bytes at 8 * group), their high bits (byte 2 + group of
+    # h), 4 sign masks (bytes 10 + 4 * group of h, one per 8 weights), a 4-bit scale (nibble of the
+    # bytes at h + 42): d * (1 + 2 * scale)
+    sg = tl.arange(0, 8)[None, None, :, None]
+    g8 = tl.arange(0, 4)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    h4 = h[:, :, None, None]
+    e = _u16(b[:, :, None, None] + 8 * sg + 2 * g8, m4)
+    qh = _u8(h4 + 2 + sg, m4) >> (2 * g8)
+    sgn = _u8(h4 + 10 + 4 * sg + g8, m4)
+    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
+    s = tl.zeros_like(e)
+    for i in tl.static_range(2):
+        grid = tl.load(lut_ptr + _KS + (((e >> (8 * i)) & 0xFF) | (((qh >> i) & 1) << 8)))
+        s = _dp4a(_signed_grid(grid, sgn, i), _x(x4 + i, xm4), s, EMU)
+    s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
+    sc = _u2f(2 * ((_u8(h4 + 42 + sg // 2, m4) >> (4 * (sg % 2))) & 15) + 1)
+    return _f16(h, mask) * tl.sum(tl.sum(sc * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
+
+
+@triton.jit
+def _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, S: tl.constexpr, EMU: tl.constexpr):
+    # entries of 8 weights, l = 4 * group + g8; a 4-bit scale per 16 weights: d * (0.5 + scale) / 4.
+    # IQ2_XS (not S): a 16-bit word per entry at 2l, a 9-bit grid index and a 7-bit ksigns index; h:
+    # fp16 d, 8 bytes of scales.  IQ2_S: index lows at byte l, sign masks at 32 + l; h: fp16 d, 8
+    # bytes of 2-bit index highs (a crumb per entry), 8 bytes of scales.
+    sg = tl.arange(0, 8)[None, None, :, None]
+    g8 = tl.arange(0, 4)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    b4, h4 = b[:, :, None, None], h[:, :, None, None]
+    entry = 4 * sg + g8
+    if S:
+        idx = _u8(b4 + entry, m4) | (((_u8(h4 + 2 + entry // 4, m4) >> (2 * g8)) & 3) << 8)
+        sgn = _u8(b4 + 32 + entry, m4)
+        sc = _u8(h4 + 10 + sg, m4)
+    else:
+        q = _u16(b4 + 2 * entry, m4)
+        idx = q & 511
+        sgn = tl.load(lut_ptr + (q >> 9))
+        sc = _u8(h4 + 2 + sg, m4)
+    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
+    s = tl.zeros_like(idx)
+    for i in tl.static_range(2):
+        s = _dp4a(_signed_grid(tl.load(lut_ptr + _KS + 2 * idx + i), sgn, i), _x(x4 + i, xm4), s, EMU)
+    db = 0.5 + _u2f((sc >> (4 * (g8 // 2))) & 15)  # the entry's 16 weights' scale
+    r = tl.sum(db * s.to(tl.float32), axis=3, keep_dims=True) * _x(xd[:, :, None, None] + sg, xm4)
+    return _f16(h, mask) * 0.25 * tl.sum(tl.sum(r, axis=3), axis=2)
+
+
+@triton.jit
+def _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, M: tl.constexpr, EMU: tl.constexpr):
+    # entries of 8 weights (l = 4 * group + g8): a grid index (a low byte at l, 3 high bits), its
+    # delta's sign, a 3-bit scale: d * (2 * scale + 1) * (grid - 1 + delta), grid bytes 0..2.  IQ1_S:
+    # h: fp16 d, per group a 16-bit word (the entries' high bits, the scale, the delta's sign).
+    # IQ1_M (M): h: a nibble per entry (high bits, sign), 4 16-bit words of 3-bit scales (one per 16
+    # weights) whose top nibbles hold the fp16 d.
+    sg = tl.arange(0, 8)[None, None, :, None]
+    g8 = tl.arange(0, 4)[None, None, None, :]
+    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    b4, h4 = b[:, :, None, None], h[:, :, None, None]
+    entry = 4 * sg + g8
+    if M:
+        hq = (_u8(h4 + entry // 2, m4) >> (4 * (g8 % 2))) & 15
+        idx = _u8(b4 + entry, m4) | ((hq & 7) << 8)
+        neg = (hq & 8) != 0
+        sc = (_u16(h4 + 16 + 2 * (sg // 2), m4) >> (3 * (2 * (sg % 2) + g8 // 2))) & 7
+        dbits = ((_u16(h + 16, mask) >> 12) | ((_u16(h + 18, mask) >> 8) & 0xF0)
+                 | ((_u16(h + 20, mask) >> 4) & 0xF00) | (_u16(h + 22, mask) & 0xF000))
+        d = dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        qh = _u16(h4 + 2 + 2 * sg, m4)
+        idx = _u8(b4 + 4 * sg + g8, m4) | (((qh >> (3 * g8)) & 7) << 8)
+        neg = (qh & 0x8000) != 0
+        sc = (qh >> 12) & 7
+        d = _f16(h, mask)
+    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
+    sgrid, sx = tl.zeros_like(idx), tl.zeros_like(idx)
+    for i in tl.static_range(2):
+        xi = _x(x4 + i, xm4)
+        sgrid = _dp4a(tl.load(lut_ptr + _KS + 2 * idx + i), xi, sgrid, EMU)
+        sx = _dp4a(tl.zeros_like(xi) + 0x01010101, xi, sx, EMU)
+    shift = tl.where(neg, -_IQ1_DELTA - 1.0, _IQ1_DELTA - 1.0)  # grid - 1 + delta
+    r = _u2f(2 * sc + 1) * (sgrid.to(tl.float32) + shift * sx.to(tl.float32))
+    return d * tl.sum(tl.sum(r, axis=3) * _x(xd[:, :, None] + tl.arange(0, 8)[None, None, :], xm[:, :, None]), axis=2)
+
+
+@triton.jit
 def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, row_bytes, hdr_start, n_blocks,
                     blocks_per_split, x_div, stride_xq, stride_xd, stride_ys, stride_ym,
                     QT: tl.constexpr, BS: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
@@ -386,6 +537,20 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, r
             acc += _q4_0(b, h, xw, xd, xs, mask, xm, EMU)
         elif QT == _MXFP4:
             acc += _mxfp4(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _IQ3_XXS:
+            acc += _iq3_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _IQ3_S:
+            acc += _iq3_s(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
+        elif QT == _IQ2_XS:
+            acc += _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, False, EMU)
+        elif QT == _IQ2_S:
+            acc += _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, True, EMU)
+        elif QT == _IQ1_S:
+            acc += _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, False, EMU)
+        elif QT == _IQ1_M:
+            acc += _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, True, EMU)
+        elif QT == _Q3_K:
+            acc += _q3_k(b, h, xw, xd, xs, mask, xm, EMU)
         elif QT == _Q4_1:
             acc += _q4_1(b, h, xw, xd, xs, mask, xm, EMU)
         elif QT == _Q5_0:
@@ -420,8 +585,10 @@ def _quantize_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, n_groups, stride_xm, stride_
     tl.store(xs_ptr + m * stride_xd + gi, d * tl.sum(q, axis=1, keep_dims=True), mask=ok)
 
 
-Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K,
-                                                        T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.MXFP4})
+Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
+                                                        T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS,
+                                                        T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
+                                                        T.MXFP4})
 # Tiles as gguf.GEMV_CONFIG (BLOCK_N rows, BLOCK_K weights a row a step); per-type overrides.  The
 # fastest of `bench_triton_gguf.py --sweep --sweep-regimes gemv_q8` on the H200 over the 8B shapes
 # (results/h200-triton-gguf-q8-sweep.txt): longer steps than the float kernel's, more bytes in
