@@ -24,8 +24,8 @@ from pocketllm.quant.quantize import quantize
 from pocketllm.quant.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.quant.linear import GGUFLinear
 
-INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
-SUPER_BLOCK_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}  # activations quantized per 256
+INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+SUPER_BLOCK_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}  # activations quantized per 256
 if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2 keeps the exact kernels
     pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).

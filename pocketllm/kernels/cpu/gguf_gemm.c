@@ -30,7 +30,7 @@ static inline float h2f(const uint8_t *p) {
 #endif
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-       Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39 };
+       Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39 };
 
 static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* MXFP4: the E2M1 values doubled (0, 0.5, 1, ... 6 -> 0, 1, 2, ... 12), the block's E8M0 scale halved */
@@ -97,6 +97,52 @@ static inline void deq_mxfp4(const uint8_t *restrict b, float *restrict w) {
         w[i] = d * (float)kvalues_mxfp4[b[1 + i] & 0xF];
         w[i + 16] = d * (float)kvalues_mxfp4[b[1 + i] >> 4];
     }
+}
+
+/* Q2_K and Q3_K: weight 128h + 32j + l (l < 32) is 2-bit field j of code byte 32h + l, in
+ * sub-block 8h + 2j + l / 16 of 16 weights. */
+static inline void deq_q2_k(const uint8_t *restrict b, float *restrict w) {
+    /* 16 bytes of 4-bit scale | 4-bit minimum, 64 of codes, fp16 d, fp16 dmin */
+    const float d = h2f(b + 80), dmin = h2f(b + 82);
+    const uint8_t *sc = b, *q = b + 16;
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int g = 0; g < 2; g++) {
+                const int s = 8 * h + 2 * j + g;
+                const float dl = d * (float)(sc[s] & 0xF), ml = dmin * (float)(sc[s] >> 4);
+                for (int l = 16 * g; l < 16 * g + 16; l++)
+                    w[128 * h + 32 * j + l] = dl * (float)((q[32 * h + l] >> (2 * j)) & 3) - ml;
+            }
+}
+
+/* Q3_K's 16 six-bit scales from 12 bytes (low nibbles in bytes 0-7, high 2 bits in 8-11), - 32. */
+static inline void q3_k_scales(const uint8_t *p, int8_t out[16]) {
+    uint32_t a[3], s[4];
+    memcpy(a, p, 12);
+    const uint32_t m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    s[0] = (a[0] & m4) | ((a[2] & m2) << 4);
+    s[1] = (a[1] & m4) | (((a[2] >> 2) & m2) << 4);
+    s[2] = ((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4);
+    s[3] = ((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4);
+    memcpy(out, s, 16);
+    for (int i = 0; i < 16; i++) out[i] = (int8_t)(out[i] - 32);
+}
+
+static inline void deq_q3_k(const uint8_t *restrict b, float *restrict w) {
+    /* 32 bytes of high bits (bit 4h + j of byte l; clear means -4), 64 of codes, 12 of scales, fp16 d */
+    int8_t sc[16];
+    q3_k_scales(b + 96, sc);
+    const float d = h2f(b + 108);
+    const uint8_t *hm = b, *q = b + 32;
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int g = 0; g < 2; g++) {
+                const float dl = d * (float)sc[8 * h + 2 * j + g];
+                for (int l = 16 * g; l < 16 * g + 16; l++) {
+                    const int v = ((q[32 * h + l] >> (2 * j)) & 3) - ((hm[l] >> (4 * h + j)) & 1 ? 0 : 4);
+                    w[128 * h + 32 * j + l] = dl * (float)v;
+                }
+            }
 }
 
 static inline void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
@@ -177,6 +223,8 @@ static deq_fn lookup(int type, int *qk, int *nbytes) {
     case Q5_0: *qk = 32; *nbytes = 22; return deq_q5_0;
     case Q5_1: *qk = 32; *nbytes = 24; return deq_q5_1;
     case Q8_0: *qk = 32; *nbytes = 34; return deq_q8_0;
+    case Q2_K: *qk = 256; *nbytes = 84; return deq_q2_k;
+    case Q3_K: *qk = 256; *nbytes = 110; return deq_q3_k;
     case Q4_K: *qk = 256; *nbytes = 144; return deq_q4_k;
     case Q5_K: *qk = 256; *nbytes = 176; return deq_q5_k;
     case Q6_K: *qk = 256; *nbytes = 210; return deq_q6_k;
@@ -265,6 +313,8 @@ GEMM_FOR_TYPE(q4_1, deq_q4_1, 32, 20)
 GEMM_FOR_TYPE(q5_0, deq_q5_0, 32, 22)
 GEMM_FOR_TYPE(q5_1, deq_q5_1, 32, 24)
 GEMM_FOR_TYPE(q8_0, deq_q8_0, 32, 34)
+GEMM_FOR_TYPE(q2_k, deq_q2_k, 256, 84)
+GEMM_FOR_TYPE(q3_k, deq_q3_k, 256, 110)
 GEMM_FOR_TYPE(q4_k, deq_q4_k, 256, 144)
 GEMM_FOR_TYPE(q5_k, deq_q5_k, 256, 176)
 GEMM_FOR_TYPE(q6_k, deq_q6_k, 256, 210)
@@ -285,6 +335,8 @@ int gguf_gemm(int type, const uint8_t *const *W, int64_t N, int64_t K, const flo
     case Q5_0: q5_0_gemm(W, N, K, X, B, Y, nthreads); break;
     case Q5_1: q5_1_gemm(W, N, K, X, B, Y, nthreads); break;
     case Q8_0: q8_0_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q2_K: q2_k_gemm(W, N, K, X, B, Y, nthreads); break;
+    case Q3_K: q3_k_gemm(W, N, K, X, B, Y, nthreads); break;
     case Q4_K: q4_k_gemm(W, N, K, X, B, Y, nthreads); break;
     case Q5_K: q5_k_gemm(W, N, K, X, B, Y, nthreads); break;
     case Q6_K: q6_k_gemm(W, N, K, X, B, Y, nthreads); break;
@@ -691,6 +743,73 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
 }
 
+/* 16-bit lanes of scales for a 32-weight chunk of two 16-weight sub-blocks: s0 for the first 16. */
+static inline __m256i pair_scale(int s0, int s1) { return _mm256_set_m128i(_mm_set1_epi16((short)s1), _mm_set1_epi16((short)s0)); }
+
+/* Q2_K: 16 sub-blocks of 16 with a 4-bit scale and a 4-bit minimum, codes q in [0, 4). */
+static inline __attribute__((always_inline)) void q2_k_superblock(
+    const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
+    const float *restrict xd, int64_t K, __m256 *acc) {
+    const int64_t nsb = K / 256;
+    const uint8_t *sc = b;
+    const float d = h2f(b + 80), dmin = h2f(b + 82);
+    const __m256i three = _mm256_set1_epi8(3);
+    isum_t isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
+        for (int j = 0; j < 4; j += 2) {
+            const int s = 8 * h + 2 * j;
+            const __m256i ulo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
+            const __m256i uhi = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three);
+            SUB_BLOCK_PAIR(R, ulo, uhi, x + 128 * h + 32 * j, pair_scale(sc[s] & 0xF, sc[s + 1] & 0xF),
+                           pair_scale(sc[s + 2] & 0xF, sc[s + 3] & 0xF), isum);
+        }
+    }
+    const __m128i m8 = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)sc), 4), _mm_set1_epi8(0x0F));
+    const __m256i mins = _mm256_cvtepu8_epi16(m8);
+    for (int r = 0; r < R; r++) {
+        const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), mins);
+        const float dx = xd[r * nsb];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-dmin * dx), acc[r]);
+    }
+}
+
+/* Q3_K: 16 sub-blocks of 16 with signed 6-bit scales, codes u = q | high bit << 2 in [0, 8) worth u - 4. */
+static inline __attribute__((always_inline)) void q3_k_superblock(
+    const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
+    const float *restrict xd, int64_t K, __m256 *acc) {
+    const int64_t nsb = K / 256;
+    int8_t sc[16];
+    q3_k_scales(b + 96, sc);
+    const float d = h2f(b + 108);
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)b);
+    isum_t isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
+        for (int j = 0; j < 4; j += 2) {
+            const int s = 8 * h + 2 * j;
+            const __m256i ulo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j), one), 2));
+            const __m256i uhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j + 1), one), 2));
+            SUB_BLOCK_PAIR(R, ulo, uhi, x + 128 * h + 32 * j, pair_scale(sc[s], sc[s + 1]),
+                           pair_scale(sc[s + 2], sc[s + 3]), isum);
+        }
+    }
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    for (int r = 0; r < R; r++) {  /* the codes' offset: -4 * sum over sub-blocks of scale * x-sum */
+        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), scales);
+        const __m256i total = _mm256_sub_epi32(ISUM_NARROW(isum[r]), _mm256_slli_epi32(off, 2));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
+    }
+}
+
+#define Q2_K_SB(R, b, x, xb, xd, K, acc) q2_k_superblock(R, b, x, xb, xd, K, acc)
+#define Q3_K_SB(R, b, x, xb, xd, K, acc) q3_k_superblock(R, b, x, xb, xd, K, acc)
 #define Q4_K_SB(R, b, x, xb, xd, K, acc) k45_superblock(R, 0, b, x, xb, xd, K, acc)
 #define Q5_K_SB(R, b, x, xb, xd, K, acc) k45_superblock(R, 1, b, x, xb, xd, K, acc)
 #define Q6_K_SB(R, b, x, xb, xd, K, acc) q6_k_superblock(R, b, x, xb, xd, K, acc)
@@ -713,11 +832,15 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
         FOR_ROWS_AND_BATCH(KDOT_##NAME)                                                             \
     }
 #define KDOT_ARGS(R) (R, W[n], K, xq + b0 * K, xd + b0 * (K / 256), xb + b0 * (K / 16), Y + b0 * N, N, n)
+#define KDOT_q2_k(R) q2_k_kdot KDOT_ARGS(R)
+#define KDOT_q3_k(R) q3_k_kdot KDOT_ARGS(R)
 #define KDOT_q4_k(R) q4_k_kdot KDOT_ARGS(R)
 #define KDOT_q5_k(R) q5_k_kdot KDOT_ARGS(R)
 #define KDOT_q6_k(R) q6_k_kdot KDOT_ARGS(R)
 #define KDOT_iq4_xs(R) iq4_xs_kdot KDOT_ARGS(R)
 
+KGEMM_FOR_TYPE(q2_k, Q2_K_SB, 84)
+KGEMM_FOR_TYPE(q3_k, Q3_K_SB, 110)
 KGEMM_FOR_TYPE(q4_k, Q4_K_SB, 144)
 KGEMM_FOR_TYPE(q5_k, Q5_K_SB, 176)
 KGEMM_FOR_TYPE(q6_k, Q6_K_SB, 210)
@@ -743,6 +866,8 @@ static igemm_fn int8_lookup(int type) {
 
 static kgemm_fn int8_k_lookup(int type) {
     switch (type) {
+    case Q2_K: return q2_k_kgemm;
+    case Q3_K: return q3_k_kgemm;
     case Q4_K: return q4_k_kgemm;
     case Q5_K: return q5_k_kgemm;
     case Q6_K: return q6_k_kgemm;
