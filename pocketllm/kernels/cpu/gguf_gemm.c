@@ -743,31 +743,63 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
 }
 
-/* 16-bit lanes of scales for a 32-weight chunk of two 16-weight sub-blocks: s0 for the first 16. */
-static inline __m256i pair_scale(int s0, int s1) { return _mm256_set_m128i(_mm_set1_epi16((short)s1), _mm_set1_epi16((short)s0)); }
+/* q3_k_scales in a vector (each byte is at most 63: the words' bytes are the scales + 32). */
+static inline __m128i q3_k_scales_v(const uint8_t *p) {
+    uint32_t a[3];
+    memcpy(a, p, 12);
+    const uint32_t m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    const __m128i s = _mm_set_epi32((int)(((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4)),
+                                    (int)(((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4)),
+                                    (int)((a[1] & m4) | (((a[2] >> 2) & m2) << 4)),
+                                    (int)((a[0] & m4) | ((a[2] & m2) << 4)));
+    return _mm_sub_epi8(s, _mm_set1_epi8(32));
+}
+
+/* Scales for a 32-weight chunk of two 16-weight sub-blocks, as vpmaddwd's 16-bit operand: lanes
+ * 0-7 sub-block e0's, lanes 8-15 e1's, picked from `dup`, eight int16 scales in both 128-bit halves
+ * (e0, e1 constants once the loops unroll: one shuffle). */
+static inline __m256i pair_scale(__m256i dup, int e0, int e1) {
+    return _mm256_shuffle_epi8(dup, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 + 0x0202 * e1)),
+                                                     _mm_set1_epi16((short)(0x0100 + 0x0202 * e0))));
+}
+
+/* Sixteen int8 sub-block scales as two vectors of eight int16, each in both halves (pair_scale's). */
+static inline void dup_scales(__m128i s8, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
+    *hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(s8, 8)));
+}
+
+/* Q2_K and Q3_K's codes of 128 weights (h) against x: 2-bit field j of the 32 code bytes is the
+ * chunk of weights 32j .. 32j + 31, sub-blocks 8h + 2j and 8h + 2j + 1; Q3_K adds its high bit. */
+#define K23_HALF(R, q, hb, h, dup, x, isum, three, one)                                             \
+    for (int j = 0; j < 4; j += 2) {                                                                \
+        __m256i ulo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);                         \
+        __m256i uhi = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three);                     \
+        if (hb) {                                                                                   \
+            ulo = _mm256_or_si256(ulo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(*(hb), 4 * (h) + j), one), 2)); \
+            uhi = _mm256_or_si256(uhi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(*(hb), 4 * (h) + j + 1), one), 2)); \
+        }                                                                                           \
+        SUB_BLOCK_PAIR(R, ulo, uhi, (x) + 32 * j, pair_scale(dup, 2 * j, 2 * j + 1),                \
+                       pair_scale(dup, 2 * j + 2, 2 * j + 3), isum);                                \
+    }
 
 /* Q2_K: 16 sub-blocks of 16 with a 4-bit scale and a 4-bit minimum, codes q in [0, 4). */
 static inline __attribute__((always_inline)) void q2_k_superblock(
     const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
     const float *restrict xd, int64_t K, __m256 *acc) {
     const int64_t nsb = K / 256;
-    const uint8_t *sc = b;
     const float d = h2f(b + 80), dmin = h2f(b + 82);
-    const __m256i three = _mm256_set1_epi8(3);
+    const __m128i sm = _mm_loadu_si128((const __m128i *)b), low4 = _mm_set1_epi8(0x0F);
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256i dup[2];
+    dup_scales(_mm_and_si128(sm, low4), &dup[0], &dup[1]);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
-        for (int j = 0; j < 4; j += 2) {
-            const int s = 8 * h + 2 * j;
-            const __m256i ulo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
-            const __m256i uhi = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three);
-            SUB_BLOCK_PAIR(R, ulo, uhi, x + 128 * h + 32 * j, pair_scale(sc[s] & 0xF, sc[s + 1] & 0xF),
-                           pair_scale(sc[s + 2] & 0xF, sc[s + 3] & 0xF), isum);
-        }
+        K23_HALF(R, q, (const __m256i *)0, h, dup[h], x + 128 * h, isum, three, one);
     }
-    const __m128i m8 = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)sc), 4), _mm_set1_epi8(0x0F));
-    const __m256i mins = _mm256_cvtepu8_epi16(m8);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), low4));
     for (int r = 0; r < R; r++) {
         const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), mins);
         const float dx = xd[r * nsb];
@@ -781,26 +813,19 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
     const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
     const float *restrict xd, int64_t K, __m256 *acc) {
     const int64_t nsb = K / 256;
-    int8_t sc[16];
-    q3_k_scales(b + 96, sc);
+    const __m128i s8 = q3_k_scales_v(b + 96);
     const float d = h2f(b + 108);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hb = _mm256_loadu_si256((const __m256i *)b);
+    __m256i dup[2];
+    dup_scales(s8, &dup[0], &dup[1]);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
-        for (int j = 0; j < 4; j += 2) {
-            const int s = 8 * h + 2 * j;
-            const __m256i ulo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j), one), 2));
-            const __m256i uhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j + 1), one), 2));
-            SUB_BLOCK_PAIR(R, ulo, uhi, x + 128 * h + 32 * j, pair_scale(sc[s], sc[s + 1]),
-                           pair_scale(sc[s + 2], sc[s + 3]), isum);
-        }
+        K23_HALF(R, q, &hb, h, dup[h], x + 128 * h, isum, three, one);
     }
-    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    const __m256i scales = _mm256_cvtepi8_epi16(s8);
     for (int r = 0; r < R; r++) {  /* the codes' offset: -4 * sum over sub-blocks of scale * x-sum */
         const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), scales);
         const __m256i total = _mm256_sub_epi32(ISUM_NARROW(isum[r]), _mm256_slli_epi32(off, 2));

@@ -405,6 +405,14 @@ def _iq1_s(b, h, s, j0, mask, lut_ptr):
 
 
 @triton.jit
+def _iq1_m_d(h, mask):
+    """IQ1_M's fp16 d, as float32: the top nibbles of the four 16-bit scale words at ``h + 16``."""
+    dbits = ((_u16(h + 16, mask) >> 12) | ((_u16(h + 18, mask) >> 8) & 0xF0)
+             | ((_u16(h + 20, mask) >> 4) & 0xF00) | (_u16(h + 22, mask) & 0xF000))
+    return dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _iq1_m(b, h, s, j0, mask, lut_ptr):
     # h: 16 bytes of a nibble per grid entry (3 index high bits, the sign of its delta), 4 16-bit
     # words of 3-bit scales whose top nibbles hold the fp16 d | b: 32 bytes of grid index lows
@@ -413,10 +421,7 @@ def _iq1_m(b, h, s, j0, mask, lut_ptr):
     hq = _half_byte(h, e, mask)
     idx = _u8(b + e, mask) | ((hq & 7) << 8)
     delta = tl.where((hq & 8) != 0, -_IQ1_DELTA, _IQ1_DELTA)
-    dbits = ((_u16(h + 16, mask) >> 12) | ((_u16(h + 18, mask) >> 8) & 0xF0)
-             | ((_u16(h + 20, mask) >> 4) & 0xF00) | (_u16(h + 22, mask) & 0xF000))
-    d = dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    a = d * _u2f(2 * ((_u16(h + 16 + 2 * (s // 4), mask) >> (3 * (s % 4))) & 7) + 1)
+    a = _iq1_m_d(h, mask) * _u2f(2 * ((_u16(h + 16 + 2 * (s // 4), mask) >> (3 * (s % 4))) & 7) + 1)
     return _u2f(_grid8(lut_ptr, idx, w, lane), 1.0) + delta, a, 0.0
 
 

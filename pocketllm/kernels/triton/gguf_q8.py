@@ -10,13 +10,14 @@ weights.  Per sub-block the integer sum is scaled once in float.  Not exact: the
 rounding (relative ~2**-8 per block) is the price, as in llama.cpp; ``gguf_matmul`` uses this for
 bfloat16 / float16 activations only, float32 keeps the exact kernels.
 
-Covered (``Q8_TYPES``): every quantized type of ``TRITON_GGUF_TYPES`` but IQ1_S and IQ1_M. The
-legacy types (Q5_0 / Q5_1's fifth bits spread into the bytes by one multiply), the K types (Q3_K's
-codes - 4 as a dp4a of -4s beside the codes'), IQ4_NL, IQ4_XS and MXFP4 (each nibble looked up as an
-int8 of the type's table by byte permutes, llama.cpp's ``get_int_from_table_16``: MXFP4's table
-holds twice the E2M1 values), and the lattice types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (grid
-words gathered from the type's table, their bytes negated per sign bit as ``(g ^ m) + (m & 1)`` with
-``m`` the sign bits expanded to byte masks in registers, 0xFF where set).
+Covered (``Q8_TYPES``): every type of ``TRITON_GGUF_TYPES``.  The legacy types (Q5_0 / Q5_1's
+fifth bits spread into the bytes by one multiply), the K types (Q3_K's codes - 4 as a dp4a of -4s
+beside the codes'), IQ4_NL, IQ4_XS and MXFP4 (each nibble looked up as an int8 of the type's table
+by byte permutes, llama.cpp's ``get_int_from_table_16``: MXFP4's table holds twice the E2M1 values),
+the lattice types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (grid words gathered from the type's table,
+their bytes negated per sign bit as ``(g ^ m) + (m & 1)`` with ``m`` the sign bits expanded to byte
+masks in registers, 0xFF where set) and IQ1_S / IQ1_M (grid bytes 0..2, minus 1 plus the delta
+through a second dp4a of ones).
 
 Under ``TRITON_INTERPRET=1`` (the CPU tests) ``dp4a`` is computed by shifts: inline PTX does not
 run there.
@@ -29,12 +30,33 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from .gguf import (
+from .gguf import (  # the type ids as constexprs, and helpers
     _INTERPRET,
     _IQ1_DELTA,
+    _IQ1_M,
+    _IQ1_S,
+    _IQ2_S,
+    _IQ2_XS,
+    _IQ2_XXS,
+    _IQ3_S,
+    _IQ3_XXS,
+    _IQ4_NL,
+    _IQ4_XS,
     _KS,
+    _MXFP4,
+    _Q2_K,
+    _Q3_K,
+    _Q4_0,
+    _Q4_1,
+    _Q4_K,
+    _Q5_0,
+    _Q5_1,
+    _Q5_K,
+    _Q6_K,
+    _Q8_0,
     _e8m0_half,
     _f16,
+    _iq1_m_d,
     _plan,
     _reduce,
     _scale_min_k4,
@@ -47,26 +69,6 @@ from .gguf import (
 
 T = GGMLQuantizationType
 
-_Q4_0 = tl.constexpr(int(T.Q4_0))
-_Q4_1 = tl.constexpr(int(T.Q4_1))
-_Q3_K = tl.constexpr(int(T.Q3_K))
-_IQ2_XS = tl.constexpr(int(T.IQ2_XS))
-_IQ2_S = tl.constexpr(int(T.IQ2_S))
-_IQ3_XXS = tl.constexpr(int(T.IQ3_XXS))
-_IQ3_S = tl.constexpr(int(T.IQ3_S))
-_IQ1_S = tl.constexpr(int(T.IQ1_S))
-_IQ1_M = tl.constexpr(int(T.IQ1_M))
-_Q5_0 = tl.constexpr(int(T.Q5_0))
-_Q5_1 = tl.constexpr(int(T.Q5_1))
-_IQ4_NL = tl.constexpr(int(T.IQ4_NL))
-_IQ4_XS = tl.constexpr(int(T.IQ4_XS))
-_Q8_0 = tl.constexpr(int(T.Q8_0))
-_Q4_K = tl.constexpr(int(T.Q4_K))
-_Q6_K = tl.constexpr(int(T.Q6_K))
-_Q5_K = tl.constexpr(int(T.Q5_K))
-_Q2_K = tl.constexpr(int(T.Q2_K))
-_IQ2_XXS = tl.constexpr(int(T.IQ2_XXS))
-_MXFP4 = tl.constexpr(int(T.MXFP4))
 _LO = tl.constexpr(0x0F0F0F0F)
 _NEG32 = tl.constexpr(-0x1F1F1F20)  # 0xE0E0E0E0: four bytes of -32
 _NEG4 = tl.constexpr(-0x03030304)  # 0xFCFCFCFC: four bytes of -4
@@ -477,9 +479,7 @@ def _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, M: tl.constexpr, EMU: tl.constexpr
         idx = _u8(b4 + entry, m4) | ((hq & 7) << 8)
         neg = (hq & 8) != 0
         sc = (_u16(h4 + 16 + 2 * (sg // 2), m4) >> (3 * (2 * (sg % 2) + g8 // 2))) & 7
-        dbits = ((_u16(h + 16, mask) >> 12) | ((_u16(h + 18, mask) >> 8) & 0xF0)
-                 | ((_u16(h + 20, mask) >> 4) & 0xF00) | (_u16(h + 22, mask) & 0xF000))
-        d = dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d = _iq1_m_d(h, mask)
     else:
         qh = _u16(h4 + 2 + 2 * sg, m4)
         idx = _u8(b4 + 4 * sg + g8, m4) | (((qh >> (3 * g8)) & 7) << 8)
