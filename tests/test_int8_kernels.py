@@ -190,8 +190,13 @@ def test_fused_parts_share_one_table():
 
 
 def test_types_without_integer_kernels_keep_the_exact_path():
-    raw, w = quantized_weights(T.Q3_K, 16, 256)
-    layer = GGUFLinear.from_gguf(raw, T.Q3_K, 16, 256, int8_activations=True)
+    """The lattice types have no C kernels: asked for 8-bit activations, a layer keeps exact weights."""
+    from pocketllm.loaders.dummy_gguf import _random_blocks
+    from pocketllm.quant.dequant import dequantize
+
+    raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), T.IQ3_XXS, (16, 256), 0.02))
+    w = dequantize(raw, T.IQ3_XXS, (16, 256)).double()
+    layer = GGUFLinear.from_gguf(raw, T.IQ3_XXS, 16, 256, int8_activations=True)
     assert not layer.int8
     x = torch.randn(2, 256)
     torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)

@@ -115,23 +115,26 @@ static inline void deq_q2_k(const uint8_t *restrict b, float *restrict w) {
             }
 }
 
-/* Q3_K's 16 six-bit scales from 12 bytes (low nibbles in bytes 0-7, high 2 bits in 8-11), - 32. */
-static inline void q3_k_scales(const uint8_t *p, int8_t out[16]) {
-    uint32_t a[3], s[4];
+/* Q3_K's 16 six-bit scales from 12 bytes (low nibbles in bytes 0-7, high 2 bits in 8-11), - 32,
+ * as four words of int8s: each byte v < 64 becomes ((v | 0x80) - 32) ^ 0x80, v - 32 with no borrow
+ * between bytes. */
+static inline void q3_k_scale_words(const uint8_t *p, uint32_t s[4]) {
+    uint32_t a[3];
     memcpy(a, p, 12);
     const uint32_t m4 = 0x0f0f0f0f, m2 = 0x03030303;
     s[0] = (a[0] & m4) | ((a[2] & m2) << 4);
     s[1] = (a[1] & m4) | (((a[2] >> 2) & m2) << 4);
     s[2] = ((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4);
     s[3] = ((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4);
-    memcpy(out, s, 16);
-    for (int i = 0; i < 16; i++) out[i] = (int8_t)(out[i] - 32);
+    for (int i = 0; i < 4; i++) s[i] = ((s[i] | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
 }
 
 static inline void deq_q3_k(const uint8_t *restrict b, float *restrict w) {
     /* 32 bytes of high bits (bit 4h + j of byte l; clear means -4), 64 of codes, 12 of scales, fp16 d */
     int8_t sc[16];
-    q3_k_scales(b + 96, sc);
+    uint32_t words[4];
+    q3_k_scale_words(b + 96, words);
+    memcpy(sc, words, 16);
     const float d = h2f(b + 108);
     const uint8_t *hm = b, *q = b + 32;
     for (int h = 0; h < 2; h++)
@@ -743,18 +746,6 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
 }
 
-/* q3_k_scales in a vector (each byte is at most 63: the words' bytes are the scales + 32). */
-static inline __m128i q3_k_scales_v(const uint8_t *p) {
-    uint32_t a[3];
-    memcpy(a, p, 12);
-    const uint32_t m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    const __m128i s = _mm_set_epi32((int)(((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4)),
-                                    (int)(((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4)),
-                                    (int)((a[1] & m4) | (((a[2] >> 2) & m2) << 4)),
-                                    (int)((a[0] & m4) | ((a[2] & m2) << 4)));
-    return _mm_sub_epi8(s, _mm_set1_epi8(32));
-}
-
 /* Scales for a 32-weight chunk of two 16-weight sub-blocks, as vpmaddwd's 16-bit operand: lanes
  * 0-7 sub-block e0's, lanes 8-15 e1's, picked from `dup`, eight int16 scales in both 128-bit halves
  * (e0, e1 constants once the loops unroll: one shuffle). */
@@ -813,7 +804,9 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
     const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
     const float *restrict xd, int64_t K, __m256 *acc) {
     const int64_t nsb = K / 256;
-    const __m128i s8 = q3_k_scales_v(b + 96);
+    uint32_t w[4];
+    q3_k_scale_words(b + 96, w);
+    const __m128i s8 = _mm_set_epi32((int)w[3], (int)w[2], (int)w[1], (int)w[0]);
     const float d = h2f(b + 108);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hb = _mm256_loadu_si256((const __m256i *)b);

@@ -141,8 +141,7 @@ def _q5_01(b, h, xw, xd, xs, mask, xm, HAS_M: tl.constexpr, EMU: tl.constexpr):
     t = tl.arange(0, 4)[None, None, :]
     q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
     hq = h + 4 if HAS_M else h + 2
-    qh = (tl.load(hq.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
-          | (tl.load((hq + 2).to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32) << 16))[:, :, None]
+    qh = (_u16(hq, mask) | (_u16(hq + 2, mask) << 16))[:, :, None]
     x3 = xw[:, :, None] + t
     s = _dp4a((q & _LO) | _fifth_bits(qh >> (4 * t)), _x(x3, xm[:, :, None]), 0, EMU)
     s = tl.sum(_dp4a(((q >> 4) & _LO) | _fifth_bits(qh >> (4 * t + 16)), _x(x3 + 4, xm[:, :, None]), s, EMU), axis=2)
@@ -176,7 +175,7 @@ def _iq4_xs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     x4 = xw[:, :, None, None] + 8 * j + t
     s = tl.sum(_dp4a(hi, _x(x4 + 4, xm4), _dp4a(lo, _x(x4, xm4), 0, EMU), EMU), axis=3, keep_dims=True)
     h4 = h[:, :, None, None]
-    sh = tl.load((h4 + 2).to(tl.pointer_type(tl.uint16)), mask=m4, other=0).to(tl.int32)
+    sh = _u16(h4 + 2, m4)
     ls = ((_u8(h4 + 4 + j // 2, m4) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
     r = _u2f(ls, 32.0) * _x(xd[:, :, None, None] + j, xm4) * s.to(tl.float32)
     return _f16(h, mask) * tl.sum(tl.sum(r, axis=3), axis=2)
