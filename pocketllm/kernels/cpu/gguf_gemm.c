@@ -629,6 +629,45 @@ typedef __m256i isum_t;
     } while (0)
 #endif
 
+/* Scales for a 32-weight chunk of two 16-weight sub-blocks, as vpmaddwd's 16-bit operand: lanes
+ * 0-7 sub-block e0's, lanes 8-15 e1's, picked from `dup`, eight int16 scales in both 128-bit halves
+ * (e0, e1 constants once the loops unroll: one shuffle). */
+static inline __m256i pair_scale(__m256i dup, int e0, int e1) {
+    return _mm256_shuffle_epi8(dup, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 + 0x0202 * e1)),
+                                                     _mm_set1_epi16((short)(0x0100 + 0x0202 * e0))));
+}
+
+/* Sixteen int8 sub-block scales as two vectors of eight int16, each in both halves (pair_scale's). */
+static inline void dup_scales(__m128i s8, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
+    *hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(s8, 8)));
+}
+
+/* A super-block's integer sums into the float accumulators: acc += d * dx * isum - dmin * dx *
+ * (minimums . the activations' sums per 16), the minimums as 16 int16 (Q2_K, Q4_K, Q5_K). */
+static inline __attribute__((always_inline)) void finish_minimums(
+    const int R, const isum_t *isum, __m256i mins, const int16_t *restrict xb, const float *restrict xd, int64_t nsb,
+    float d, float dmin, __m256 *acc) {
+    for (int r = 0; r < R; r++) {
+        const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), mins);
+        const float dx = xd[r * nsb];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-dmin * dx), acc[r]);
+    }
+}
+
+/* The same for codes stored as value + 2**shift (Q3_K: 4, Q6_K: 32): acc += d * dx * (isum -
+ * 2**shift * (scales . the activations' sums per 16)), the 16 sub-block scales as int16. */
+static inline __attribute__((always_inline)) void finish_offset(
+    const int R, const isum_t *isum, __m256i scales, const int shift, const int16_t *restrict xb,
+    const float *restrict xd, int64_t nsb, float d, __m256 *acc) {
+    for (int r = 0; r < R; r++) {
+        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), scales);
+        const __m256i total = _mm256_sub_epi32(ISUM_NARROW(isum[r]), _mm256_slli_epi32(off, shift));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
+    }
+}
+
 /* The 8 six-bit scales (bytes 0-7) and minimums (bytes 8-15) of a Q4_K / Q5_K super-block's 12
  * packed bytes (scale_min_k4 for all eight at once). */
 static inline __m128i scales_mins_k4(const uint8_t *p) {
@@ -675,13 +714,7 @@ static inline __attribute__((always_inline)) void k45_superblock(
     }
     /* minimums: each repeated for the two 16-sums of its sub-block */
     const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
-    for (int r = 0; r < R; r++) {
-        const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), mins);
-        const float dx = xd[r * nsb];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * dx), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-dmin * dx), acc[r]);
-    }
+    finish_minimums(R, isum, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)), xb, xd, nsb, d, dmin, acc);
 }
 
 /* Q6_K: 16 groups of 16 with int8 scales, codes q in [0, 64) worth q - 32. */
@@ -689,9 +722,11 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
     const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
     const float *restrict xd, int64_t K, __m256 *acc) {
     const int64_t nsb = K / 256;
-    const int8_t *sc = (const int8_t *)(b + 192);
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));  /* int8 scales, one per 16 */
     const float d = h2f(b + 208);
     const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+    __m256i dup[2];
+    dup_scales(s8, &dup[0], &dup[1]);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int h = 0; h < 2; h++) {  /* 128 values from 64 bytes of ql and 32 of qh */
@@ -705,18 +740,10 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), two)),
         };
-        __m256i scale[4];  /* per sub-block: the scales of its two 16-groups */
-        for (int k = 0; k < 4; k++)
-            scale[k] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]), _mm_set1_epi16(sc[8 * h + 2 * k]));
-        SUB_BLOCK_PAIR(R, u[0], u[1], x + 128 * h, scale[0], scale[1], isum);
-        SUB_BLOCK_PAIR(R, u[2], u[3], x + 128 * h + 64, scale[2], scale[3], isum);
+        SUB_BLOCK_PAIR(R, u[0], u[1], x + 128 * h, pair_scale(dup[h], 0, 1), pair_scale(dup[h], 2, 3), isum);
+        SUB_BLOCK_PAIR(R, u[2], u[3], x + 128 * h + 64, pair_scale(dup[h], 4, 5), pair_scale(dup[h], 6, 7), isum);
     }
-    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-    for (int r = 0; r < R; r++) {  /* the codes' offset: -32 * sum over groups of scale * x-sum */
-        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), scales);
-        const __m256i total = _mm256_sub_epi32(ISUM_NARROW(isum[r]), _mm256_slli_epi32(off, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
-    }
+    finish_offset(R, isum, _mm256_cvtepi8_epi16(s8), 5, xb, xd, nsb, d, acc);
 }
 
 /* IQ4_XS: 8 sub-blocks of 32 with 6-bit scales (minus 32), codes through the IQ4 value table.
@@ -744,20 +771,6 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
     }
     for (int r = 0; r < R; r++)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
-}
-
-/* Scales for a 32-weight chunk of two 16-weight sub-blocks, as vpmaddwd's 16-bit operand: lanes
- * 0-7 sub-block e0's, lanes 8-15 e1's, picked from `dup`, eight int16 scales in both 128-bit halves
- * (e0, e1 constants once the loops unroll: one shuffle). */
-static inline __m256i pair_scale(__m256i dup, int e0, int e1) {
-    return _mm256_shuffle_epi8(dup, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 + 0x0202 * e1)),
-                                                     _mm_set1_epi16((short)(0x0100 + 0x0202 * e0))));
-}
-
-/* Sixteen int8 sub-block scales as two vectors of eight int16, each in both halves (pair_scale's). */
-static inline void dup_scales(__m128i s8, __m256i *lo, __m256i *hi) {
-    *lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
-    *hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(s8, 8)));
 }
 
 /* Q2_K and Q3_K's codes of 128 weights (h) against x: 2-bit field j of the 32 code bytes is the
@@ -790,13 +803,8 @@ static inline __attribute__((always_inline)) void q2_k_superblock(
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
         K23_HALF(R, q, (const __m256i *)0, h, dup[h], x + 128 * h, isum, three, one);
     }
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), low4));
-    for (int r = 0; r < R; r++) {
-        const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), mins);
-        const float dx = xd[r * nsb];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * dx), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-dmin * dx), acc[r]);
-    }
+    finish_minimums(R, isum, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), low4)), xb, xd, nsb, d, dmin,
+                    acc);
 }
 
 /* Q3_K: 16 sub-blocks of 16 with signed 6-bit scales, codes u = q | high bit << 2 in [0, 8) worth u - 4. */
@@ -818,12 +826,7 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
         K23_HALF(R, q, &hb, h, dup[h], x + 128 * h, isum, three, one);
     }
-    const __m256i scales = _mm256_cvtepi8_epi16(s8);
-    for (int r = 0; r < R; r++) {  /* the codes' offset: -4 * sum over sub-blocks of scale * x-sum */
-        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + r * nsb * 16)), scales);
-        const __m256i total = _mm256_sub_epi32(ISUM_NARROW(isum[r]), _mm256_slli_epi32(off, 2));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
-    }
+    finish_offset(R, isum, _mm256_cvtepi8_epi16(s8), 2, xb, xd, nsb, d, acc);
 }
 
 #define Q2_K_SB(R, b, x, xb, xd, K, acc) q2_k_superblock(R, b, x, xb, xd, K, acc)

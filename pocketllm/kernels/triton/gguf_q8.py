@@ -361,25 +361,12 @@ def _byte_masks(bits):
 
 
 @triton.jit
-def _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
-    # per group of 32: a word of 4 grid indices (8 weights each), a word of 4 sign indices and the
-    # scale.  One gather per 8 weights for the signs (ksigns, expanded to byte masks in registers)
-    # and two for the grid bytes.
+def _entry_axes(xw, mask, xm):
+    """The lattice kernels' tile [R, B, 8, 4] of a step: (group of 32 ``sg``, entry of 8 weights
+    ``g8`` in it, the weight and activation masks broadcast to it, each entry's activation words)."""
     sg = tl.arange(0, 8)[None, None, :, None]
     g8 = tl.arange(0, 4)[None, None, None, :]
-    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
-    b4 = b[:, :, None, None] + 8 * sg
-    e = (_u32(b4, m4) >> (8 * g8)) & 0xFF
-    aux = _u32(b4 + 4, m4)
-    sgn = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
-    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
-    s = tl.zeros_like(e)
-    for i in tl.static_range(2):
-        msk = _byte_masks(sgn >> (4 * i))
-        s = _dp4a((tl.load(lut_ptr + _KS + 2 * e + i) ^ msk) + (msk & 0x01010101), _x(x4 + i, xm4), s, EMU)
-    s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
-    db = _f16(h[:, :, None, None], m4) * (0.5 + _u2f((aux >> 28) & 15)) * 0.25
-    return tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
+    return sg, g8, mask[:, :, None, None], xm[:, :, None, None], xw[:, :, None, None] + 8 * sg + 2 * g8
 
 
 @triton.jit
@@ -390,21 +377,38 @@ def _signed_grid(grid, sgn, i):
 
 
 @triton.jit
+def _signed_dot(grid0, grid1, sgn, x4, xm4, EMU: tl.constexpr):
+    """An entry's integer sum: its two grid words, signed by ``sgn``'s 8 bits, against its activations."""
+    s = _dp4a(_signed_grid(grid0, sgn, 0), _x(x4, xm4), 0, EMU)
+    return _dp4a(_signed_grid(grid1, sgn, 1), _x(x4 + 1, xm4), s, EMU)
+
+
+@triton.jit
+def _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
+    # per group of 32: a word of 4 grid indices (8 weights each), a word of 4 sign indices and the
+    # scale.  One gather per 8 weights for the signs (ksigns, expanded to byte masks in registers)
+    # and two for the grid bytes.
+    sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
+    b4 = b[:, :, None, None] + 8 * sg
+    e = (_u32(b4, m4) >> (8 * g8)) & 0xFF
+    aux = _u32(b4 + 4, m4)
+    sgn = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
+    s = _signed_dot(tl.load(lut_ptr + _KS + 2 * e), tl.load(lut_ptr + _KS + 2 * e + 1), sgn, x4, xm4, EMU)
+    s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
+    db = _f16(h[:, :, None, None], m4) * (0.5 + _u2f((aux >> 28) & 15)) * 0.25
+    return tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
+
+
+@triton.jit
 def _iq3_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     # per group of 32: 8 grid indices (bytes at 8 * group, 4 weights each), and a word at 64 + 4 *
     # group of 4 x 7-bit sign indices (ksigns) and a 4-bit scale; h: fp16 d
-    sg = tl.arange(0, 8)[None, None, :, None]
-    g8 = tl.arange(0, 4)[None, None, None, :]
-    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
     b4 = b[:, :, None, None]
-    e = _u16(b4 + 8 * sg + 2 * g8, m4)  # the two entries of 8 weights
+    e = _u16(b4 + 8 * sg + 2 * g8, m4)  # the 8 weights' two grid entries of 4
     aux = _u32(b4 + 64 + 4 * sg, m4)
     sgn = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
-    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
-    s = tl.zeros_like(e)
-    for i in tl.static_range(2):
-        grid = tl.load(lut_ptr + _KS + ((e >> (8 * i)) & 0xFF))
-        s = _dp4a(_signed_grid(grid, sgn, i), _x(x4 + i, xm4), s, EMU)
+    s = _signed_dot(tl.load(lut_ptr + _KS + (e & 0xFF)), tl.load(lut_ptr + _KS + (e >> 8)), sgn, x4, xm4, EMU)
     s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
     db = (0.5 + _u2f((aux >> 28) & 15)) * 0.5
     return _f16(h, mask) * tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
@@ -415,18 +419,14 @@ def _iq3_s(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     # per group of 32: 8 grid index lows (bytes at 8 * group), their high bits (byte 2 + group of
     # h), 4 sign masks (bytes 10 + 4 * group of h, one per 8 weights), a 4-bit scale (nibble of the
     # bytes at h + 42): d * (1 + 2 * scale)
-    sg = tl.arange(0, 8)[None, None, :, None]
-    g8 = tl.arange(0, 4)[None, None, None, :]
-    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
     h4 = h[:, :, None, None]
     e = _u16(b[:, :, None, None] + 8 * sg + 2 * g8, m4)
     qh = _u8(h4 + 2 + sg, m4) >> (2 * g8)
     sgn = _u8(h4 + 10 + 4 * sg + g8, m4)
-    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
-    s = tl.zeros_like(e)
-    for i in tl.static_range(2):
-        grid = tl.load(lut_ptr + _KS + (((e >> (8 * i)) & 0xFF) | (((qh >> i) & 1) << 8)))
-        s = _dp4a(_signed_grid(grid, sgn, i), _x(x4 + i, xm4), s, EMU)
+    grid0 = tl.load(lut_ptr + _KS + ((e & 0xFF) | ((qh & 1) << 8)))
+    grid1 = tl.load(lut_ptr + _KS + ((e >> 8) | (((qh >> 1) & 1) << 8)))
+    s = _signed_dot(grid0, grid1, sgn, x4, xm4, EMU)
     s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
     sc = _u2f(2 * ((_u8(h4 + 42 + sg // 2, m4) >> (4 * (sg % 2))) & 15) + 1)
     return _f16(h, mask) * tl.sum(tl.sum(sc * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
@@ -438,9 +438,7 @@ def _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, S: tl.constexpr, EMU: tl.cons
     # IQ2_XS (not S): a 16-bit word per entry at 2l, a 9-bit grid index and a 7-bit ksigns index; h:
     # fp16 d, 8 bytes of scales.  IQ2_S: index lows at byte l, sign masks at 32 + l; h: fp16 d, 8
     # bytes of 2-bit index highs (a crumb per entry), 8 bytes of scales.
-    sg = tl.arange(0, 8)[None, None, :, None]
-    g8 = tl.arange(0, 4)[None, None, None, :]
-    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
     b4, h4 = b[:, :, None, None], h[:, :, None, None]
     entry = 4 * sg + g8
     if S:
@@ -452,10 +450,7 @@ def _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, S: tl.constexpr, EMU: tl.cons
         idx = q & 511
         sgn = tl.load(lut_ptr + (q >> 9))
         sc = _u8(h4 + 2 + sg, m4)
-    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
-    s = tl.zeros_like(idx)
-    for i in tl.static_range(2):
-        s = _dp4a(_signed_grid(tl.load(lut_ptr + _KS + 2 * idx + i), sgn, i), _x(x4 + i, xm4), s, EMU)
+    s = _signed_dot(tl.load(lut_ptr + _KS + 2 * idx), tl.load(lut_ptr + _KS + 2 * idx + 1), sgn, x4, xm4, EMU)
     db = 0.5 + _u2f((sc >> (4 * (g8 // 2))) & 15)  # the entry's 16 weights' scale
     r = tl.sum(db * s.to(tl.float32), axis=3, keep_dims=True) * _x(xd[:, :, None, None] + sg, xm4)
     return _f16(h, mask) * 0.25 * tl.sum(tl.sum(r, axis=3), axis=2)
@@ -468,9 +463,7 @@ def _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, M: tl.constexpr, EMU: tl.constexpr
     # h: fp16 d, per group a 16-bit word (the entries' high bits, the scale, the delta's sign).
     # IQ1_M (M): h: a nibble per entry (high bits, sign), 4 16-bit words of 3-bit scales (one per 16
     # weights) whose top nibbles hold the fp16 d.
-    sg = tl.arange(0, 8)[None, None, :, None]
-    g8 = tl.arange(0, 4)[None, None, None, :]
-    m4, xm4 = mask[:, :, None, None], xm[:, :, None, None]
+    sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
     b4, h4 = b[:, :, None, None], h[:, :, None, None]
     entry = 4 * sg + g8
     if M:
@@ -485,7 +478,6 @@ def _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, M: tl.constexpr, EMU: tl.constexpr
         neg = (qh & 0x8000) != 0
         sc = (qh >> 12) & 7
         d = _f16(h, mask)
-    x4 = xw[:, :, None, None] + 8 * sg + 2 * g8
     sgrid, sx = tl.zeros_like(idx), tl.zeros_like(idx)
     for i in tl.static_range(2):
         xi = _x(x4 + i, xm4)
@@ -493,7 +485,7 @@ def _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, M: tl.constexpr, EMU: tl.constexpr
         sx = _dp4a(tl.zeros_like(xi) + 0x01010101, xi, sx, EMU)
     shift = tl.where(neg, -_IQ1_DELTA - 1.0, _IQ1_DELTA - 1.0)  # grid - 1 + delta
     r = _u2f(2 * sc + 1) * (sgrid.to(tl.float32) + shift * sx.to(tl.float32))
-    return d * tl.sum(tl.sum(r, axis=3) * _x(xd[:, :, None] + tl.arange(0, 8)[None, None, :], xm[:, :, None]), axis=2)
+    return d * tl.sum(tl.sum(tl.sum(r, axis=3, keep_dims=True) * _x(xd[:, :, None, None] + sg, xm4), axis=3), axis=2)
 
 
 @triton.jit
