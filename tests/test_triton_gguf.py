@@ -22,6 +22,7 @@ import triton
 from test_quant_linear import realistic_blocks
 
 from pocketllm.kernels.triton import gguf as kg
+from pocketllm.kernels.triton.int8_act import quantize_activations
 from pocketllm.quant.dequant import dequantize
 
 T = gguf.GGMLQuantizationType
@@ -145,7 +146,7 @@ def test_int8_activation_gemv(qtype):
     raw, w = make(qtype, n=n, k=k, seed=20 + qtype.value)
     packed = kg.pack_gguf(raw, qtype, k)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(qtype.value)).to(DEV)
-    xq, xd, xs = q8.quantize_activations(x)
+    xq, xd, xs = x8 = quantize_activations(x)
     xdeq = (xq.double().view(2, -1, 32) * xd.double()[..., None]).view(2, k)
     assert bool(((xdeq - x.double()).abs() <= xd.double().repeat_interleave(32, 1) / 2 * (1 + 1e-6)).all())
     assert torch.allclose(xs.double(), xd.double() * xq.double().view(2, -1, 32).sum(-1))
@@ -153,6 +154,7 @@ def test_int8_activation_gemv(qtype):
     for split in (1, 3):
         y = q8.gemv_q8(x, packed, qtype, k, split_k=split)
         assert bool(((y.double() - ref).abs() <= 1e-6 * mag + 1e-30).all())
+    assert torch.equal(y, q8.gemv_q8(x, packed, qtype, k, split_k=3, x8=x8))  # as its producer wrote them
     xb = x.bfloat16()
     y = kg.gguf_matmul(xb[:1], packed, qtype, k, packed=True)
     check(y, xb[:1], w)
@@ -499,6 +501,36 @@ def test_dummy_gguf_in_bf16_on_cuda_stays_close(file_type, tmp_path):
     ref = logits["cpu"]
     assert torch.isfinite(logits["cuda"]).all()
     assert float((logits["cuda"] - ref).abs().max()) < 0.05 * float(ref.abs().max())
+
+
+@cuda_only
+def test_norms_and_activations_writing_8_bit_forms_change_no_bit(tmp_path, monkeypatch):
+    """bf16 decode of a Q4_K_M file: the GEMVs take the 8-bit forms that the norms, the gated
+    activations and attention's split merge wrote, and the tokens and their logprobs are exactly
+    those of quantizing in each GEMV."""
+    from conftest import prompts_of
+
+    from pocketllm import LLM, SamplingParams
+    from pocketllm.kernels.triton import gguf_q8, int8_act
+
+    path = _q4_k_m_llama(tmp_path)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([5, 33])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    given = []
+    real = gguf_q8.gemv_q8
+    monkeypatch.setattr(gguf_q8, "gemv_q8", lambda *a, _f=real, **kw: given.append(kw.get("x8") is not None)
+                        or _f(*a, **kw))
+    runs = []
+    for written in (True, False):
+        if not written:
+            monkeypatch.setattr(int8_act, "wanted", lambda y, rows: False)
+        given.clear()
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64,
+                  enforce_eager=True)
+        outs = llm.generate(prompts, params)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        assert all(given) if written else (given and not any(given))
+    assert runs[0] == runs[1]
 
 
 # ---- sm_90 resources: compiled here, without a GPU ----------------------------------------------

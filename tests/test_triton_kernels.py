@@ -265,6 +265,48 @@ def test_gated_activation(act, ref):
     torch.testing.assert_close(out.cpu(), ref(*(x + bias[ids]).chunk(2, -1)), atol=1e-5, rtol=1e-5)
 
 
+def test_producers_write_the_8_bit_form_the_gemv_would():
+    """RMSNorm and the gated activation write their output's 8-bit form beside it (up to
+    ``int8_rows`` rows of 16-bit activations in whole blocks of 32): bit for bit what quantizing the
+    output gives, attached to it while nothing changes it; none past the limit or for float32."""
+    from pocketllm.kernels.triton.int8_act import attached, quantize_activations
+
+    def same_as_quantized(out):
+        got, want = attached(out), quantize_activations(out.reshape(-1, out.shape[-1]))
+        assert got is not None and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    g = torch.Generator().manual_seed(5)
+    x, res, w = (torch.randn(3, 96, generator=g).to(DEV, torch.bfloat16) for _ in range(3))
+    out, _ = fused.rms_norm(x, w[0], 1e-6, 0.0, res, int8_rows=3)
+    same_as_quantized(out)
+    assert attached(fused.rms_norm(x, w[0], 1e-6, 0.0, res, int8_rows=2)[0]) is None
+    assert attached(fused.rms_norm(x.float(), w[0].float(), 1e-6, int8_rows=3)) is None
+    out.add_(1)  # changed in place: the form no longer describes it
+    assert attached(out) is None
+    # three blocks of 1024 columns, the last one short; and one block wider than a row (768 = 24 x 32)
+    for n, act in ((2080, fused.SILU), (768, fused.CLAMPED_SWIGLU)):
+        gate_up = torch.randn(4, 2 * n, generator=g).to(DEV, torch.bfloat16)
+        same_as_quantized(fused.gated_act(gate_up, act, 1.702, 7.0, int8_rows=4))
+        assert attached(fused.gated_act(gate_up, act, 1.702, 7.0)) is None
+
+
+def test_split_merge_writes_the_8_bit_form(monkeypatch):
+    """Decode rows merged from key splits: each head's groups of the output's 8-bit form, found
+    through the [T, H * D] view the output projection reads. (float32 here, as the interpreter's
+    attention runs; ``wanted`` takes 16-bit activations only.)"""
+    from pocketllm.kernels.triton import int8_act
+
+    monkeypatch.setattr(int8_act, "wanted", lambda y, rows: y.shape[0] <= rows)
+    q, kc, vc, rows, tables, lens, qsl = make_step([(1, 17), (1, 70)], 8, 2, 64, seed=4)
+    args = (q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV), 1, 0.125)
+    out = kattn.paged_attention(*args, num_splits=4, int8_rows=2)
+    flat = out.reshape(2, -1)
+    got, want = int8_act.attached(flat), int8_act.quantize_activations(flat)
+    assert got is not None and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert int8_act.attached(out[:, :4].reshape(2, -1)) is None  # a copy of part of it: not the form's memory
+    assert int8_act.attached(kattn.paged_attention(*args, num_splits=4, int8_rows=1).reshape(2, -1)) is None
+
+
 @pytest.mark.parametrize("experts,k,renormalize,softmax_of_top_k", [
     (128, 8, True, False),  # Qwen3-MoE
     (8, 2, True, False),  # Mixtral

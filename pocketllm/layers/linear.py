@@ -90,6 +90,7 @@ class Linear(torch.nn.Module):
         self._quant_parts: dict[int, QuantizedTensor] = {}
         self.dequantize_at_load = False
         self.int8_activations = 0  # CPU fast path: passes of 8-bit activations (see GGUFLinear)
+        self.int8_rows = 0  # GPU: up to this many rows the product takes 8-bit activations (GGUFLinear)
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         lo = sum(self.out_sizes[:shard])
@@ -127,6 +128,7 @@ class Linear(torch.nn.Module):
                                                  int8_activations=self.int8_activations))
                 lo += size
             self.quantized = ConcatLinear(subs)
+        self.int8_rows = max(p.int8_rows for p in getattr(self.quantized, "parts", [self.quantized]))
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,14 @@ class ExpertStack:
         """Whether the expert-sorted tile kernel covers every part."""
         return all(p.fused for p in self.parts)
 
+    @property
+    def int8(self) -> bool:
+        """Whether a part's grouped GEMV runs on 8-bit activations (16-bit ones, which ``int8_act``
+        checks)."""
+        from pocketllm.kernels.triton.gguf_q8 import Q8_TYPES
+
+        return any(p.qtype in Q8_TYPES for p in self.parts)
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None,
                  add_bias: bool = True) -> torch.Tensor:
         """[P, N]: row p = x[p // x_div] @ W[ids[p]].T (+ its bias, unless ``add_bias`` is False: the
@@ -122,8 +130,9 @@ class _PartStack:
                           self.k, self.n, routing, x_div)
         elif self.qtype is not None:
             from pocketllm.kernels.triton.gguf import gguf_grouped_gemv
+            from pocketllm.kernels.triton.int8_act import attached
 
-            y = gguf_grouped_gemv(x, self.stacked, self.qtype, self.k, self.n, ids, x_div)
+            y = gguf_grouped_gemv(x, self.stacked, self.qtype, self.k, self.n, ids, x_div, attached(x))
         else:
             from pocketllm.kernels.triton.moe import grouped_dense_gemv
 
@@ -152,6 +161,9 @@ class SparseMoE(torch.nn.Module):
         self.fused_kind: str | None = None  # "gguf" / "dense" where the tile kernel covers both stacks
         self.cpu_kernels = False  # the CPU fast path: a token's experts in one C call (DecodeExperts)
         self._cpu_experts = None  # built at the first such step; False where the experts are not covered
+        # GPU: up to how many tokens (pairs) a step the grouped GEMVs take the layer's input (the
+        # activation's output) in 8 bits, so that its producer writes them (int8_act)
+        self.int8_tokens = self.int8_pairs = 0
 
     def finish_loading(self) -> None:
         """Stack the experts' projections where the grouped kernels take them."""
@@ -161,6 +173,12 @@ class SparseMoE(torch.nn.Module):
         if self.stacks is not None and gate_up.fused and down.fused:
             dense = all(part.qtype is None for stack in self.stacks for part in stack.parts)
             self.fused_kind = "dense" if dense else "gguf"
+        if self.stacks is not None:
+            from pocketllm.kernels.triton.moe import FUSED_MIN_TOKENS
+
+            grouped = GROUPED_MAX_TOKENS if self.fused_kind is None else FUSED_MIN_TOKENS[self.fused_kind] - 1
+            self.int8_tokens = grouped if gate_up.int8 else 0
+            self.int8_pairs = grouped * self.top_k if down.int8 else 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) for the tokens x [T, hidden]."""
@@ -201,7 +219,7 @@ class SparseMoE(torch.nn.Module):
             gate_up, down = self.stacks
             pair_ids, fold = ids.reshape(-1), x.is_cuda
             h = self.experts[0].activation(gate_up(x, ids, k, routing, add_bias=not fold),
-                                           gate_up.bias if fold else None, pair_ids)
+                                           gate_up.bias if fold else None, pair_ids, self.int8_pairs)
             return weighted_sum(down(h, ids, 1, routing, add_bias=False), weights, down.bias, pair_ids).to(x.dtype)
         assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), \
             "a CUDA graph was captured over more tokens than the grouped expert path takes"

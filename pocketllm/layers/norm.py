@@ -14,6 +14,7 @@ class RMSNorm(torch.nn.Module):
         self.offset = offset
         self._scale: torch.Tensor | None = None
         self.cpu_kernels = False  # the CPU fast path's fused kernel (float32; residual updated in place)
+        self.int8_rows = 0  # CUDA: up to this many rows the output carries its 8-bit form (int8_act)
 
     def load(self, tensor: torch.Tensor, shard: int = 0, kind: str = "weight") -> None:
         self.weight.data.copy_(tensor)
@@ -29,7 +30,7 @@ class RMSNorm(torch.nn.Module):
         if x.is_cuda:
             from pocketllm.kernels.triton.fused import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, self.offset, residual)
+            return rms_norm(x, self.weight, self.eps, self.offset, residual, self.int8_rows)
         if self.cpu_kernels and x.is_contiguous():
             from pocketllm.kernels.cpu import layer_ops
 

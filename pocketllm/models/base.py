@@ -11,6 +11,7 @@ from pocketllm.config import ModelConfig
 from pocketllm.errors import ConfigurationError
 from pocketllm.layers.attention import AttentionMetadata
 from pocketllm.layers.linear import Embedding, Linear, QuantizedTensor
+from pocketllm.layers.norm import RMSNorm
 from pocketllm.models.capabilities import RuntimeCapabilities
 
 _SUFFIX = re.compile(r"\.(weight|bias)$")
@@ -117,3 +118,10 @@ class CausalLM(torch.nn.Module):
         for module in self.modules():  # layers that re-lay their weights once all are in (expert stacks)
             if hasattr(module, "finish_loading"):
                 module.finish_loading()
+        # On the GPU the norms write their output's 8-bit form too where a GGUF GEMV reads it (any
+        # projection's rows: a norm's consumer is the model's business, and the form costs ~K bytes a row)
+        int8_rows = max((getattr(m, "int8_rows", 0) if isinstance(m, Linear) else getattr(m, "int8_tokens", 0)
+                         for m in self.modules()), default=0)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.int8_rows = int8_rows

@@ -42,15 +42,15 @@ class GptOssExpert(torch.nn.Module):
         self.cpu_kernels = False  # the CPU fast path: the activation in one C call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_up_proj(x)))
+        return self.down_proj(self.activation(self.gate_up_proj(x), int8_rows=self.down_proj.int8_rows))
 
     def activation(self, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
-                   ids: torch.Tensor | None = None) -> torch.Tensor:
+                   ids: torch.Tensor | None = None, int8_rows: int = 0) -> torch.Tensor:
         """As `MLP.activation`, clamped SwiGLU."""
         if gate_up.is_cuda:
             from pocketllm.kernels.triton.fused import gated_act
 
-            return gated_act(gate_up, self.act_code, self.alpha, self.limit, bias, ids)
+            return gated_act(gate_up, self.act_code, self.alpha, self.limit, bias, ids, int8_rows)
         assert bias is None, "expert biases in the activation: the CUDA kernel's"
         if self.cpu_kernels and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
             from pocketllm.kernels.cpu import layer_ops

@@ -83,7 +83,7 @@ class Attention(torch.nn.Module):
         qk = self.rotary(positions, qk, norms)  # queries and keys rotate in one pass
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap,
-                            fast, sinks)
+                            fast, sinks, self.o_proj.int8_rows)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -100,16 +100,17 @@ class MLP(torch.nn.Module):
         self.cpu_kernels = False  # the CPU fast path's fused gated activation (where it has this one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_up_proj(x)))
+        return self.down_proj(self.activation(self.gate_up_proj(x), int8_rows=self.down_proj.int8_rows))
 
     def activation(self, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
-                   ids: torch.Tensor | None = None) -> torch.Tensor:
+                   ids: torch.Tensor | None = None, int8_rows: int = 0) -> torch.Tensor:
         """[T, 2I] = [gate | up] -> act(gate) * up [T, I]; on CUDA ``bias`` [E, 2I]: row ids[t] added
-        to row t first (the experts' biases of a mixture-of-experts layer's pairs)."""
+        to row t first (the experts' biases of a mixture-of-experts layer's pairs), and up to
+        ``int8_rows`` rows the result's 8-bit form for the GEMV that reads it (``int8_act``)."""
         if gate_up.is_cuda:
             from pocketllm.kernels.triton.fused import gated_act
 
-            return gated_act(gate_up, self.act_code, bias=bias, ids=ids)
+            return gated_act(gate_up, self.act_code, bias=bias, ids=ids, int8_rows=int8_rows)
         assert bias is None, "expert biases in the activation: the CUDA kernel's"
         if self.cpu_kernels and self.act_code in (0, 1):
             from pocketllm.kernels.cpu import layer_ops

@@ -374,6 +374,17 @@ class GGUFLinear(torch.nn.Module):
             return None
         return (self._store[0], True) if self._rows is None else (self._rows, False)
 
+    @property
+    def int8_rows(self) -> int:
+        """Up to how many activation rows the product runs on 8-bit activations (the GPU's GEMV,
+        ``kernels/triton/gguf_q8.py``), whose producers can then write them (``int8_act``); 0: never."""
+        if self.path != "triton":
+            return 0
+        from pocketllm.kernels.triton.gguf import GEMV_MAX_M
+        from pocketllm.kernels.triton.gguf_q8 import Q8_TYPES
+
+        return GEMV_MAX_M if self.qtype in Q8_TYPES else 0
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"qtype={self.qtype.name}, path={self.path}")
@@ -383,8 +394,9 @@ class GGUFLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.path == "triton":
             from pocketllm.kernels.triton.gguf import gguf_matmul
+            from pocketllm.kernels.triton.int8_act import attached
 
-            y = gguf_matmul(x2, self._store, self.qtype, self.in_features, packed=True)
+            y = gguf_matmul(x2, self._store, self.qtype, self.in_features, packed=True, x8=attached(x))
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*lead, self.out_features)

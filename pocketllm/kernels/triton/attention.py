@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .int8_act import attach, buffers_for, store_groups
+
 
 @triton.jit
 def _find_seq(query_start_loc, qb, num_seqs, BLOCK_Q: tl.constexpr):
@@ -129,8 +131,9 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc, part_ml, out_ptr, stride_ot, stride_oh, num_q_heads,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _merge_splits_kernel(part_acc, part_ml, out_ptr, xq_ptr, xd_ptr, xs_ptr, stride_ot, stride_oh, stride_q,
+                         stride_d, num_q_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, INT8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     part = (t * num_q_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -142,7 +145,11 @@ def _merge_splits_kernel(part_acc, part_ml, out_ptr, stride_ot, stride_oh, num_q
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o, mask=offs_d < HEAD_DIM)
+    if INT8:  # the head's groups of the row's 8-bit form (HEAD_DIM a multiple of 32, BLOCK_D = HEAD_DIM)
+        store_groups(o.to(tl.float32), xq_ptr, xd_ptr, xs_ptr, t, h * HEAD_DIM, num_q_heads * HEAD_DIM, stride_q,
+                     stride_d, BLOCK_D)
 
 
 _SMS: dict = {}
@@ -166,9 +173,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, scale: float, window: int | None = None,
                     softcap: float | None = None, out: torch.Tensor | None = None,
-                    num_splits: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, sinks: torch.Tensor | None = None,
+                    int8_rows: int = 0) -> torch.Tensor:
     """q [T, Hq, D] (any row/head strides, unit last stride) -> out [T, Hq, D]. ``sinks`` [Hq]
-    float32: a logit per head in every row's softmax denominator (gpt-oss).
+    float32: a logit per head in every row's softmax denominator (gpt-oss). Up to ``int8_rows``
+    rows, decode steps whose key splits are merged also give the output's 8-bit form
+    (``int8_act``: for the output projection's GEMV).
 
     block_tables [R, W] int32, seq_lens [R] int32, query_start_loc [R + 1] int32; the step's
     K/V must already be in the cache. With a window, entries for blocks wholly before each tile's
@@ -207,8 +217,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no TF32
         NUM_SPLITS=num_splits)
     if num_splits > 1:
-        _merge_splits_kernel[(t, hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), hq,
-                                      HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits)
+        x8 = None
+        if d % 32 == 0 and d == triton.next_power_of_2(d) and out.is_contiguous():
+            x8 = buffers_for(out.view(t, hq * d), int8_rows)
+        q8 = x8 or (out, out, out)
+        _merge_splits_kernel[(t, hq)](part_acc, part_ml, out, *q8, out.stride(0), out.stride(1), q8[0].stride(0),
+                                      q8[1].stride(0), hq, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+                                      NUM_SPLITS=num_splits, INT8=x8 is not None)
+        if x8 is not None:
+            attach(out, x8)
     return out
 
 

@@ -8,10 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .int8_act import attach, buffers_for, store_groups
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                     stride_ro, n, eps, offset, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, xd_ptr, xs_ptr, stride_x, stride_r,
+                     stride_o, stride_ro, stride_q, stride_d, n, eps, offset, HAS_RES: tl.constexpr,
+                     BLOCK: tl.constexpr, INT8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -24,23 +27,29 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) + offset
-    tl.store(out_ptr + row * stride_o + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=ok)
+    y = (xf * inv * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=ok)
+    if INT8:
+        store_groups(y.to(tl.float32), xq_ptr, xd_ptr, xs_ptr, row, 0, n, stride_q, stride_d, BLOCK)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
-             residual: torch.Tensor | None = None):
+             residual: torch.Tensor | None = None, int8_rows: int = 0):
     """RMSNorm over the last dim of a 2-D x; with `residual`, normalises x + residual and also
-    returns that sum (the next residual)."""
+    returns that sum (the next residual).  Up to ``int8_rows`` rows the output also carries its
+    8-bit form (``int8_act``) for the GGUF GEMVs that read it."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     rows, n = x2.shape
     out = torch.empty_like(x2)
     res2 = residual.reshape(-1, n) if residual is not None else x2
     res_out = torch.empty_like(x2) if residual is not None else out
-    _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0),
-                              res_out.stride(0), n, eps, offset, HAS_RES=residual is not None,
-                              BLOCK=triton.next_power_of_2(n))
-    out = out.view(shape)
+    q = buffers_for(out, int8_rows)
+    qq = q or (out, out, out)
+    _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, *qq, x2.stride(0), res2.stride(0), out.stride(0),
+                              res_out.stride(0), qq[0].stride(0), qq[1].stride(0), n, eps, offset,
+                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), INT8=q is not None)
+    out = out.view(shape) if q is None else attach(out.view(shape), q)
     return out if residual is None else (out, res_out.view(shape))
 
 
@@ -92,8 +101,9 @@ SILU, GELU_TANH, GELU, CLAMPED_SWIGLU = 0, 1, 2, 3
 
 
 @triton.jit
-def _gated_act_kernel(x_ptr, out_ptr, bias_ptr, ids_ptr, stride_x, stride_o, stride_b, n, alpha, limit,
-                      ACT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _gated_act_kernel(x_ptr, out_ptr, bias_ptr, ids_ptr, xq_ptr, xd_ptr, xs_ptr, stride_x, stride_o, stride_b,
+                      stride_q, stride_d, n, alpha, limit, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, INT8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -114,20 +124,28 @@ def _gated_act_kernel(x_ptr, out_ptr, bias_ptr, ids_ptr, stride_x, stride_o, str
         g = tl.minimum(g, limit)
         a = g * tl.sigmoid(g * alpha)
         u = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
-    tl.store(out_ptr + row * stride_o + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
+    y = (a * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=ok)
+    if INT8:
+        store_groups(y.to(tl.float32), xq_ptr, xd_ptr, xs_ptr, row, tl.program_id(1) * BLOCK, n, stride_q,
+                     stride_d, BLOCK)
 
 
 def gated_act(x: torch.Tensor, act: int, alpha: float = 0.0, limit: float = 0.0,
-              bias: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, ids: torch.Tensor | None = None, int8_rows: int = 0) -> torch.Tensor:
     """x [T, 2I] = [gate | up] -> act(gate) * up [T, I] (``alpha`` and ``limit``: CLAMPED_SWIGLU's).
     With ``bias`` [E, 2I] and ``ids`` [T]: row t's gate and up get row ids[t] of ``bias`` added first
-    (a mixture-of-experts layer's pairs and their experts' biases)."""
+    (a mixture-of-experts layer's pairs and their experts' biases).  ``int8_rows`` as for ``rms_norm``."""
     t, n2 = x.shape
     n = n2 // 2
     assert x.stride(1) == 1 and (bias is None or (bias.shape[1] == n2 and bias.stride(1) == 1 and ids is not None))
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    block = min(triton.next_power_of_2(n), 1024)
+    block = max(min(triton.next_power_of_2(n), 1024), 32)
+    q = buffers_for(out, int8_rows)
+    qq = q or (out, out, out)
     _gated_act_kernel[(t, triton.cdiv(n, block))](x, out, x if bias is None else bias, x if ids is None else ids,
-                                                  x.stride(0), out.stride(0), 0 if bias is None else bias.stride(0),
-                                                  n, alpha, limit, ACT=act, BLOCK=block, HAS_BIAS=bias is not None)
-    return out
+                                                  *qq, x.stride(0), out.stride(0),
+                                                  0 if bias is None else bias.stride(0), qq[0].stride(0),
+                                                  qq[1].stride(0), n, alpha, limit, ACT=act, BLOCK=block,
+                                                  HAS_BIAS=bias is not None, INT8=q is not None)
+    return out if q is None else attach(out, q)

@@ -834,14 +834,16 @@ def _mma():
 
 
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int, *,
-                packed: bool = False, regime: str = "auto", split_k: int | None = None) -> torch.Tensor:
+                packed: bool = False, regime: str = "auto", split_k: int | None = None,
+                x8=None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` [M, k] (bf16 / fp16 / fp32) and ``W`` the GGUF weight ``qweight``
     (uint8 [N, row_bytes] of type ``qtype``, rows of ``k`` weights); [M, N] in x's dtype.
 
     ``packed``: ``qweight`` came from ``pack_gguf`` (do that once at load: without it, every
     call re-lays the weight out).  ``regime``: ``"auto"`` (by M, see the module docs),
     ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"``, ``"mma"`` or ``"dequant"``.  ``split_k``: K splits of the gemv/dot kernels
-    (None: enough programs to fill the GPU, see ``_split_k``)."""
+    (None: enough programs to fill the GPU, see ``_split_k``).  ``x8``: x's 8-bit form
+    (``int8_act.Int8Activations``) where its producer wrote one, for the ``"gemv_q8"`` regime."""
     qtype = _check(qweight, qtype, k, packed)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
@@ -866,7 +868,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     if regime == "dequant":
         return _dequant_matmul(x, qweight, qtype, k)
     if regime == "gemv_q8":
-        return _q8().gemv_q8(x, qweight, qtype, k, split_k)
+        return _q8().gemv_q8(x, qweight, qtype, k, split_k, x8=x8)
 
     if regime == "gemv":
         return _gemv(x, qweight, qtype, k, n, m, split_k)
@@ -898,12 +900,12 @@ def _gemv(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k:
 
 
 def gguf_grouped_gemv(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int,
-                      ids: torch.Tensor, x_div: int = 1) -> torch.Tensor:
+                      ids: torch.Tensor, x_div: int = 1, x8=None) -> torch.Tensor:
     """Mixture-of-experts products: ``stacked`` holds E packed GGUF matrices of ``n`` rows
     (``pack_gguf`` of [E * n, k]); row p of the result [P, n] is ``x[p // x_div] @ W[ids[p]].T`` for
     the P = ``ids.numel()`` ids.  One launch, no host sync (CUDA-graph capturable), the GEMV's
     tiles; bf16 / fp16 activations of an int8-kernel type go through 8-bit activations as the
-    dense ``auto`` regime does.  ``ids`` are not checked (in [0, E))."""
+    dense ``auto`` regime does (``x8`` as for ``gguf_matmul``).  ``ids`` are not checked (in [0, E))."""
     qtype = _check(stacked, qtype, k, packed=True)
     if stacked.shape[0] % n or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"stacked [{stacked.shape[0]}, *] is not whole matrices of {n} rows, or x is not [*, {k}]")
@@ -915,7 +917,7 @@ def gguf_grouped_gemv(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantiz
     if p == 0:
         return x.new_zeros(0, n)
     if x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
-        return _q8().gemv_q8(x, stacked, qtype, k, ids=ids, n=n, x_div=x_div)
+        return _q8().gemv_q8(x, stacked, qtype, k, ids=ids, n=n, x_div=x_div, x8=x8)
     return _gemv(x, stacked, qtype, k, n, p, ids=ids, x_div=x_div)
 
 

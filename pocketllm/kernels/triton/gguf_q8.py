@@ -66,6 +66,7 @@ from .gguf import (  # the type ids as constexprs, and helpers
     _u32,
     _value_table,
 )
+from .int8_act import Int8Activations, quantize_activations
 
 T = GGMLQuantizationType
 
@@ -559,23 +560,6 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, r
     tl.store(y_ptr + pid_s * stride_ys + m * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
-@triton.jit
-def _quantize_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, n_groups, stride_xm, stride_xq, stride_xd,
-                     GROUPS: tl.constexpr):
-    """Row m of x in blocks of 32: int8 q = round(x / d), d = max|x| / 127, and xs = d * sum(q)."""
-    m = tl.program_id(0)
-    gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]
-    k = gi * 32 + tl.arange(0, 32)[None, :]
-    ok = gi < n_groups
-    x = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
-    d = tl.max(tl.abs(x), axis=1, keep_dims=True) / 127.0
-    v = x / tl.where(d > 0, d, 1.0)
-    q = tl.where(v < 0, -tl.floor(0.5 - v), tl.floor(v + 0.5))  # round half away from zero
-    tl.store(xq_ptr + m * stride_xq + k, q.to(tl.int8), mask=ok)
-    tl.store(xd_ptr + m * stride_xd + gi, d, mask=ok)
-    tl.store(xs_ptr + m * stride_xd + gi, d * tl.sum(q, axis=1, keep_dims=True), mask=ok)
-
-
 Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
                                                         T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS,
                                                         T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
@@ -589,29 +573,14 @@ GEMV_Q8_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
     T.Q6_K: dict(BLOCK_N=8, num_warps=8, PROGRAMS_PER_SM=2),
     T.Q8_0: dict(BLOCK_N=1),
 }
-_QUANT_GROUPS = 16
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> (int8 [M, K], float32 d [M, K/32], float32 d*sum [M, K/32])."""
-    m, k = x.shape
-    xq = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    xd = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
-    xs = torch.empty_like(xd)
-    if m:
-        grid = (m, triton.cdiv(k // 32, _QUANT_GROUPS))
-        _quantize_kernel[grid](x, xq, xd, xs, k // 32, x.stride(0), xq.stride(0), xd.stride(0),
-                               GROUPS=_QUANT_GROUPS, num_warps=2)
-    return xq, xd, xs
-
-
 def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int,
             split_k: int | None = None, *, ids: torch.Tensor | None = None, n: int | None = None,
-            x_div: int = 1) -> torch.Tensor:
+            x_div: int = 1, x8: Int8Activations | None = None) -> torch.Tensor:
     """``x @ W.T`` through 8-bit activations for ``W`` packed by ``gguf.pack_gguf`` (a type of
     ``Q8_TYPES``); x [M, k] contiguous, the result [M, N] in x's dtype.  With ``ids`` (int64 [P]):
-    ``packed`` is a stack of matrices of ``n`` rows and the result [P, n] as ``gguf_grouped_gemv``."""
-    xq, xd, xs = quantize_activations(x)
+    ``packed`` is a stack of matrices of ``n`` rows and the result [P, n] as ``gguf_grouped_gemv``.
+    ``x8``: x already in 8 bits (``int8_act``: its producer wrote it), else x is quantized here."""
+    xq, xd, xs = quantize_activations(x) if x8 is None else x8
     if ids is None:
         m, n = x.shape[0], packed.shape[0]
     else:
