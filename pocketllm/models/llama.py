@@ -84,6 +84,10 @@ class Attention(torch.nn.Module):
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap,
                             fast, sinks, self.o_proj.int8_rows)
+        if o.is_cuda:  # the 8-bit form attention's split merge wrote goes along (int8_act)
+            from pocketllm.kernels.triton.int8_act import flattened
+
+            return self.o_proj(flattened(o))
         return self.o_proj(o.reshape(t, -1))
 
 

@@ -46,9 +46,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     res_out = torch.empty_like(x2) if residual is not None else out
     q = buffers_for(out, int8_rows)
     qq = q or (out, out, out)
+    block = triton.next_power_of_2(n)
+    # one program a row: at 4096 features 16 warps take 1.8 us (2.5 with the 8-bit form), 4 take
+    # 1.9 (3.2) on the H200 (benchmarks/results/h200-norm-warps.txt)
     _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, *qq, x2.stride(0), res2.stride(0), out.stride(0),
                               res_out.stride(0), qq[0].stride(0), qq[1].stride(0), n, eps, offset,
-                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), INT8=q is not None)
+                              HAS_RES=residual is not None, BLOCK=block, INT8=q is not None,
+                              num_warps=min(16, max(4, block // 256)))
     out = out.view(shape) if q is None else attach(out.view(shape), q)
     return out if residual is None else (out, res_out.view(shape))
 

@@ -85,17 +85,25 @@ def buffers_for(y: torch.Tensor, rows: int) -> Int8Activations | None:
 
 
 def attach(y: torch.Tensor, q: Int8Activations) -> torch.Tensor:
-    """Mark ``q`` as the 8-bit form of ``y`` (a fresh output nothing writes in place afterwards)."""
-    y._int8_activations = (q, y._version)
+    """Mark ``q`` as the 8-bit form of ``y``: a fresh output that nothing writes in place afterwards
+    (there is no checking that: in inference mode tensors keep no version counter)."""
+    y._int8_activations = q
     return y
 
 
 def attached(x: torch.Tensor) -> Int8Activations | None:
-    """The 8-bit form a producer attached to x or to the tensor x views (e.g. attention's [T, H, D]
-    output seen as [T, H * D]), if x is contiguous, covers the same memory and nothing changed it."""
-    for t in (x, x._base):
-        got = getattr(t, "_int8_activations", None) if t is not None else None
-        if (got is not None and got[1] == x._version and x.is_contiguous() and x.data_ptr() == t.data_ptr()
-                and got[0].xq.numel() == x.numel() and got[0].xq.shape[-1] == x.shape[-1]):
-            return got[0]
-    return None
+    """The 8-bit form a producer attached to x ([M, K] or [*, K]), if x is contiguous and its shape
+    is the form's."""
+    q = getattr(x, "_int8_activations", None)
+    if q is None or not x.is_contiguous() or q.xq.numel() != x.numel() or q.xq.shape[-1] != x.shape[-1]:
+        return None
+    return q
+
+
+def flattened(x: torch.Tensor) -> torch.Tensor:
+    """x [T, ...] as [T, -1], keeping an 8-bit form attached to x (e.g. attention's [T, H, D] output
+    for the output projection; in inference mode a view does not know its base, so the form moves
+    by hand)."""
+    y = x.reshape(x.shape[0], -1)
+    q = getattr(x, "_int8_activations", None)
+    return y if q is None or y.data_ptr() != x.data_ptr() else attach(y, q)
