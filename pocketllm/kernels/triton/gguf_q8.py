@@ -569,6 +569,10 @@ Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T
 # (results/h200-triton-gguf-q8-sweep.txt): longer steps than the float kernel's, more bytes in
 # flight (the default before, 2 rows x 1024, read Q4_K at 1.2 TB/s, this at 1.6).
 GEMV_Q8_CONFIG = dict(BLOCK_N=4, BLOCK_K=2048, num_warps=2, PROGRAMS_PER_SM=8)
+# What the "auto" regime runs on 8-bit activations: all but IQ3_S, whose float GEMV was faster over an 8B
+# layer's shapes on the H200 (14336x4096 40.8 against 44.1 us, 4096x4096 13.4 against 14.5, 4096x14336
+# 41.8 against 40.2: results/h200-triton-gguf-q8-more-types.txt) and is exact.
+Q8_AUTO_TYPES: frozenset[GGMLQuantizationType] = Q8_TYPES - {T.IQ3_S}
 GEMV_Q8_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
     T.Q6_K: dict(BLOCK_N=8, num_warps=8, PROGRAMS_PER_SM=2),
     T.Q8_0: dict(BLOCK_N=1),
