@@ -11,7 +11,7 @@ q = int8_act.Int8Activations.empty(1, 4096, dev)
 def norm(nw, int8):
     def f():
         for _ in range(100):
-            fused._rms_norm_kernel[(1,)](x, r, w, out, ro, *q, 4096, 4096, 4096, 4096, 4096, 128, 4096, 1e-5, 0.0,
+            fused._rms_norm_kernel[(1,)](x, r, w, out, ro, *q, 4096, 128, 4096, 4096, 4096, 4096, 4096, 1e-5, 0.0,
                                          HAS_RES=True, BLOCK=4096, INT8=int8, num_warps=nw)
     return f
 for nw in (4, 8, 16):

@@ -3,8 +3,8 @@ single-stream decode (llama-bench tg64), prefill of 128 and 512 tokens (pp128, p
 concurrent sequences (llama-batched-bench, 128 prompt + 128 generated tokens each).
 
 Files: the default model (SmolLM2-135M-Instruct Q4_1, real weights) and random-weight files of a
-Qwen2.5-1.5B's shape (`pocketllm dummy-gguf`; IQ4_XS through llama-quantize from an F16 one),
-written once into --workdir. llama.cpp is built from ../shared/peers into $LLAMACPP_DIR (default
+Qwen2.5-1.5B's shape (`pocketllm dummy-gguf`, every type: llama-quantize would want an importance
+matrix for the low-bit i-quants), written once into --workdir. llama.cpp is built from ../shared/peers into $LLAMACPP_DIR (default
 /tmp/llama.cpp) unless it is there already.
 
     python benchmarks/cpu_vs_llamacpp.py [--types Q4_1 Q4_K_M ...] [--paths fast exact]
@@ -54,11 +54,7 @@ def model_file(qtype: str, workdir: Path, bin_dir: Path, shape: str = SHAPE) -> 
 
     out = workdir / f"{shape}-{qtype}.gguf"
     if not out.exists():
-        if qtype.startswith("IQ"):  # no dummy blocks for IQ types: llama.cpp quantizes an F16 file
-            f16 = model_file("F16", workdir, bin_dir, shape)
-            run([bin_dir / "llama-quantize", f16, out, qtype, "2"])
-        else:
-            write_dummy_gguf(out, shape, qtype)
+        write_dummy_gguf(out, shape, qtype)
     return out
 
 

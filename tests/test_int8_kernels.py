@@ -24,8 +24,10 @@ from pocketllm.quant.quantize import quantize
 from pocketllm.quant.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.quant.linear import GGUFLinear
 
-INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
-SUPER_BLOCK_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}  # activations quantized per 256
+LATTICE_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
+INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS,
+              *LATTICE_TYPES]
+SUPER_BLOCK_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, *LATTICE_TYPES}  # activations per 256
 if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2 keeps the exact kernels
     pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
@@ -38,9 +40,14 @@ HAVE_X8 = all(load_cpu_kernels().gguf_x8_supported(int(t)) for t in X8_TYPES)
 def quantized_weights(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw GGUF rows [n, row bytes], gguf's dequantized weights [n, k] float64): gaussian weights
     quantized, or for the IQ4 types and MXFP4 (which this package does not quantize) random codes
-    under random scales."""
+    under random scales, and for the lattice types dummy-gguf's random blocks (every grid entry and
+    sign pattern, scales across their range)."""
     rng = np.random.default_rng(seed)
-    if qtype in (T.IQ4_NL, T.IQ4_XS, T.MXFP4):
+    if qtype in LATTICE_TYPES:
+        from pocketllm.loaders.dummy_gguf import _random_blocks
+
+        blocks = _random_blocks(rng, qtype, (n, k), 0.05)
+    elif qtype in (T.IQ4_NL, T.IQ4_XS, T.MXFP4):
         bs, ts = gguf.GGML_QUANT_SIZES[qtype]
         blocks = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
         if qtype == T.MXFP4:  # E8M0 exponents: weights up to 12 * 2**-11, as the other types' scales give
@@ -190,13 +197,13 @@ def test_fused_parts_share_one_table():
 
 
 def test_types_without_integer_kernels_keep_the_exact_path():
-    """The lattice types have no C kernels: asked for 8-bit activations, a layer keeps exact weights."""
+    """Types without integer kernels (IQ1_S): asked for 8-bit activations, a layer keeps exact weights."""
     from pocketllm.loaders.dummy_gguf import _random_blocks
     from pocketllm.quant.dequant import dequantize
 
-    raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), T.IQ3_XXS, (16, 256), 0.02))
-    w = dequantize(raw, T.IQ3_XXS, (16, 256)).double()
-    layer = GGUFLinear.from_gguf(raw, T.IQ3_XXS, 16, 256, int8_activations=True)
+    raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), T.IQ1_S, (16, 256), 0.02))
+    w = dequantize(raw, T.IQ1_S, (16, 256)).double()
+    layer = GGUFLinear.from_gguf(raw, T.IQ1_S, 16, 256, int8_activations=True)
     assert not layer.int8
     x = torch.randn(2, 256)
     torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)

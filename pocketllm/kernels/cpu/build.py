@@ -107,4 +107,20 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     dll.cpu_clamped_swiglu.argtypes = [ptr, i64, i64, f32, f32, ptr, ctypes.c_int]
     dll.llama_decode.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     dll.moe_decode_experts.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int, f32, f32, ptr, ctypes.c_int]
+    tables = _lattice_tables()
+    dll.gguf_set_lattice_tables.argtypes = [ctypes.c_char_p] * len(tables)
+    dll.gguf_set_lattice_tables(*tables)
     return dll
+
+
+def _lattice_tables() -> list[bytes]:
+    """The lattice i-quants' grids (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; each entry's values as
+    bytes) and the 7-bit sign index table, from the gguf package's."""
+    import gguf.quants as gq
+    import numpy as np
+
+    grids = []
+    for cls in (gq.IQ2_XXS, gq.IQ2_XS, gq.IQ2_S, gq.IQ3_XXS, gq.IQ3_S):
+        cls.init_grid()
+        grids.append(np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=np.uint8).tobytes())
+    return [*grids, bytes(gq.IQ2_XXS.ksigns)]

@@ -29,8 +29,39 @@ static inline float h2f(const uint8_t *p) {
 }
 #endif
 
-enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-       Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39 };
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+       Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
+       IQ4_XS = 23, MXFP4 = 39 };
+
+/* The lattice i-quants' grids, set once from the gguf package's (gguf_set_lattice_tables; the types
+ * are unsupported until then): each entry's values as bytes (IQ2_*: 8, IQ3_*: 4). Signs: byte j of
+ * bit_signs[b] is -1 (0xFF) where bit j of b is set, else +1; ksigns maps a 7-bit sign index to its
+ * 8 bits (the eighth the parity). */
+static uint64_t iq2xxs_grid[256], iq2xs_grid[512], iq2s_grid[1024];
+static uint32_t iq3xxs_grid[256], iq3s_grid[512];
+static uint8_t ksigns[128];
+static uint64_t bit_signs[256];
+static int lattice_tables_set;
+
+void gguf_set_lattice_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *iq2s, const uint8_t *iq3xxs,
+                             const uint8_t *iq3s, const uint8_t *signs) {
+    memcpy(iq2xxs_grid, iq2xxs, sizeof iq2xxs_grid);
+    memcpy(iq2xs_grid, iq2xs, sizeof iq2xs_grid);
+    memcpy(iq2s_grid, iq2s, sizeof iq2s_grid);
+    memcpy(iq3xxs_grid, iq3xxs, sizeof iq3xxs_grid);
+    memcpy(iq3s_grid, iq3s, sizeof iq3s_grid);
+    memcpy(ksigns, signs, sizeof ksigns);
+    for (int b = 0; b < 256; b++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)((b >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+        bit_signs[b] = v;
+    }
+    lattice_tables_set = 1;
+}
+
+static inline uint64_t grid3_pair(const uint32_t *grid, int i0, int i1) {  /* two IQ3 entries: 8 values */
+    return grid[i0] | (uint64_t)grid[i1] << 32;
+}
 
 static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* MXFP4: the E2M1 values doubled (0, 0.5, 1, ... 6 -> 0, 1, 2, ... 12), the block's E8M0 scale halved */
@@ -211,6 +242,75 @@ static inline void deq_iq4_xs(const uint8_t *restrict b, float *restrict w0) {
     }
 }
 
+/* The lattice types: 8 values of a grid entry, each times db with its sign, in the reference's order
+ * ((db * grid) * sign). */
+static inline void deq_signed_grid(uint64_t g, uint64_t signs, float db, float *restrict w) {
+    for (int j = 0; j < 8; j++) {
+        const float v = db * (float)(uint8_t)(g >> (8 * j));
+        w[j] = (signs >> (8 * j)) & 2 ? -v : v;  /* 0xFF: -1, 0x01: +1 */
+    }
+}
+
+/* IQ2_XXS / IQ3_XXS: 8 sub-blocks of 32, each with a word of a 4-bit scale s and four 7-bit sign
+ * indices: d * (0.5 + s) * (0.25 | 0.5) * value * sign. */
+static inline void deq_iq2_xxs(const uint8_t *restrict b, float *restrict w) {
+    const float d = h2f(b);
+    for (int ib = 0; ib < 8; ib++, w += 32) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        uint32_t aux; memcpy(&aux, q + 4, 4);
+        const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++)
+            deq_signed_grid(iq2xxs_grid[q[l]], bit_signs[ksigns[(aux >> (7 * l)) & 127]], db, w + 8 * l);
+    }
+}
+
+static inline void deq_iq3_xxs(const uint8_t *restrict b, float *restrict w) {
+    const float d = h2f(b);
+    for (int ib = 0; ib < 8; ib++, w += 32) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        uint32_t aux; memcpy(&aux, b + 66 + 4 * ib, 4);
+        const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+        for (int l = 0; l < 4; l++)
+            deq_signed_grid(grid3_pair(iq3xxs_grid, q[2 * l], q[2 * l + 1]), bit_signs[ksigns[(aux >> (7 * l)) & 127]],
+                            db, w + 8 * l);
+    }
+}
+
+/* IQ2_XS / IQ2_S: a 4-bit scale s per 16 weights, d * (0.5 + s) * 0.25. IQ2_XS: 32 words of a
+ * 9-bit grid index and a 7-bit sign index; IQ2_S: 32 bytes of index with 2 high bits each in qh, and
+ * a byte of sign bits per 8 weights. */
+static inline float half_scale(float d, const uint8_t *scales, int i) {
+    return d * (0.5f + (float)((scales[i / 2] >> (4 * (i % 2))) & 0xF)) * 0.25f;
+}
+
+static inline void deq_iq2_xs(const uint8_t *restrict b, float *restrict w) {
+    const float d = h2f(b);
+    for (int i = 0; i < 32; i++) {
+        uint16_t q; memcpy(&q, b + 2 + 2 * i, 2);
+        deq_signed_grid(iq2xs_grid[q & 511], bit_signs[ksigns[q >> 9]], half_scale(d, b + 66, i / 2), w + 8 * i);
+    }
+}
+
+static inline void deq_iq2_s(const uint8_t *restrict b, float *restrict w) {
+    const float d = h2f(b);
+    for (int i = 0; i < 32; i++) {
+        const int idx = b[2 + i] | ((b[66 + i / 4] >> (2 * (i % 4))) & 3) << 8;
+        deq_signed_grid(iq2s_grid[idx], bit_signs[b[34 + i]], half_scale(d, b + 74, i / 2), w + 8 * i);
+    }
+}
+
+/* IQ3_S: 64 grid indices (8 low bits, the ninth in qh), a byte of sign bits per 8 weights, a 4-bit
+ * scale s per 32: d * (1 + 2s). */
+static inline void deq_iq3_s(const uint8_t *restrict b, float *restrict w) {
+    const float d = h2f(b);
+    for (int i = 0; i < 32; i++) {
+        const int i0 = b[2 + 2 * i] | ((b[66 + i / 4] >> (2 * (i % 4))) & 1) << 8;
+        const int i1 = b[3 + 2 * i] | ((b[66 + i / 4] >> (2 * (i % 4) + 1)) & 1) << 8;
+        const float db = d * (float)(1 + 2 * ((b[106 + i / 8] >> (4 * ((i / 4) % 2))) & 0xF));
+        deq_signed_grid(grid3_pair(iq3s_grid, i0, i1), bit_signs[b[74 + i]], db, w + 8 * i);
+    }
+}
+
 static inline void deq_f16(const uint8_t *restrict b, float *restrict w) { for (int i = 0; i < 32; i++) w[i] = h2f(b + 2 * i); }
 static inline void deq_f32(const uint8_t *restrict b, float *restrict w) { memcpy(w, b, 32 * sizeof(float)); }
 
@@ -234,6 +334,11 @@ static deq_fn lookup(int type, int *qk, int *nbytes) {
     case IQ4_NL: *qk = 32; *nbytes = 18; return deq_iq4_nl;
     case IQ4_XS: *qk = 256; *nbytes = 136; return deq_iq4_xs;
     case MXFP4: *qk = 32; *nbytes = 17; return deq_mxfp4;
+    case IQ2_XXS: *qk = 256; *nbytes = 66; return lattice_tables_set ? deq_iq2_xxs : 0;
+    case IQ2_XS: *qk = 256; *nbytes = 74; return lattice_tables_set ? deq_iq2_xs : 0;
+    case IQ2_S: *qk = 256; *nbytes = 82; return lattice_tables_set ? deq_iq2_s : 0;
+    case IQ3_XXS: *qk = 256; *nbytes = 98; return lattice_tables_set ? deq_iq3_xxs : 0;
+    case IQ3_S: *qk = 256; *nbytes = 110; return lattice_tables_set ? deq_iq3_s : 0;
     default: return 0;
     }
 }
@@ -324,6 +429,11 @@ GEMM_FOR_TYPE(q6_k, deq_q6_k, 256, 210)
 GEMM_FOR_TYPE(iq4_nl, deq_iq4_nl, 32, 18)
 GEMM_FOR_TYPE(iq4_xs, deq_iq4_xs, 256, 136)
 GEMM_FOR_TYPE(mxfp4, deq_mxfp4, 32, 17)
+GEMM_FOR_TYPE(iq2_xxs, deq_iq2_xxs, 256, 66)
+GEMM_FOR_TYPE(iq3_xxs, deq_iq3_xxs, 256, 98)
+GEMM_FOR_TYPE(iq2_xs, deq_iq2_xs, 256, 74)
+GEMM_FOR_TYPE(iq2_s, deq_iq2_s, 256, 82)
+GEMM_FOR_TYPE(iq3_s, deq_iq3_s, 256, 110)
 
 /* Y[B, N] = X[B, K] @ W[N, K]^T. W is given as a table of N row pointers, each to one row of
  * GGUF blocks, so fused projections (QKV, gate/up) are tables over their parts: no copies. */
@@ -346,6 +456,11 @@ int gguf_gemm(int type, const uint8_t *const *W, int64_t N, int64_t K, const flo
     case IQ4_NL: iq4_nl_gemm(W, N, K, X, B, Y, nthreads); break;
     case IQ4_XS: iq4_xs_gemm(W, N, K, X, B, Y, nthreads); break;
     case MXFP4: mxfp4_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ2_XXS: iq2_xxs_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ3_XXS: iq3_xxs_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ2_XS: iq2_xs_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ2_S: iq2_s_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ3_S: iq3_s_gemm(W, N, K, X, B, Y, nthreads); break;
     default: return -1;
     }
     return 0;
@@ -773,6 +888,90 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
 }
 
+/* The lattice types on 8-bit activations: per sub-block of 32 weights the grid values with their
+ * signs as int8 (|v| <= 62: vpmaddubsw's pair sums stay in int16), the scale's odd integer factor
+ * (2s + 1) per 16 or 32 weights; acc += d * f * dx * isum, f = 1/8 (IQ2_*), 1/4 (IQ3_XXS), 1 (IQ3_S). */
+static inline __m256i signed_grid(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, uint64_t s0, uint64_t s1,
+                                  uint64_t s2, uint64_t s3) {
+    return _mm256_sign_epi8(_mm256_set_epi64x((long long)g3, (long long)g2, (long long)g1, (long long)g0),
+                            _mm256_set_epi64x((long long)s3, (long long)s2, (long long)s1, (long long)s0));
+}
+
+static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-15, then 16-31 */
+    return _mm256_set_m128i(_mm_set1_epi16((short)(2 * s_hi + 1)), _mm_set1_epi16((short)(2 * s_lo + 1)));
+}
+
+/* Sub-block k (32 weights) of a lattice super-block: its signed values and scale factors. */
+static inline __attribute__((always_inline)) void lattice_sub_block(const int type, const uint8_t *restrict b, int k,
+                                                                    __m256i *v, __m256i *scale) {
+    const uint64_t *sg = bit_signs;
+    uint32_t aux;
+    switch (type) {
+    case IQ2_XXS: {
+        const uint8_t *q = b + 2 + 8 * k;
+        memcpy(&aux, q + 4, 4);
+        *v = signed_grid(iq2xxs_grid[q[0]], iq2xxs_grid[q[1]], iq2xxs_grid[q[2]], iq2xxs_grid[q[3]],
+                         sg[ksigns[aux & 127]], sg[ksigns[(aux >> 7) & 127]], sg[ksigns[(aux >> 14) & 127]],
+                         sg[ksigns[(aux >> 21) & 127]]);
+        *scale = odd_scales(aux >> 28, aux >> 28);
+        break;
+    }
+    case IQ3_XXS: {
+        const uint8_t *q = b + 2 + 8 * k;
+        memcpy(&aux, b + 66 + 4 * k, 4);
+        *v = signed_grid(grid3_pair(iq3xxs_grid, q[0], q[1]), grid3_pair(iq3xxs_grid, q[2], q[3]),
+                         grid3_pair(iq3xxs_grid, q[4], q[5]), grid3_pair(iq3xxs_grid, q[6], q[7]),
+                         sg[ksigns[aux & 127]], sg[ksigns[(aux >> 7) & 127]], sg[ksigns[(aux >> 14) & 127]],
+                         sg[ksigns[(aux >> 21) & 127]]);
+        *scale = odd_scales(aux >> 28, aux >> 28);
+        break;
+    }
+    case IQ2_XS: {
+        uint16_t q[4];
+        memcpy(q, b + 2 + 8 * k, 8);
+        *v = signed_grid(iq2xs_grid[q[0] & 511], iq2xs_grid[q[1] & 511], iq2xs_grid[q[2] & 511], iq2xs_grid[q[3] & 511],
+                         sg[ksigns[q[0] >> 9]], sg[ksigns[q[1] >> 9]], sg[ksigns[q[2] >> 9]], sg[ksigns[q[3] >> 9]]);
+        *scale = odd_scales(b[66 + k] & 0xF, b[66 + k] >> 4);
+        break;
+    }
+    case IQ2_S: {
+        const uint8_t *q = b + 2 + 4 * k, *sb = b + 34 + 4 * k, h = b[66 + k];
+        *v = signed_grid(iq2s_grid[q[0] | (h & 3) << 8], iq2s_grid[q[1] | (h >> 2 & 3) << 8],
+                         iq2s_grid[q[2] | (h >> 4 & 3) << 8], iq2s_grid[q[3] | (h >> 6) << 8],
+                         sg[sb[0]], sg[sb[1]], sg[sb[2]], sg[sb[3]]);
+        *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
+        break;
+    }
+    default: {  /* IQ3_S */
+        const uint8_t *q = b + 2 + 8 * k, *sb = b + 74 + 4 * k, h = b[66 + k];
+        *v = signed_grid(grid3_pair(iq3s_grid, q[0] | (h & 1) << 8, q[1] | (h >> 1 & 1) << 8),
+                         grid3_pair(iq3s_grid, q[2] | (h >> 2 & 1) << 8, q[3] | (h >> 3 & 1) << 8),
+                         grid3_pair(iq3s_grid, q[4] | (h >> 4 & 1) << 8, q[5] | (h >> 5 & 1) << 8),
+                         grid3_pair(iq3s_grid, q[6] | (h >> 6 & 1) << 8, q[7] | (h >> 7) << 8),
+                         sg[sb[0]], sg[sb[1]], sg[sb[2]], sg[sb[3]]);
+        const int s = (b[106 + k / 2] >> (4 * (k % 2))) & 0xF;
+        *scale = _mm256_set1_epi16((short)(2 * s + 1));
+    }
+    }
+}
+
+static inline __attribute__((always_inline)) void lattice_superblock(
+    const int R, const int type, const uint8_t *restrict b, const int8_t *restrict x, const float *restrict xd,
+    int64_t K, __m256 *acc) {
+    const int64_t nsb = K / 256;
+    const float d = h2f(b) * (type == IQ3_S ? 1.0f : type == IQ3_XXS ? 0.25f : 0.125f);
+    isum_t isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
+    for (int k = 0; k < 8; k += 2) {
+        __m256i v[2], scale[2];
+        lattice_sub_block(type, b, k, &v[0], &scale[0]);
+        lattice_sub_block(type, b, k + 1, &v[1], &scale[1]);
+        SIGNED_SUB_BLOCK_PAIR(R, v[0], v[1], x + 32 * k, scale[0], scale[1], isum);
+    }
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
+}
+
 /* Q2_K and Q3_K's codes of 128 weights (h) against x: 2-bit field j of the 32 code bytes is the
  * chunk of weights 32j .. 32j + 31, sub-blocks 8h + 2j and 8h + 2j + 1; Q3_K adds its high bit. */
 #define K23_HALF(R, q, hb, h, dup, x, isum, three, one)                                             \
@@ -835,6 +1034,11 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
 #define Q5_K_SB(R, b, x, xb, xd, K, acc) k45_superblock(R, 1, b, x, xb, xd, K, acc)
 #define Q6_K_SB(R, b, x, xb, xd, K, acc) q6_k_superblock(R, b, x, xb, xd, K, acc)
 #define IQ4_XS_SB(R, b, x, xb, xd, K, acc) iq4_xs_superblock(R, b, x, xb, xd, K, acc)
+#define IQ2_XXS_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ2_XXS, b, x, xd, K, acc)
+#define IQ2_XS_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ2_XS, b, x, xd, K, acc)
+#define IQ2_S_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ2_S, b, x, xd, K, acc)
+#define IQ3_XXS_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ3_XXS, b, x, xd, K, acc)
+#define IQ3_S_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ3_S, b, x, xd, K, acc)
 
 /* One weight row of super-blocks against R activation rows (xq, xd, xb at row b0). */
 #define KGEMM_FOR_TYPE(NAME, SUPERBLOCK, NBYTES)                                                    \
@@ -859,6 +1063,11 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
 #define KDOT_q5_k(R) q5_k_kdot KDOT_ARGS(R)
 #define KDOT_q6_k(R) q6_k_kdot KDOT_ARGS(R)
 #define KDOT_iq4_xs(R) iq4_xs_kdot KDOT_ARGS(R)
+#define KDOT_iq2_xxs(R) iq2_xxs_kdot KDOT_ARGS(R)
+#define KDOT_iq3_xxs(R) iq3_xxs_kdot KDOT_ARGS(R)
+#define KDOT_iq2_xs(R) iq2_xs_kdot KDOT_ARGS(R)
+#define KDOT_iq2_s(R) iq2_s_kdot KDOT_ARGS(R)
+#define KDOT_iq3_s(R) iq3_s_kdot KDOT_ARGS(R)
 
 KGEMM_FOR_TYPE(q2_k, Q2_K_SB, 84)
 KGEMM_FOR_TYPE(q3_k, Q3_K_SB, 110)
@@ -866,6 +1075,11 @@ KGEMM_FOR_TYPE(q4_k, Q4_K_SB, 144)
 KGEMM_FOR_TYPE(q5_k, Q5_K_SB, 176)
 KGEMM_FOR_TYPE(q6_k, Q6_K_SB, 210)
 KGEMM_FOR_TYPE(iq4_xs, IQ4_XS_SB, 136)
+KGEMM_FOR_TYPE(iq2_xxs, IQ2_XXS_SB, 66)
+KGEMM_FOR_TYPE(iq3_xxs, IQ3_XXS_SB, 98)
+KGEMM_FOR_TYPE(iq2_xs, IQ2_XS_SB, 74)
+KGEMM_FOR_TYPE(iq2_s, IQ2_S_SB, 82)
+KGEMM_FOR_TYPE(iq3_s, IQ3_S_SB, 110)
 
 typedef void (*igemm_fn)(const uint8_t *const *, int64_t, int64_t, const int8_t *, const float *, const float *,
                          int64_t, float *, int);
@@ -893,6 +1107,11 @@ static kgemm_fn int8_k_lookup(int type) {
     case Q5_K: return q5_k_kgemm;
     case Q6_K: return q6_k_kgemm;
     case IQ4_XS: return iq4_xs_kgemm;
+    case IQ2_XXS: return lattice_tables_set ? iq2_xxs_kgemm : 0;
+    case IQ3_XXS: return lattice_tables_set ? iq3_xxs_kgemm : 0;
+    case IQ2_XS: return lattice_tables_set ? iq2_xs_kgemm : 0;
+    case IQ2_S: return lattice_tables_set ? iq2_s_kgemm : 0;
+    case IQ3_S: return lattice_tables_set ? iq3_s_kgemm : 0;
     default: return 0;
     }
 }

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .int8_act import attach, buffers_for, store_groups
+from .int8_act import attach, buffers_for, kernel_args, store_groups
 
 
 @triton.jit
@@ -131,8 +131,8 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc, part_ml, out_ptr, xq_ptr, xd_ptr, xs_ptr, stride_ot, stride_oh, stride_q,
-                         stride_d, num_q_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _merge_splits_kernel(part_acc, part_ml, out_ptr, xq_ptr, xd_ptr, xs_ptr, stride_q, stride_d, stride_ot,
+                         stride_oh, num_q_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, INT8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -220,10 +220,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         x8 = None
         if d % 32 == 0 and d == triton.next_power_of_2(d) and out.is_contiguous():
             x8 = buffers_for(out.view(t, hq * d), int8_rows)
-        q8 = x8 or (out, out, out)
-        _merge_splits_kernel[(t, hq)](part_acc, part_ml, out, *q8, out.stride(0), out.stride(1), q8[0].stride(0),
-                                      q8[1].stride(0), hq, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-                                      NUM_SPLITS=num_splits, INT8=x8 is not None)
+        _merge_splits_kernel[(t, hq)](part_acc, part_ml, out, *kernel_args(x8, out), out.stride(0), out.stride(1),
+                                      hq, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
+                                      INT8=x8 is not None)
         if x8 is not None:
             attach(out, x8)
     return out

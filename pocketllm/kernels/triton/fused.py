@@ -8,12 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .int8_act import attach, buffers_for, store_groups
+from .int8_act import attach, buffers_for, kernel_args, store_groups
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, xd_ptr, xs_ptr, stride_x, stride_r,
-                     stride_o, stride_ro, stride_q, stride_d, n, eps, offset, HAS_RES: tl.constexpr,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, xq_ptr, xd_ptr, xs_ptr, stride_q, stride_d,
+                     stride_x, stride_r, stride_o, stride_ro, n, eps, offset, HAS_RES: tl.constexpr,
                      BLOCK: tl.constexpr, INT8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -45,12 +45,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     res2 = residual.reshape(-1, n) if residual is not None else x2
     res_out = torch.empty_like(x2) if residual is not None else out
     q = buffers_for(out, int8_rows)
-    qq = q or (out, out, out)
     block = triton.next_power_of_2(n)
     # one program a row: at 4096 features 16 warps take 1.8 us (2.5 with the 8-bit form), 4 take
     # 1.9 (3.2) on the H200 (benchmarks/results/h200-norm-warps.txt)
-    _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, *qq, x2.stride(0), res2.stride(0), out.stride(0),
-                              res_out.stride(0), qq[0].stride(0), qq[1].stride(0), n, eps, offset,
+    _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, *kernel_args(q, out), x2.stride(0), res2.stride(0),
+                              out.stride(0), res_out.stride(0), n, eps, offset,
                               HAS_RES=residual is not None, BLOCK=block, INT8=q is not None,
                               num_warps=min(16, max(4, block // 256)))
     out = out.view(shape) if q is None else attach(out.view(shape), q)
@@ -105,8 +104,8 @@ SILU, GELU_TANH, GELU, CLAMPED_SWIGLU = 0, 1, 2, 3
 
 
 @triton.jit
-def _gated_act_kernel(x_ptr, out_ptr, bias_ptr, ids_ptr, xq_ptr, xd_ptr, xs_ptr, stride_x, stride_o, stride_b,
-                      stride_q, stride_d, n, alpha, limit, ACT: tl.constexpr, BLOCK: tl.constexpr,
+def _gated_act_kernel(x_ptr, out_ptr, bias_ptr, ids_ptr, xq_ptr, xd_ptr, xs_ptr, stride_q, stride_d, stride_x,
+                      stride_o, stride_b, n, alpha, limit, ACT: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_BIAS: tl.constexpr, INT8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -146,10 +145,8 @@ def gated_act(x: torch.Tensor, act: int, alpha: float = 0.0, limit: float = 0.0,
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     block = max(min(triton.next_power_of_2(n), 1024), 32)
     q = buffers_for(out, int8_rows)
-    qq = q or (out, out, out)
     _gated_act_kernel[(t, triton.cdiv(n, block))](x, out, x if bias is None else bias, x if ids is None else ids,
-                                                  *qq, x.stride(0), out.stride(0),
-                                                  0 if bias is None else bias.stride(0), qq[0].stride(0),
-                                                  qq[1].stride(0), n, alpha, limit, ACT=act, BLOCK=block,
-                                                  HAS_BIAS=bias is not None, INT8=q is not None)
+                                                  *kernel_args(q, out), x.stride(0), out.stride(0),
+                                                  0 if bias is None else bias.stride(0), n, alpha, limit, ACT=act,
+                                                  BLOCK=block, HAS_BIAS=bias is not None, INT8=q is not None)
     return out if q is None else attach(out, q)

@@ -2,8 +2,8 @@
 a float scale ``xd = max|x| / 127`` and the scaled sum ``xs = xd * sum(q)`` (llama.cpp's
 ``block_q8_1``).
 
-The kernels that produce a GEMV's input (RMSNorm, the gated activation: ``fused.py``) can write
-this form beside their output, in the same launch, and attach it to the output tensor; the GEMV
+The kernels that produce a GEMV's input (RMSNorm and the gated activation in ``fused.py``,
+attention's split merge) can write this form beside their output, in the same launch, and attach it to the output tensor; the GEMV
 then takes it instead of quantizing again (one launch less per projection: ~1.2 us each on the
 H200, 161 of them a token for an 8B Q4_K_M model).  Every producer quantizes with the one
 ``quantize_groups``, so the attached form is bit for bit what ``quantize_activations`` gives.
@@ -82,6 +82,12 @@ def wanted(x: torch.Tensor, rows: int) -> bool:
 def buffers_for(y: torch.Tensor, rows: int) -> Int8Activations | None:
     """Where a producer writes the 8-bit form of its output y ([M, K], contiguous) if ``wanted``."""
     return Int8Activations.empty(*y.shape, y.device) if wanted(y, rows) else None
+
+
+def kernel_args(q: Int8Activations | None, placeholder: torch.Tensor) -> tuple:
+    """A producer kernel's (xq, xd, xs, xq's row stride, xd's row stride): q's, or placeholders
+    where it writes none."""
+    return (placeholder,) * 3 + (0, 0) if q is None else (*q, q.xq.stride(0), q.xd.stride(0))
 
 
 def attach(y: torch.Tensor, q: Int8Activations) -> torch.Tensor:
