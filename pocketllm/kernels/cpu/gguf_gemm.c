@@ -891,10 +891,35 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
 /* The lattice types on 8-bit activations: per sub-block of 32 weights the grid values with their
  * signs as int8 (|v| <= 62: vpmaddubsw's pair sums stay in int16), the scale's odd integer factor
  * (2s + 1) per 16 or 32 weights; acc += d * f * dx * isum, f = 1/8 (IQ2_*), 1/4 (IQ3_XXS), 1 (IQ3_S). */
-static inline __m256i signed_grid(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, uint64_t s0, uint64_t s1,
-                                  uint64_t s2, uint64_t s3) {
-    return _mm256_sign_epi8(_mm256_set_epi64x((long long)g3, (long long)g2, (long long)g1, (long long)g0),
-                            _mm256_set_epi64x((long long)s3, (long long)s2, (long long)s1, (long long)s0));
+/* Signs as 32 bytes of +1 / -1 for weights 8i + j: from 32 bits (bit j of byte i; IQ2_S, IQ3_S),
+ * each byte spread to its 8 lanes and tested bit by bit, or from four 7-bit sign indices through
+ * the table (IQ2_XXS, IQ2_XS, IQ3_XXS: measured faster there than forming the bits). */
+static inline __m256i signs_of_bits(uint32_t bits) {
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                          _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                            0x0101010101010101LL, 0));
+    const __m256i m = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, m), m), _mm256_set1_epi8(1));
+}
+
+static inline __m256i signs_of_indices(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    return _mm256_set_epi64x((long long)bit_signs[ksigns[d]], (long long)bit_signs[ksigns[c]],
+                             (long long)bit_signs[ksigns[b]], (long long)bit_signs[ksigns[a]]);
+}
+
+/* A sub-block's 32 grid values: four 8-value entries (IQ2_*) or eight 4-value ones (IQ3_*), from
+ * scalar loads (the plain byte indices of IQ2_XXS, IQ2_XS, IQ3_XXS) or gathered (IQ2_S and IQ3_S,
+ * whose indices take high bits from elsewhere: vector shifts, measured faster there). */
+static inline __m256i signed_grid(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, __m256i signs) {
+    return _mm256_sign_epi8(_mm256_set_epi64x((long long)g3, (long long)g2, (long long)g1, (long long)g0), signs);
+}
+
+static inline __m256i grid8_gather(const uint64_t *grid, __m128i idx) {
+    return _mm256_i32gather_epi64((const long long *)grid, idx, 8);
+}
+
+static inline __m256i grid4_gather(const uint32_t *grid, __m256i idx) {
+    return _mm256_i32gather_epi32((const int *)grid, idx, 4);
 }
 
 static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-15, then 16-31 */
@@ -904,15 +929,13 @@ static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-
 /* Sub-block k (32 weights) of a lattice super-block: its signed values and scale factors. */
 static inline __attribute__((always_inline)) void lattice_sub_block(const int type, const uint8_t *restrict b, int k,
                                                                     __m256i *v, __m256i *scale) {
-    const uint64_t *sg = bit_signs;
     uint32_t aux;
     switch (type) {
     case IQ2_XXS: {
         const uint8_t *q = b + 2 + 8 * k;
         memcpy(&aux, q + 4, 4);
         *v = signed_grid(iq2xxs_grid[q[0]], iq2xxs_grid[q[1]], iq2xxs_grid[q[2]], iq2xxs_grid[q[3]],
-                         sg[ksigns[aux & 127]], sg[ksigns[(aux >> 7) & 127]], sg[ksigns[(aux >> 14) & 127]],
-                         sg[ksigns[(aux >> 21) & 127]]);
+                         signs_of_indices(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127));
         *scale = odd_scales(aux >> 28, aux >> 28);
         break;
     }
@@ -921,8 +944,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         memcpy(&aux, b + 66 + 4 * k, 4);
         *v = signed_grid(grid3_pair(iq3xxs_grid, q[0], q[1]), grid3_pair(iq3xxs_grid, q[2], q[3]),
                          grid3_pair(iq3xxs_grid, q[4], q[5]), grid3_pair(iq3xxs_grid, q[6], q[7]),
-                         sg[ksigns[aux & 127]], sg[ksigns[(aux >> 7) & 127]], sg[ksigns[(aux >> 14) & 127]],
-                         sg[ksigns[(aux >> 21) & 127]]);
+                         signs_of_indices(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127));
         *scale = odd_scales(aux >> 28, aux >> 28);
         break;
     }
@@ -930,36 +952,40 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         uint16_t q[4];
         memcpy(q, b + 2 + 8 * k, 8);
         *v = signed_grid(iq2xs_grid[q[0] & 511], iq2xs_grid[q[1] & 511], iq2xs_grid[q[2] & 511], iq2xs_grid[q[3] & 511],
-                         sg[ksigns[q[0] >> 9]], sg[ksigns[q[1] >> 9]], sg[ksigns[q[2] >> 9]], sg[ksigns[q[3] >> 9]]);
+                         signs_of_indices(q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9));
         *scale = odd_scales(b[66 + k] & 0xF, b[66 + k] >> 4);
         break;
     }
     case IQ2_S: {
-        const uint8_t *q = b + 2 + 4 * k, *sb = b + 34 + 4 * k, h = b[66 + k];
-        *v = signed_grid(iq2s_grid[q[0] | (h & 3) << 8], iq2s_grid[q[1] | (h >> 2 & 3) << 8],
-                         iq2s_grid[q[2] | (h >> 4 & 3) << 8], iq2s_grid[q[3] | (h >> 6) << 8],
-                         sg[sb[0]], sg[sb[1]], sg[sb[2]], sg[sb[3]]);
+        const uint8_t *q = b + 2 + 4 * k, h = b[66 + k];
+        uint32_t sb; memcpy(&sb, b + 34 + 4 * k, 4);
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi32(3));
+        const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int *)q)), _mm_slli_epi32(hi, 8));
+        *v = _mm256_sign_epi8(grid8_gather(iq2s_grid, idx), signs_of_bits(sb));
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
         break;
     }
     default: {  /* IQ3_S */
-        const uint8_t *q = b + 2 + 8 * k, *sb = b + 74 + 4 * k, h = b[66 + k];
-        *v = signed_grid(grid3_pair(iq3s_grid, q[0] | (h & 1) << 8, q[1] | (h >> 1 & 1) << 8),
-                         grid3_pair(iq3s_grid, q[2] | (h >> 2 & 1) << 8, q[3] | (h >> 3 & 1) << 8),
-                         grid3_pair(iq3s_grid, q[4] | (h >> 4 & 1) << 8, q[5] | (h >> 5 & 1) << 8),
-                         grid3_pair(iq3s_grid, q[6] | (h >> 6 & 1) << 8, q[7] | (h >> 7) << 8),
-                         sg[sb[0]], sg[sb[1]], sg[sb[2]], sg[sb[3]]);
+        const uint8_t *q = b + 2 + 8 * k, h = b[66 + k];
+        uint32_t sb; memcpy(&sb, b + 74 + 4 * k, 4);
+        /* the 8 indices, their ninth bits from h, gathered as 8 words of 4 values */
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                            _mm256_set1_epi32(1));
+        *v = _mm256_sign_epi8(grid4_gather(iq3s_grid, _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8))), signs_of_bits(sb));
         const int s = (b[106 + k / 2] >> (4 * (k % 2))) & 0xF;
         *scale = _mm256_set1_epi16((short)(2 * s + 1));
     }
     }
 }
 
+static inline float lattice_factor(int type) { return type == IQ3_S ? 1.0f : type == IQ3_XXS ? 0.25f : 0.125f; }
+
 static inline __attribute__((always_inline)) void lattice_superblock(
     const int R, const int type, const uint8_t *restrict b, const int8_t *restrict x, const float *restrict xd,
     int64_t K, __m256 *acc) {
     const int64_t nsb = K / 256;
-    const float d = h2f(b) * (type == IQ3_S ? 1.0f : type == IQ3_XXS ? 0.25f : 0.125f);
+    const float d = h2f(b) * lattice_factor(type);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int k = 0; k < 8; k += 2) {
@@ -1081,6 +1107,78 @@ KGEMM_FOR_TYPE(iq2_xs, IQ2_XS_SB, 74)
 KGEMM_FOR_TYPE(iq2_s, IQ2_S_SB, 82)
 KGEMM_FOR_TYPE(iq3_s, IQ3_S_SB, 110)
 
+/* The lattice types over more than IRB activation rows (prefill): NB weight rows' super-blocks are
+ * decoded once into a per-thread buffer (signed values, scale factors, float factors), then every
+ * block of IRB activation rows multiplies from there; the grid lookups, the costly part of these
+ * types, run once a weight instead of once per block of activation rows. */
+static inline __attribute__((always_inline)) void decoded_dot(
+    const int R, const __m256i *restrict v, const __m256i *restrict sc, const float *restrict f,
+    const int8_t *restrict x, const float *restrict xd, int64_t K, float *restrict Y, int64_t N, int64_t n) {
+    const int64_t nsb = K / 256;
+    __m256 acc[IRB];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nsb; j++) {
+        isum_t isum[IRB];
+        for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
+        for (int k = 0; k < 8; k += 2)
+            SIGNED_SUB_BLOCK_PAIR(R, v[8 * j + k], v[8 * j + k + 1], x + 256 * j + 32 * k, sc[8 * j + k],
+                                  sc[8 * j + k + 1], isum);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(f[j] * xd[r * nsb + j]),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) Y[r * N + n] = hsum8(acc[r]);
+}
+
+static void lattice_kgemm_decoded(const int type, const int nbytes, const uint8_t *const *W, int64_t N, int64_t K,
+                                  const int8_t *xq, const float *xd, int64_t B, float *Y, int nthreads) {
+    const int64_t nsb = K / 256;
+    _Pragma("omp parallel num_threads(nthreads)")
+    {
+        __m256i *v = aligned_alloc(64, (size_t)(NB * K)), *sc = aligned_alloc(64, (size_t)(NB * K));
+        float *f = malloc((size_t)(NB * nsb) * sizeof(float));
+        _Pragma("omp for schedule(static)")
+        for (int64_t nb = 0; nb < N; nb += NB) {
+            const int64_t rows = N - nb < NB ? N - nb : NB;
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t j = 0; j < nsb; j++) {
+                    const uint8_t *b = W[nb + i] + j * nbytes;
+                    f[i * nsb + j] = h2f(b) * lattice_factor(type);
+                    for (int k = 0; k < 8; k++)
+                        lattice_sub_block(type, b, k, &v[(i * nsb + j) * 8 + k], &sc[(i * nsb + j) * 8 + k]);
+                }
+            for (int64_t b0 = 0; b0 < B; b0 += IRB)
+                for (int64_t i = 0; i < rows; i++) {
+#define DECODED_DOT(R) decoded_dot(R, v + i * nsb * 8, sc + i * nsb * 8, f + i * nsb, xq + b0 * K, xd + b0 * nsb, K, \
+                                   Y + b0 * N, N, nb + i)
+                    switch (B - b0 < IRB ? B - b0 : IRB) {
+                    case 1: DECODED_DOT(1); break;
+                    case 2: DECODED_DOT(2); break;
+                    case 3: DECODED_DOT(3); break;
+                    IF_IRB8(case 4: DECODED_DOT(4); break; case 5: DECODED_DOT(5); break;
+                            case 6: DECODED_DOT(6); break; case 7: DECODED_DOT(7); break;)
+                    default: DECODED_DOT(IRB); break;
+                    }
+#undef DECODED_DOT
+                }
+        }
+        free(v); free(sc); free(f);
+    }
+}
+
+/* A lattice type's kernel: row by row up to IRB activation rows (decode), else decoded once. */
+#define LATTICE_KGEMM(NAME, TYPE, NBYTES)                                                           \
+    static void NAME##_lattice_kgemm(const uint8_t *const *W, int64_t N, int64_t K, const int8_t *xq, \
+                                     const float *xd, const int16_t *xb, int64_t B, float *Y, int nthreads) { \
+        if (B > IRB) lattice_kgemm_decoded(TYPE, NBYTES, W, N, K, xq, xd, B, Y, nthreads);          \
+        else NAME##_kgemm(W, N, K, xq, xd, xb, B, Y, nthreads);                                     \
+    }
+LATTICE_KGEMM(iq2_xxs, IQ2_XXS, 66)
+LATTICE_KGEMM(iq2_xs, IQ2_XS, 74)
+LATTICE_KGEMM(iq2_s, IQ2_S, 82)
+LATTICE_KGEMM(iq3_xxs, IQ3_XXS, 98)
+LATTICE_KGEMM(iq3_s, IQ3_S, 110)
+
 typedef void (*igemm_fn)(const uint8_t *const *, int64_t, int64_t, const int8_t *, const float *, const float *,
                          int64_t, float *, int);
 typedef void (*kgemm_fn)(const uint8_t *const *, int64_t, int64_t, const int8_t *, const float *, const int16_t *,
@@ -1107,11 +1205,11 @@ static kgemm_fn int8_k_lookup(int type) {
     case Q5_K: return q5_k_kgemm;
     case Q6_K: return q6_k_kgemm;
     case IQ4_XS: return iq4_xs_kgemm;
-    case IQ2_XXS: return lattice_tables_set ? iq2_xxs_kgemm : 0;
-    case IQ3_XXS: return lattice_tables_set ? iq3_xxs_kgemm : 0;
-    case IQ2_XS: return lattice_tables_set ? iq2_xs_kgemm : 0;
-    case IQ2_S: return lattice_tables_set ? iq2_s_kgemm : 0;
-    case IQ3_S: return lattice_tables_set ? iq3_s_kgemm : 0;
+    case IQ2_XXS: return lattice_tables_set ? iq2_xxs_lattice_kgemm : 0;
+    case IQ3_XXS: return lattice_tables_set ? iq3_xxs_lattice_kgemm : 0;
+    case IQ2_XS: return lattice_tables_set ? iq2_xs_lattice_kgemm : 0;
+    case IQ2_S: return lattice_tables_set ? iq2_s_lattice_kgemm : 0;
+    case IQ3_S: return lattice_tables_set ? iq3_s_lattice_kgemm : 0;
     default: return 0;
     }
 }
