@@ -24,7 +24,7 @@ from pocketllm.quant.quantize import quantize
 from pocketllm.quant.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.quant.linear import GGUFLinear
 
-LATTICE_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
+LATTICE_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS,
               *LATTICE_TYPES]
 SUPER_BLOCK_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, *LATTICE_TYPES}  # activations per 256
@@ -194,20 +194,6 @@ def test_fused_parts_share_one_table():
     fused = gguf_ops.gemm(x, gguf_ops.row_pointers([r for r, _ in parts]), T.Q4_K, int8=True)
     alone = torch.cat([gguf_ops.gemm(x, gguf_ops.row_pointers([r]), T.Q4_K, int8=True) for r, _ in parts], 1)
     assert torch.equal(fused, alone)
-
-
-def test_types_without_integer_kernels_keep_the_exact_path():
-    """Types without integer kernels (IQ1_S): asked for 8-bit activations, a layer keeps exact weights."""
-    from pocketllm.loaders.dummy_gguf import _random_blocks
-    from pocketllm.quant.dequant import dequantize
-
-    raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), T.IQ1_S, (16, 256), 0.02))
-    w = dequantize(raw, T.IQ1_S, (16, 256)).double()
-    layer = GGUFLinear.from_gguf(raw, T.IQ1_S, 16, 256, int8_activations=True)
-    assert not layer.int8
-    x = torch.randn(2, 256)
-    torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
-    assert GGUFLinear.from_gguf(*quantized_weights(T.Q6_K, 16, 256)[:1], T.Q6_K, 16, 256, int8_activations=True).int8
 
 
 def test_the_default_model_on_the_fast_path_agrees_with_the_exact_one():

@@ -3,15 +3,16 @@
 Compute paths (``GGUFLinear.path``):
 
 * ``"c"``      default where the C kernels built (``pocketllm/kernels/cpu``) cover the
-  type (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-  IQ3_S, IQ4_NL, IQ4_XS, MXFP4; the lattice types' grids from the gguf package's):
+  type (F32, F16 and every quantized type: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K IQ1_S IQ1_M
+  IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ4_NL IQ4_XS MXFP4; the lattice types' grids from the gguf
+  package's):
   raw GGUF bytes are kept as they are (a view of the file) and each block is
   dequantized, exactly, in registers right before it is used. Up to
   ``C_GEMM_ROWS`` activation rows the block is multiplied in the same pass
   (weights read once); larger batches dequantize row chunks into scratch for BLAS.
   With ``int8_activations`` (the engine's ``exact_kernels=False``) the types with integer
-  kernels (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL MXFP4 per block of 32, Q2_K..Q6_K IQ4_XS and the
-  lattice types above per super-block of 256; CPUs with AVX2) take the fast variant: the activations are quantized to
+  kernels (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL MXFP4 per block of 32, the others per super-block
+  of 256; CPUs with AVX2) take the fast variant: the activations are quantized to
   8 bits per block and each block's dot product runs on integers (not exact: within the
   activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
   pass over the first one's rounding error (the output layer). With AVX-512 VNNI, Q4_0 Q4_1
@@ -31,7 +32,7 @@ Compute paths (``GGUFLinear.path``):
   The rebuilt weights are bit-identical to ``gguf.quants.dequantize``; the
   transposed layout makes every step a contiguous or middle-axis broadcast
   op, which torch runs several times faster than GGUF's interleaved layout.
-* ``"scratch"`` default for the rest (IQ1_S, IQ1_M; every type without the C kernels): raw blocks are kept and
+* ``"scratch"`` default for the rest (no C compiler, or a type the C kernels lack): raw blocks are kept and
   dequantized row chunk by row chunk (``dequant.py``, exact), then ``F.linear``.
 * ``"int4"`` opt-in for Q4_0/Q4_1/Q4_K: ``aten._weight_int4pack_mm_for_cpu``
   with group size 32 and float32 activations/scales/zeros.  The kernel computes

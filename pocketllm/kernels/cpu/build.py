@@ -114,13 +114,13 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
 
 
 def _lattice_tables() -> list[bytes]:
-    """The lattice i-quants' grids (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; each entry's values as
-    bytes) and the 7-bit sign index table, from the gguf package's."""
+    """The lattice i-quants' grids (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S (IQ1_M's too); each
+    entry's values as bytes, IQ1's as int8) and the 7-bit sign index table, from the gguf package's."""
     import gguf.quants as gq
     import numpy as np
 
     grids = []
-    for cls in (gq.IQ2_XXS, gq.IQ2_XS, gq.IQ2_S, gq.IQ3_XXS, gq.IQ3_S):
+    for cls in (gq.IQ2_XXS, gq.IQ2_XS, gq.IQ2_S, gq.IQ3_XXS, gq.IQ3_S, gq.IQ1_S):
         cls.init_grid()
-        grids.append(np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=np.uint8).tobytes())
+        grids.append(cls.grid.reshape(cls.grid_shape).astype(np.int8 if cls is gq.IQ1_S else np.uint8).tobytes())
     return [*grids, bytes(gq.IQ2_XXS.ksigns)]

@@ -30,21 +30,22 @@ static inline float h2f(const uint8_t *p) {
 #endif
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
-       Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
-       IQ4_XS = 23, MXFP4 = 39 };
+       Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21,
+       IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, MXFP4 = 39 };
 
 /* The lattice i-quants' grids, set once from the gguf package's (gguf_set_lattice_tables; the types
- * are unsupported until then): each entry's values as bytes (IQ2_*: 8, IQ3_*: 4). Signs: byte j of
+ * are unsupported until then): each entry's values as bytes (IQ2_*: 8, IQ3_*: 4; IQ1_*: 8 of -1, 0, 1). Signs: byte j of
  * bit_signs[b] is -1 (0xFF) where bit j of b is set, else +1; ksigns maps a 7-bit sign index to its
  * 8 bits (the eighth the parity). */
-static uint64_t iq2xxs_grid[256], iq2xs_grid[512], iq2s_grid[1024];
+static uint64_t iq2xxs_grid[256], iq2xs_grid[512], iq2s_grid[1024], iq1s_grid[2048];
 static uint32_t iq3xxs_grid[256], iq3s_grid[512];
 static uint8_t ksigns[128];
 static uint64_t bit_signs[256];
 static int lattice_tables_set;
 
 void gguf_set_lattice_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *iq2s, const uint8_t *iq3xxs,
-                             const uint8_t *iq3s, const uint8_t *signs) {
+                             const uint8_t *iq3s, const uint8_t *iq1s, const uint8_t *signs) {
+    memcpy(iq1s_grid, iq1s, sizeof iq1s_grid);
     memcpy(iq2xxs_grid, iq2xxs, sizeof iq2xxs_grid);
     memcpy(iq2xs_grid, iq2xs, sizeof iq2xs_grid);
     memcpy(iq2s_grid, iq2s, sizeof iq2s_grid);
@@ -311,6 +312,36 @@ static inline void deq_iq3_s(const uint8_t *restrict b, float *restrict w) {
     }
 }
 
+/* IQ1_S / IQ1_M: grid values -1, 0, 1 plus a delta of +-1/8, times d * (2s + 1): IQ1_S with an
+ * 11-bit index (8 bits in qs, 3 in qh), a 3-bit scale and the delta's sign per 32 weights; IQ1_M
+ * with a 3-bit scale per 16, the index's high bits and the delta's sign per 8 in a nibble, and the
+ * fp16 d spread over the top nibbles of its four scale words. */
+#define IQ1_DELTA 0.125f
+
+static inline void deq_iq1_group(uint64_t g, float dl, float delta, float *restrict w) {
+    for (int j = 0; j < 8; j++) w[j] = dl * ((float)(int8_t)(g >> (8 * j)) + delta);
+}
+
+static inline void deq_iq1_s(const uint8_t *restrict b, float *restrict w) {
+    const float d = h2f(b);
+    for (int ib = 0; ib < 8; ib++) {
+        uint16_t qh; memcpy(&qh, b + 34 + 2 * ib, 2);
+        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -IQ1_DELTA : IQ1_DELTA;
+        for (int l = 0; l < 4; l++)
+            deq_iq1_group(iq1s_grid[b[2 + 4 * ib + l] | ((qh >> (3 * l)) & 7) << 8], dl, delta, w + 32 * ib + 8 * l);
+    }
+}
+
+static inline void deq_iq1_m(const uint8_t *restrict b, float *restrict w) {
+    uint16_t sc[4]; memcpy(sc, b + 48, 8);
+    const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+    const float d = h2f((const uint8_t *)&dbits);
+    for (int g = 0; g < 32; g++) {  /* 8 weights; scale g / 2 (16 weights) */
+        const int h = (b[32 + g / 2] >> (4 * (g % 2))) & 0xF, s = (sc[g / 8] >> (3 * ((g / 2) % 4))) & 7;
+        deq_iq1_group(iq1s_grid[b[g] | (h & 7) << 8], d * (float)(2 * s + 1), h & 8 ? -IQ1_DELTA : IQ1_DELTA, w + 8 * g);
+    }
+}
+
 static inline void deq_f16(const uint8_t *restrict b, float *restrict w) { for (int i = 0; i < 32; i++) w[i] = h2f(b + 2 * i); }
 static inline void deq_f32(const uint8_t *restrict b, float *restrict w) { memcpy(w, b, 32 * sizeof(float)); }
 
@@ -339,6 +370,8 @@ static deq_fn lookup(int type, int *qk, int *nbytes) {
     case IQ2_S: *qk = 256; *nbytes = 82; return lattice_tables_set ? deq_iq2_s : 0;
     case IQ3_XXS: *qk = 256; *nbytes = 98; return lattice_tables_set ? deq_iq3_xxs : 0;
     case IQ3_S: *qk = 256; *nbytes = 110; return lattice_tables_set ? deq_iq3_s : 0;
+    case IQ1_S: *qk = 256; *nbytes = 50; return lattice_tables_set ? deq_iq1_s : 0;
+    case IQ1_M: *qk = 256; *nbytes = 56; return lattice_tables_set ? deq_iq1_m : 0;
     default: return 0;
     }
 }
@@ -434,6 +467,8 @@ GEMM_FOR_TYPE(iq3_xxs, deq_iq3_xxs, 256, 98)
 GEMM_FOR_TYPE(iq2_xs, deq_iq2_xs, 256, 74)
 GEMM_FOR_TYPE(iq2_s, deq_iq2_s, 256, 82)
 GEMM_FOR_TYPE(iq3_s, deq_iq3_s, 256, 110)
+GEMM_FOR_TYPE(iq1_s, deq_iq1_s, 256, 50)
+GEMM_FOR_TYPE(iq1_m, deq_iq1_m, 256, 56)
 
 /* Y[B, N] = X[B, K] @ W[N, K]^T. W is given as a table of N row pointers, each to one row of
  * GGUF blocks, so fused projections (QKV, gate/up) are tables over their parts: no copies. */
@@ -461,6 +496,8 @@ int gguf_gemm(int type, const uint8_t *const *W, int64_t N, int64_t K, const flo
     case IQ2_XS: iq2_xs_gemm(W, N, K, X, B, Y, nthreads); break;
     case IQ2_S: iq2_s_gemm(W, N, K, X, B, Y, nthreads); break;
     case IQ3_S: iq3_s_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ1_S: iq1_s_gemm(W, N, K, X, B, Y, nthreads); break;
+    case IQ1_M: iq1_m_gemm(W, N, K, X, B, Y, nthreads); break;
     default: return -1;
     }
     return 0;
@@ -922,6 +959,11 @@ static inline __m256i grid4_gather(const uint32_t *grid, __m256i idx) {
     return _mm256_i32gather_epi32((const int *)grid, idx, 4);
 }
 
+static inline __m256i iq1_values(__m256i grid, __m256i delta_signs) {  /* 8 * grid + delta_signs (+-1) */
+    const __m256i g2 = _mm256_add_epi8(grid, grid), g4 = _mm256_add_epi8(g2, g2);
+    return _mm256_add_epi8(_mm256_add_epi8(g4, g4), delta_signs);
+}
+
 static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-15, then 16-31 */
     return _mm256_set_m128i(_mm_set1_epi16((short)(2 * s_hi + 1)), _mm_set1_epi16((short)(2 * s_lo + 1)));
 }
@@ -965,6 +1007,27 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
         break;
     }
+    case IQ1_S: {  /* values 8 * grid + the delta's sign, in [-9, 9]: w = d (2s + 1) / 8 * value */
+        uint16_t qh; memcpy(&qh, b + 34 + 2 * k, 2);
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(qh), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(7));
+        const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int *)(b + 2 + 4 * k))),
+                                         _mm_slli_epi32(hi, 8));
+        *v = iq1_values(grid8_gather(iq1s_grid, idx), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
+        *scale = odd_scales((qh >> 12) & 7, (qh >> 12) & 7);
+        break;
+    }
+    case IQ1_M: {  /* the same, with a 3-bit scale per 16 weights and the delta's sign per 8 */
+        uint16_t hh, sc[4];
+        memcpy(&hh, b + 32 + 2 * k, 2);
+        memcpy(sc, b + 48, 8);
+        const __m128i h = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(hh), _mm_setr_epi32(0, 4, 8, 12)), _mm_set1_epi32(15));
+        const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int *)(b + 4 * k))),
+                                         _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(7)), 8));
+        const __m128i neg = _mm_cmpeq_epi32(_mm_and_si128(h, _mm_set1_epi32(8)), _mm_set1_epi32(8));
+        *v = iq1_values(grid8_gather(iq1s_grid, idx), _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
+        *scale = odd_scales((sc[k / 2] >> (6 * (k % 2))) & 7, (sc[k / 2] >> (6 * (k % 2) + 3)) & 7);
+        break;
+    }
     default: {  /* IQ3_S */
         const uint8_t *q = b + 2 + 8 * k, h = b[66 + k];
         uint32_t sb; memcpy(&sb, b + 74 + 4 * k, 4);
@@ -979,13 +1042,22 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
     }
 }
 
-static inline float lattice_factor(int type) { return type == IQ3_S ? 1.0f : type == IQ3_XXS ? 0.25f : 0.125f; }
+/* The float factor of a super-block's integer sums: d times 1/8 (IQ2_*, IQ1_*), 1/4 (IQ3_XXS) or 1
+ * (IQ3_S); IQ1_M's fp16 d is spread over the top nibbles of its four scale words. */
+static inline float lattice_d(int type, const uint8_t *b) {
+    if (type == IQ1_M) {
+        uint16_t sc[4]; memcpy(sc, b + 48, 8);
+        const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+        return h2f((const uint8_t *)&dbits) * 0.125f;
+    }
+    return h2f(b) * (type == IQ3_S ? 1.0f : type == IQ3_XXS ? 0.25f : 0.125f);
+}
 
 static inline __attribute__((always_inline)) void lattice_superblock(
     const int R, const int type, const uint8_t *restrict b, const int8_t *restrict x, const float *restrict xd,
     int64_t K, __m256 *acc) {
     const int64_t nsb = K / 256;
-    const float d = h2f(b) * lattice_factor(type);
+    const float d = lattice_d(type, b);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int k = 0; k < 8; k += 2) {
@@ -1065,6 +1137,8 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
 #define IQ2_S_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ2_S, b, x, xd, K, acc)
 #define IQ3_XXS_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ3_XXS, b, x, xd, K, acc)
 #define IQ3_S_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ3_S, b, x, xd, K, acc)
+#define IQ1_S_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ1_S, b, x, xd, K, acc)
+#define IQ1_M_SB(R, b, x, xb, xd, K, acc) lattice_superblock(R, IQ1_M, b, x, xd, K, acc)
 
 /* One weight row of super-blocks against R activation rows (xq, xd, xb at row b0). */
 #define KGEMM_FOR_TYPE(NAME, SUPERBLOCK, NBYTES)                                                    \
@@ -1094,6 +1168,8 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
 #define KDOT_iq2_xs(R) iq2_xs_kdot KDOT_ARGS(R)
 #define KDOT_iq2_s(R) iq2_s_kdot KDOT_ARGS(R)
 #define KDOT_iq3_s(R) iq3_s_kdot KDOT_ARGS(R)
+#define KDOT_iq1_s(R) iq1_s_kdot KDOT_ARGS(R)
+#define KDOT_iq1_m(R) iq1_m_kdot KDOT_ARGS(R)
 
 KGEMM_FOR_TYPE(q2_k, Q2_K_SB, 84)
 KGEMM_FOR_TYPE(q3_k, Q3_K_SB, 110)
@@ -1106,6 +1182,8 @@ KGEMM_FOR_TYPE(iq3_xxs, IQ3_XXS_SB, 98)
 KGEMM_FOR_TYPE(iq2_xs, IQ2_XS_SB, 74)
 KGEMM_FOR_TYPE(iq2_s, IQ2_S_SB, 82)
 KGEMM_FOR_TYPE(iq3_s, IQ3_S_SB, 110)
+KGEMM_FOR_TYPE(iq1_s, IQ1_S_SB, 50)
+KGEMM_FOR_TYPE(iq1_m, IQ1_M_SB, 56)
 
 /* The lattice types over more than IRB activation rows (prefill): NB weight rows' super-blocks are
  * decoded once into a per-thread buffer (signed values, scale factors, float factors), then every
@@ -1143,7 +1221,7 @@ static void lattice_kgemm_decoded(const int type, const int nbytes, const uint8_
             for (int64_t i = 0; i < rows; i++)
                 for (int64_t j = 0; j < nsb; j++) {
                     const uint8_t *b = W[nb + i] + j * nbytes;
-                    f[i * nsb + j] = h2f(b) * lattice_factor(type);
+                    f[i * nsb + j] = lattice_d(type, b);
                     for (int k = 0; k < 8; k++)
                         lattice_sub_block(type, b, k, &v[(i * nsb + j) * 8 + k], &sc[(i * nsb + j) * 8 + k]);
                 }
@@ -1178,6 +1256,8 @@ LATTICE_KGEMM(iq2_xs, IQ2_XS, 74)
 LATTICE_KGEMM(iq2_s, IQ2_S, 82)
 LATTICE_KGEMM(iq3_xxs, IQ3_XXS, 98)
 LATTICE_KGEMM(iq3_s, IQ3_S, 110)
+LATTICE_KGEMM(iq1_s, IQ1_S, 50)
+LATTICE_KGEMM(iq1_m, IQ1_M, 56)
 
 typedef void (*igemm_fn)(const uint8_t *const *, int64_t, int64_t, const int8_t *, const float *, const float *,
                          int64_t, float *, int);
@@ -1210,6 +1290,8 @@ static kgemm_fn int8_k_lookup(int type) {
     case IQ2_XS: return lattice_tables_set ? iq2_xs_lattice_kgemm : 0;
     case IQ2_S: return lattice_tables_set ? iq2_s_lattice_kgemm : 0;
     case IQ3_S: return lattice_tables_set ? iq3_s_lattice_kgemm : 0;
+    case IQ1_S: return lattice_tables_set ? iq1_s_lattice_kgemm : 0;
+    case IQ1_M: return lattice_tables_set ? iq1_m_lattice_kgemm : 0;
     default: return 0;
     }
 }
