@@ -926,9 +926,11 @@ static inline __attribute__((always_inline)) void iq4_xs_superblock(
 }
 
 /* The lattice types on 8-bit activations: per sub-block of 32 weights the grid values with their
- * signs as int8 (|v| <= 62: vpmaddubsw's pair sums stay in int16), the scale's odd integer factor
- * (2s + 1) per 16 or 32 weights; acc += d * f * dx * isum, f = 1/8 (IQ2_*), 1/4 (IQ3_XXS), 1 (IQ3_S). */
-/* Signs as 32 bytes of +1 / -1 for weights 8i + j: from 32 bits (bit j of byte i; IQ2_S, IQ3_S),
+ * signs as int8 (|v| <= 62: vpmaddubsw's pair sums stay in int16; IQ1's 8 * grid +- 1 with its delta),
+ * the scale's odd integer factor (2s + 1) per 16 or 32 weights, and one float factor per super-block
+ * (lattice_d).
+ *
+ * Signs as 32 bytes of +1 / -1 for weights 8i + j: from 32 bits (bit j of byte i; IQ2_S, IQ3_S),
  * each byte spread to its 8 lanes and tested bit by bit, or from four 7-bit sign indices through
  * the table (IQ2_XXS, IQ2_XS, IQ3_XXS: measured faster there than forming the bits). */
 static inline __m256i signs_of_bits(uint32_t bits) {
@@ -949,6 +951,11 @@ static inline __m256i signs_of_indices(uint32_t a, uint32_t b, uint32_t c, uint3
  * whose indices take high bits from elsewhere: vector shifts, measured faster there). */
 static inline __m256i signed_grid(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, __m256i signs) {
     return _mm256_sign_epi8(_mm256_set_epi64x((long long)g3, (long long)g2, (long long)g1, (long long)g0), signs);
+}
+
+static inline __m128i bytes4(const uint8_t *p) {  /* 4 index bytes as 4 int32 */
+    int v; memcpy(&v, p, 4);
+    return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(v));
 }
 
 static inline __m256i grid8_gather(const uint64_t *grid, __m128i idx) {
@@ -1002,7 +1009,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         const uint8_t *q = b + 2 + 4 * k, h = b[66 + k];
         uint32_t sb; memcpy(&sb, b + 34 + 4 * k, 4);
         const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi32(3));
-        const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int *)q)), _mm_slli_epi32(hi, 8));
+        const __m128i idx = _mm_or_si128(bytes4(q), _mm_slli_epi32(hi, 8));
         *v = _mm256_sign_epi8(grid8_gather(iq2s_grid, idx), signs_of_bits(sb));
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
         break;
@@ -1010,7 +1017,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
     case IQ1_S: {  /* values 8 * grid + the delta's sign, in [-9, 9]: w = d (2s + 1) / 8 * value */
         uint16_t qh; memcpy(&qh, b + 34 + 2 * k, 2);
         const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(qh), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(7));
-        const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int *)(b + 2 + 4 * k))),
+        const __m128i idx = _mm_or_si128(bytes4(b + 2 + 4 * k),
                                          _mm_slli_epi32(hi, 8));
         *v = iq1_values(grid8_gather(iq1s_grid, idx), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
         *scale = odd_scales((qh >> 12) & 7, (qh >> 12) & 7);
@@ -1021,7 +1028,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         memcpy(&hh, b + 32 + 2 * k, 2);
         memcpy(sc, b + 48, 8);
         const __m128i h = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(hh), _mm_setr_epi32(0, 4, 8, 12)), _mm_set1_epi32(15));
-        const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int *)(b + 4 * k))),
+        const __m128i idx = _mm_or_si128(bytes4(b + 4 * k),
                                          _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(7)), 8));
         const __m128i neg = _mm_cmpeq_epi32(_mm_and_si128(h, _mm_set1_epi32(8)), _mm_set1_epi32(8));
         *v = iq1_values(grid8_gather(iq1s_grid, idx), _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
