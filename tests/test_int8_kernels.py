@@ -32,9 +32,17 @@ if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2
     pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
 ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K]  # interleaved eight rows at a time where AVX-512 VNNI is
+# Interleaved eight rows at a time: the 32-element types wherever the fast path is built, Q4_K and
+# Q6_K too with AVX-512 VNNI.
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K]
 X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214}  # a row's super-block there: scales unpacked / a constant added
-HAVE_X8 = all(load_cpu_kernels().gguf_x8_supported(int(t)) for t in X8_TYPES)
+
+
+def has_x8(qtype, isa: str = "native") -> bool:
+    return bool(load_cpu_kernels(isa).gguf_x8_supported(int(qtype)))
+
+
+X8_BUILDS = [(isa, t) for isa in ISAS for t in X8_TYPES if has_x8(t, isa)]
 
 
 def quantized_weights(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,10 +113,9 @@ def test_int8_gemm_equals_the_exact_product_of_rounded_activations(isa, qtype, b
     assert_within_rounding(y, x, w, qtype)
 
 
-@pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
-@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa,qtype", X8_BUILDS, ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("batch", [1, 3, 8, 19])
-def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(qtype, batch):
+def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(isa, qtype, batch):
     """Repacked at load (eight rows' blocks side by side): the same products as the per-row
     kernels, over the same bytes (the 32-element types: the file's size; Q4_K: 148 bytes a row
     and super-block for 144, its 6-bit scales and minimums unpacked to bytes; Q6_K: 214 for 210,
@@ -117,20 +124,21 @@ def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(qtype, 
     raw, w = quantized_weights(qtype, 48, k)
     x = activations(batch, k, qtype)
     rows = gguf_ops.row_pointers([raw])
-    packed = gguf_ops.repack_x8(rows, qtype, k)
+    lib = load_cpu_kernels(isa)
+    packed = gguf_ops.repack_x8(rows, qtype, k, lib=lib)
     if qtype in X8_SUPER_BYTES:
         assert packed.numel() == 48 * (k // 256) * X8_SUPER_BYTES[qtype]
     else:
         assert packed.numel() == raw.numel() and torch.equal(packed.sort().values, raw.reshape(-1).sort().values)
-    y = gguf_ops.gemm_x8(x, packed, 48, qtype).double()
+    y = gguf_ops.gemm_x8(x, packed, 48, qtype, lib=lib).double()
     assert_within_rounding(y, x, w, qtype)
-    torch.testing.assert_close(y, gguf_ops.gemm(x, rows, qtype, int8=1).double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, gguf_ops.gemm(x, rows, qtype, int8=1, lib=lib).double(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
 def test_layers_repack_where_the_kernels_cover_them():
-    """A fast-path layer of a covered type repacks (its file rows are no longer held), the two-pass
-    output layer too but in Q6_K; rows not a multiple of 8 and other types keep the file's rows."""
+    """A fast-path layer of a type this build interleaves repacks (its file rows are no longer held),
+    the two-pass output layer too but in Q6_K; rows not a multiple of 8 and other types keep the
+    file's rows."""
     def layer(qtype, n, passes=1):
         raw, w = quantized_weights(qtype, n, 256)
         return GGUFLinear.from_gguf(raw, qtype, n, 256, int8_activations=passes), w
@@ -139,6 +147,7 @@ def test_layers_repack_where_the_kernels_cover_them():
                                        (T.Q8_0, 24, 2, True), (T.Q4_K, 24, 1, True), (T.Q6_K, 24, 1, True),
                                        (T.Q6_K, 24, 2, False)]:
         lin, w = layer(qtype, n, passes)
+        repacked = repacked and has_x8(qtype)
         assert lin.fast_path_weights()[1] == repacked, (qtype, n, passes)
         assert lin.nbytes() == n * (X8_SUPER_BYTES[qtype] if repacked and qtype in X8_SUPER_BYTES
                                     else raw_row_bytes(qtype, 256))
@@ -151,8 +160,8 @@ def test_layers_repack_where_the_kernels_cover_them():
 def test_a_second_pass_over_the_rounding_error(qtype, interleaved):
     """int8=2 (the output layer): the activations' rounding error is quantized too and multiplied
     as further rows: the exact product of x's two-pass rounding, and 100x closer to the float one."""
-    if interleaved and not HAVE_X8:
-        pytest.skip("interleaved rows need AVX-512 BW and VNNI")
+    if interleaved and not has_x8(qtype):
+        pytest.skip(f"this CPU's build does not interleave {qtype.name} (AVX-512 VNNI does)")
     k = 512
     raw, w = quantized_weights(qtype, 40, k)
     rows = gguf_ops.row_pointers([raw])
@@ -172,8 +181,7 @@ def test_a_second_pass_over_the_rounding_error(qtype, interleaved):
     assert (y - exact).abs().max() * 100 < (gemm(x, 1) - exact).abs().max()
 
 
-@pytest.mark.skipif(not HAVE_X8, reason="interleaved rows need AVX-512 BW and VNNI")
-@pytest.mark.parametrize("qtype", [t for t in X8_TYPES if t != T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [t for t in X8_TYPES if t != T.Q6_K and has_x8(t)], ids=lambda t: t.name)
 def test_embedding_rows_read_from_the_interleaved_layout(qtype):
     """A tied embedding table whose output layer repacked it: rows come back as gguf dequantizes
     them from the file's layout, bit for bit; ids out of range are refused. (A Q6_K output layer
@@ -213,7 +221,7 @@ def test_the_default_model_on_the_fast_path_agrees_with_the_exact_one():
         assert {m.int8 for m in layers if m is not model.lm_head.quantized} == {0 if exact else 1}
         assert model.lm_head.quantized.int8 == (0 if exact else 2)
         # where the head is repacked, the tied table is read from it: one copy of its bytes
-        assert (model.model.embed_tokens.rows_from is model.lm_head.quantized) == (not exact and HAVE_X8)
+        assert (model.model.embed_tokens.rows_from is model.lm_head.quantized) == (not exact and has_x8(T.Q8_0))
         runs[exact] = llm.generate(text, params)[0].prompt_logprobs[1:]
         del llm
     exact, fast = runs[True], runs[False]

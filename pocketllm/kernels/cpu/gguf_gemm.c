@@ -1309,21 +1309,27 @@ static void *int8_k_lookup(int type) { (void)type; return 0; }
 
 int gguf_int8_supported(int type) { return int8_lookup(type) != 0 || int8_k_lookup(type) != 0; }
 
-/* ---- Interleaved rows (AVX-512 VNNI): Q4_0, Q4_1, Q8_0 and IQ4_NL repacked at load ----------
+/* ---- Interleaved rows: Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked at load -----------------
  * The per-row kernels above spend most of a 32-element block on float work (convert, scale,
  * horizontal sums) and on unpacking 16 bytes at a time. Repacked so that one block of eight
- * rows is contiguous (the same bytes as the file's, reordered: memory stays the file's), a
- * 512-bit register holds one block of four rows and that work is shared by the four:
+ * rows is contiguous (the same bytes as the file's, reordered: memory stays the file's), that
+ * work is shared by several rows:
  *
  *   for each group of 8 rows and each block column j:
- *     the 8 rows' fp16 scales d; Q4_1: then their 8 fp16 minimums m;
- *     4-bit types: each row's 16 bytes of codes, rows 0..7;
- *     Q8_0: rows 0-3's first 16 values, rows 0-3's last 16, then rows 4-7 likewise.
+ *     the 8 rows' fp16 scales d (MXFP4: their E8M0 bytes); Q4_1: then their 8 fp16 minimums m;
+ *     with AVX-512 VNNI (a 512-bit register holds one block of four rows):
+ *       4-bit types: each row's 16 bytes of codes, rows 0..7;
+ *       Q8_0: rows 0-3's first 16 values, rows 0-3's last 16, then rows 4-7 likewise;
+ *     else (AVX2: one 32-bit lane a row, as llama.cpp's 8x4 repacking on AVX2):
+ *       the codes in chunks of 4 bytes, chunk c of rows 0..7 in one 32-byte register.
  *
- * The integer dot products stay in the 4 lanes of each row's 128-bit chunk, are scaled per lane
- * by the row's d times the activation block's scale and are summed across lanes once per row.
- * The constant part of each value (c = -8d, m, or -128d for the signed types, whose codes go in
- * as w + 128) is a second loop over the scales alone: c times the activation block's sum. */
+ * AVX-512: the integer dot products stay in the 4 lanes of each row's 128-bit chunk, are scaled
+ * per lane by the row's d times the activation block's scale and are summed across lanes once
+ * per row. AVX2: lane r sums row r's products whole (4-bit chunk c holds values 4c..4c+3 in its
+ * low nibbles and 16+4c.. in its high ones, against activations broadcast 4 at a time), and the
+ * 8 lanes are the 8 rows' outputs: no horizontal sums. The constant part of each value (c = -8d,
+ * m, or -128d for the signed types, whose codes go in as w + 128 where vpdpbusd takes them) is
+ * c times the activation block's dx * sum(x). */
 static int x8_layout(int type, int *scale_bytes, int *block_bytes) {
     switch (type) {
     case Q4_0: *scale_bytes = 16; *block_bytes = 18; return 1;
@@ -1344,8 +1350,11 @@ typedef struct {
 } x8_super;
 static const x8_super *x8_super_layout(int type);
 
-#if defined(HAVE_INT8_DOT) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef HAVE_INT8_DOT
 #define HAVE_X8 1
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define X8_512 1  /* 512-bit registers of four rows' blocks; the super-block types' layouts */
+#endif
 int gguf_x8_supported(int type) { int s, b; return x8_super_layout(type) || x8_layout(type, &s, &b); }
 #else
 int gguf_x8_supported(int type) { (void)type; return 0; }
@@ -1357,18 +1366,25 @@ static void x8_move(int type, int sb, uint8_t *o, uint8_t *b, int r, int to_grou
 #define X8_MOVE(at_o, at_b, len) (to_group ? memcpy(o + (at_o), b + (at_b), len) : memcpy(b + (at_b), o + (at_o), len))
     if (type == MXFP4) {
         X8_MOVE(r, 0, 1);
+#ifdef X8_512
         X8_MOVE(sb + 16 * r, 1, 16);
+#else
+        for (int c = 0; c < 4; c++) X8_MOVE(sb + 32 * c + 4 * r, 1 + 4 * c, 4);
+#endif
         return;
     }
     X8_MOVE(2 * r, 0, 2);
-    if (type == Q4_1) {
-        X8_MOVE(16 + 2 * r, 2, 2);
-        X8_MOVE(sb + 16 * r, 4, 16);
-    } else if (type == Q8_0) {
-        for (int h = 0; h < 2; h++) X8_MOVE(sb + (r / 4) * 128 + h * 64 + (r % 4) * 16, 2 + 16 * h, 16);
+    if (type == Q4_1) X8_MOVE(16 + 2 * r, 2, 2);
+    const int codes = type == Q4_1 ? 4 : 2;  /* where the block's codes start */
+#ifdef X8_512
+    if (type == Q8_0) {
+        for (int h = 0; h < 2; h++) X8_MOVE(sb + (r / 4) * 128 + h * 64 + (r % 4) * 16, codes + 16 * h, 16);
     } else {
-        X8_MOVE(sb + 16 * r, 2, 16);
+        X8_MOVE(sb + 16 * r, codes, 16);
     }
+#else
+    for (int c = 0; c < (type == Q8_0 ? 8 : 4); c++) X8_MOVE(sb + 32 * c + 4 * r, codes + 4 * c, 4);
+#endif
 #undef X8_MOVE
 }
 
@@ -1400,6 +1416,16 @@ int gguf_repack_x8(int type, const uint8_t *const *W, int64_t N, int64_t K, uint
 }
 
 #ifdef HAVE_X8
+/* The 8 rows' scales of a block column: fp16, or MXFP4's E8M0 bytes (e8m0_half of each). */
+static inline __m256 x8_scales(const int type, const uint8_t *b) {
+    if (type != MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);  /* e = 0, 1 */
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
+#ifdef X8_512
 /* Lane i of a 512-bit float register -> its row: rows 4 * half .. 4 * half + 3, 4 lanes each. */
 static inline __m512i x8_lanes(int half) {
     return _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_set1_epi32(4 * half));
@@ -1414,15 +1440,6 @@ static inline __m256 x8_row_sums(const __m512 acc[2]) {
     const __m256 h0 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[0]), _mm512_extractf32x8_ps(acc[0], 1));
     const __m256 h1 = _mm256_hadd_ps(_mm512_castps512_ps256(acc[1]), _mm512_extractf32x8_ps(acc[1], 1));
     return _mm256_permutevar8x32_ps(_mm256_hadd_ps(h0, h1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-/* The 8 rows' scales of a block column: fp16, or MXFP4's E8M0 bytes (e8m0_half of each). */
-static inline __m256 x8_scales(const int type, const uint8_t *b) {
-    if (type != MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
-    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);  /* e = 0, 1 */
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
 
 /* Rows n0..n0+7 (group g, `nblk` blocks of gb bytes) against R activation rows. */
@@ -1481,6 +1498,64 @@ static inline __attribute__((always_inline)) void x8_group(
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, _mm256_add_ps(x8_row_sums(acc[r]), corr[r]));
 }
 
+#else
+/* Rows n0..n0+7 (group g, `nblk` blocks of gb bytes) against R activation rows, lane r row r. */
+static inline __attribute__((always_inline)) void x8_group(
+    const int R, const int type, const uint8_t *restrict g, int64_t nblk, int64_t K, const int8_t *restrict xq,
+    const float *restrict xd, const float *restrict xs, float *restrict Y, int64_t N) {
+    int sb, nb;
+    x8_layout(type, &sb, &nb);
+    const int64_t gb = 8 * nb;
+    const int is_signed = type == Q8_0 || type == IQ4_NL || type == MXFP4;
+    /* without VNNI: |w| against x with w's sign, and the pair sums of 8 registers added in
+     * int16 where they cannot overflow (|w| <= 15: 8 x 2 x 15 x 127 < 2**15) */
+    const int short_sums = !VNNI && (type == Q4_0 || type == Q4_1 || type == MXFP4);
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)(type == MXFP4 ? kvalues_mxfp4 : kvalues_iq4nl)));
+    __m256 acc[IRB];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nblk; j++) {
+        const uint8_t *b = g + j * gb, *q = b + sb;
+        const __m256 d = x8_scales(type, b);
+        const __m256 c = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
+                                      : _mm256_mul_ps(d, _mm256_set1_ps(type == Q4_0 ? -8.f : -128.f));
+        __m256i v[8];  /* v[i]: values 4i..4i+3 of the 8 rows, one row a lane */
+        if (type == Q8_0) {
+            for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+        } else {
+            for (int i = 0; i < 4; i++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+                v[i] = _mm256_and_si256(w, nib);
+                v[4 + i] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+                if (is_signed) {
+                    v[i] = _mm256_shuffle_epi8(table, v[i]);
+                    v[4 + i] = _mm256_shuffle_epi8(table, v[4 + i]);
+                }
+            }
+        }
+        if (is_signed && VNNI)
+            for (int i = 0; i < 8; i++) v[i] = _mm256_xor_si256(v[i], _mm256_set1_epi8((char)0x80));
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq + r * K + j * 32;
+            __m256i p = _mm256_setzero_si256(), p16 = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++) {
+                int32_t x4;
+                memcpy(&x4, x + 4 * i, 4);
+                __m256i xb = _mm256_set1_epi32(x4), u = v[i];
+                if (is_signed && !VNNI) { xb = _mm256_sign_epi8(xb, v[i]); u = _mm256_sign_epi8(v[i], v[i]); }
+                if (short_sums) p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(u, xb));
+                else p = DPBUSD(p, u, xb);
+            }
+            if (short_sums) p = _mm256_madd_epi16(p16, ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nblk + j])), acc[r]);
+            if (!is_signed || VNNI) acc[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[r * nblk + j]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, acc[r]);
+}
+#endif
+
 /* Groups of 8 interleaved rows split over threads in blocks of NB rows, each block against all B
  * activation rows IRB at a time (as FOR_ROWS_AND_BATCH). */
 #define FOR_GROUPS_AND_BATCH(GROUP)                                                                 \
@@ -1492,10 +1567,8 @@ static inline __attribute__((always_inline)) void x8_group(
                 case 1: GROUP(1); break;                                                            \
                 case 2: GROUP(2); break;                                                            \
                 case 3: GROUP(3); break;                                                            \
-                case 4: GROUP(4); break;                                                            \
-                case 5: GROUP(5); break;                                                            \
-                case 6: GROUP(6); break;                                                            \
-                case 7: GROUP(7); break;                                                            \
+                IF_IRB8(case 4: GROUP(4); break; case 5: GROUP(5); break;                           \
+                        case 6: GROUP(6); break; case 7: GROUP(7); break;)                          \
                 default: GROUP(IRB); break;                                                         \
                 }                                                                                   \
             }
@@ -1556,7 +1629,7 @@ static void q4k_x8_deq(const uint8_t *o, int r, float *w) {
     }
 }
 
-#ifdef HAVE_X8
+#ifdef X8_512
 /* Rows of group g (nsb super-blocks) against R activation rows: xq [R, K], xd [R, nsb] scales,
  * x32 [R, K / 32] sums per 32. */
 static inline __attribute__((always_inline)) void q4k_x8_group(
@@ -1656,7 +1729,7 @@ static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
     }
 }
 
-#ifdef HAVE_X8
+#ifdef X8_512
 /* Rows of group g (nsb super-blocks) against R activation rows: xu [R, K] = x + 128 (uint8), xd
  * [R, nsb] scales. */
 static inline __attribute__((always_inline)) void q6k_x8_group(
@@ -1716,7 +1789,7 @@ static inline __attribute__((always_inline)) void q6k_x8_group(
 }
 #endif
 
-#ifdef HAVE_X8
+#ifdef X8_512
 #define Q6K_X8_GROUP(R) q6k_x8_group(R, Wp + g * nsb * Q6K_X8_BYTES, nsb, K, xu + b0 * K, xd + b0 * nsb, \
                                      Y + b0 * N + g * 8, N)
 static void q6_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t *xu, const float *xd, int64_t B,
@@ -1727,6 +1800,10 @@ static void q6_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t 
 #endif
 
 static const x8_super *x8_super_layout(int type) {
+#ifndef X8_512
+    (void)type;
+    return 0;  /* their kernels take 512-bit registers */
+#endif
     static const x8_super layouts[] = {{Q4_K, Q4K_X8_BYTES, 144, q4k_x8_move, q4k_x8_deq},
                                        {Q6_K, Q6K_X8_BYTES, 210, q6k_x8_move, 0}};  /* no Q6_K table is read there */
     for (size_t i = 0; i < sizeof layouts / sizeof *layouts; i++)
@@ -1781,7 +1858,7 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
         if (pass == 0 && passes == 2)
             for (int64_t i = 0; i < B * K; i++) rest[i] = X[i] - (float)xq[i] * xd[i / qk];
     }
-#ifdef HAVE_X8
+#ifdef X8_512
     if (interleaved && type == Q4_K) {  /* its minimums take the activations' sums per 32 */
         const int16_t *xb = (const int16_t *)extra;
         int16_t *x32 = malloc((size_t)(rows * K / 32) * sizeof(int16_t));
@@ -1795,7 +1872,10 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
         for (int64_t i = 0; i < rows * K; i++) xu[i] = (uint8_t)(xq[i] ^ 0x80);  /* x + 128 */
         q6_k_x8_gemm(W, N, K, xu, xd, rows, Yall, nthreads);
         free(xu);
-    } else if (interleaved) x8_gemm(type, W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
+    } else
+#endif
+#ifdef HAVE_X8
+    if (interleaved) x8_gemm(type, W, N, K, xq, xd, (const float *)extra, rows, Yall, nthreads);
     else
 #endif
     if (super) int8_k_lookup(type)(W, N, K, xq, xd, (const int16_t *)extra, rows, Yall, nthreads);
