@@ -1591,16 +1591,36 @@ X8_GEMM_FOR_TYPE(iq4_nl, IQ4_NL)
 X8_GEMM_FOR_TYPE(mxfp4, MXFP4)
 #endif
 
-/* ---- Q4_K interleaved (AVX-512 VNNI) ---------------------------------------------------------
+/* ---- Q4_K interleaved ------------------------------------------------------------------------
  * For each group of 8 rows and each super-block column j, 1184 bytes (8 x 148; the file's 8 x 144
  * plus the 6-bit scales and minimums unpacked to bytes):
- *   d[8], dmin[8] (fp16); sc[8 sub-blocks][8 rows], mn[8 rows][8 sub-blocks] (uint8);
- *   for each pair p of sub-blocks (2p in the low nibbles, 2p + 1 in the high): rows 0-3's bytes
- *   0-15, rows 0-3's bytes 16-31, then rows 4-7 likewise (4 x 64 bytes).
- * A sub-block of four rows is two 512-bit registers; its u8 x s8 products are summed in pairs
- * (vpmaddubsw) and times the rows' scales into int32 (vpdpwssd), over the whole super-block; the
- * minimums times the activations' sums per 32 go through one vpdpwssd per four rows. */
+ *   d[8], dmin[8] (fp16); sc[8 sub-blocks][8 rows] (uint8); the minimums (uint8), AVX-512:
+ *   mn[8 rows][8 sub-blocks], AVX2: for each pair of sub-blocks, the 8 rows' two;
+ *   then the codes of each pair p of sub-blocks (2p in the low nibbles, 2p + 1 in the high), 256
+ *   bytes: AVX-512: rows 0-3's bytes 0-15, rows 0-3's bytes 16-31, then rows 4-7 likewise;
+ *   AVX2: chunk c (bytes 4c..4c+3) of rows 0..7, for c = 0..7 (one 32-bit lane a row).
+ * AVX-512: a sub-block of four rows is two 512-bit registers; its u8 x s8 products are summed in
+ * pairs (vpmaddubsw) and times the rows' scales into int32 (vpdpwssd), over the whole super-block;
+ * the minimums times the activations' sums per 32 go through one vpdpwssd per four rows. AVX2: a
+ * sub-block of eight rows is eight registers, their pair sums added in int16 (8 x 2 x 15 x 127 <
+ * 2**15), then times the rows' scales; the minimums as pairs against the sums' pairs. */
 #define Q4K_X8_BYTES 1184
+
+static inline int q4k_x8_min(int r, int s) {  /* where row r's minimum of sub-block s is */
+#ifdef X8_512
+    return 96 + 8 * r + s;
+#else
+    return 96 + 16 * (s / 2) + 2 * r + s % 2;
+#endif
+}
+
+static inline int q4k_x8_code(int r, int p, int i) {  /* where row r's code byte i of pair p is */
+#ifdef X8_512
+    return 160 + p * 256 + (r / 4) * 128 + (i / 16) * 64 + (r % 4) * 16 + i % 16;
+#else
+    return 160 + p * 256 + (i / 4) * 32 + 4 * r + i % 4;
+#endif
+}
 
 static void q4k_x8_move(uint8_t *o, const uint8_t *b, int r) {
     memcpy(o + 2 * r, b, 2);
@@ -1609,21 +1629,19 @@ static void q4k_x8_move(uint8_t *o, const uint8_t *b, int r) {
         int sc, m;
         scale_min_k4(s, b + 4, &sc, &m);
         o[32 + 8 * s + r] = (uint8_t)sc;
-        o[96 + 8 * r + s] = (uint8_t)m;
+        o[q4k_x8_min(r, s)] = (uint8_t)m;
     }
     for (int p = 0; p < 4; p++)
-        for (int h = 0; h < 2; h++)
-            memcpy(o + 160 + p * 256 + (r / 4) * 128 + h * 64 + (r % 4) * 16, b + 16 + 32 * p + 16 * h, 16);
+        for (int i = 0; i < 32; i += 4) memcpy(o + q4k_x8_code(r, p, i), b + 16 + 32 * p + i, 4);
 }
 
 /* Row r of a group's super-block column o, dequantized as deq_q4_k does from the file's block. */
 static void q4k_x8_deq(const uint8_t *o, int r, float *w) {
     const float d = h2f(o + 2 * r), dmin = h2f(o + 16 + 2 * r);
     for (int s = 0; s < 8; s++) {
-        const float ds = d * (float)o[32 + 8 * s + r], dm = dmin * (float)o[96 + 8 * r + s];
-        const uint8_t *q = o + 160 + (s / 2) * 256 + (r / 4) * 128 + (r % 4) * 16;
+        const float ds = d * (float)o[32 + 8 * s + r], dm = dmin * (float)o[q4k_x8_min(r, s)];
         for (int l = 0; l < 32; l++) {
-            const uint8_t byte = q[(l / 16) * 64 + l % 16];
+            const uint8_t byte = o[q4k_x8_code(r, s / 2, l)];
             w[32 * s + l] = ds * (float)((s & 1) ? byte >> 4 : byte & 0xF) - dm;
         }
     }
@@ -1686,7 +1704,64 @@ static inline __attribute__((always_inline)) void q4k_x8_group(
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, x8_row_sums(acc[r]));
 }
+#elif defined(HAVE_X8)
+static inline __attribute__((always_inline)) void q4k_x8_group(
+    const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const int8_t *restrict xq,
+    const float *restrict xd, const int16_t *restrict x32, float *restrict Y, int64_t N) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    /* 8 bytes (one a row) -> lane r: the row's byte as two int16 */
+    const __m256i pairs = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,
+                                           4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1);
+    __m256 acc[IRB];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nsb; j++) {
+        const uint8_t *b = g + j * Q4K_X8_BYTES;
+        __m256i isum[IRB];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8")  /* s & 1 a constant in each copy */
+        for (int s = 0; s < 8; s++) {
+            int64_t sc8;
+            memcpy(&sc8, b + 32 + 8 * s, 8);
+            const __m256i sc = _mm256_shuffle_epi8(_mm256_set1_epi64x(sc8), pairs);
+            __m256i u[8];  /* u[c]: values 4c..4c+3 of sub-block s, one row a lane */
+            for (int c = 0; c < 8; c++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(b + q4k_x8_code(0, s / 2, 4 * c)));
+                if (s & 1) w = _mm256_srli_epi16(w, 4);
+                u[c] = _mm256_and_si256(w, nib);
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + r * K + j * 256 + s * 32;
+                __m256i p16 = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    int32_t x4;
+                    memcpy(&x4, x + 4 * c, 4);
+                    p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(u[c], _mm256_set1_epi32(x4)));
+                }
+                isum[r] = DPWSSD(isum[r], p16, sc);
+            }
+        }
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
+        __m256i mn[4];  /* lane r: the row's minimums of sub-blocks 2t, 2t + 1 */
+        for (int t = 0; t < 4; t++) mn[t] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 96 + 16 * t)));
+        for (int r = 0; r < R; r++) {
+            const int16_t *xs = x32 + r * (K / 32) + j * 8;
+            __m256i msum = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                int32_t x2;
+                memcpy(&x2, xs + 2 * t, 4);
+                msum = DPWSSD(msum, mn[t], _mm256_set1_epi32(x2));
+            }
+            const __m256 sx = _mm256_set1_ps(xd[r * nsb + j]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dv, sx), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(mv, sx), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, acc[r]);
+}
+#endif
 
+#ifdef HAVE_X8
 #define Q4K_X8_GROUP(R) q4k_x8_group(R, Wp + g * nsb * Q4K_X8_BYTES, nsb, K, xq + b0 * K, xd + b0 * nsb, \
                                      x32 + b0 * (K / 32), Y + b0 * N + g * 8, N)
 static void q4_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *xq, const float *xd,
@@ -1708,6 +1783,7 @@ static void q4_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *
  * (x + 128)) - c with c = 128 sum(sc (q - 32)), a constant of the weights kept in the layout. */
 #define Q6K_X8_BYTES 1712
 
+#ifdef X8_512
 static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
     const int8_t *sc = (const int8_t *)(b + 192);
     memcpy(o + 2 * r, b + 208, 2);
@@ -1729,7 +1805,6 @@ static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
     }
 }
 
-#ifdef X8_512
 /* Rows of group g (nsb super-blocks) against R activation rows: xu [R, K] = x + 128 (uint8), xd
  * [R, nsb] scales. */
 static inline __attribute__((always_inline)) void q6k_x8_group(
@@ -1800,12 +1875,11 @@ static void q6_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t 
 #endif
 
 static const x8_super *x8_super_layout(int type) {
-#ifndef X8_512
-    (void)type;
-    return 0;  /* their kernels take 512-bit registers */
-#endif
     static const x8_super layouts[] = {{Q4_K, Q4K_X8_BYTES, 144, q4k_x8_move, q4k_x8_deq},
-                                       {Q6_K, Q6K_X8_BYTES, 210, q6k_x8_move, 0}};  /* no Q6_K table is read there */
+#ifdef X8_512  /* Q6_K's kernel takes 512-bit registers */
+                                       {Q6_K, Q6K_X8_BYTES, 210, q6k_x8_move, 0},  /* no Q6_K table is read there */
+#endif
+    };
     for (size_t i = 0; i < sizeof layouts / sizeof *layouts; i++)
         if (layouts[i].type == type) return &layouts[i];
     return 0;
@@ -1858,7 +1932,7 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
         if (pass == 0 && passes == 2)
             for (int64_t i = 0; i < B * K; i++) rest[i] = X[i] - (float)xq[i] * xd[i / qk];
     }
-#ifdef X8_512
+#ifdef HAVE_X8
     if (interleaved && type == Q4_K) {  /* its minimums take the activations' sums per 32 */
         const int16_t *xb = (const int16_t *)extra;
         int16_t *x32 = malloc((size_t)(rows * K / 32) * sizeof(int16_t));
@@ -1866,7 +1940,10 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
         for (int64_t i = 0; i < rows * K / 32; i++) x32[i] = (int16_t)(xb[2 * i] + xb[2 * i + 1]);
         q4_k_x8_gemm(W, N, K, xq, xd, x32, rows, Yall, nthreads);
         free(x32);
-    } else if (interleaved && type == Q6_K) {  /* its signed codes take unsigned activations */
+    } else
+#endif
+#ifdef X8_512
+    if (interleaved && type == Q6_K) {  /* its signed codes take unsigned activations */
         uint8_t *xu = malloc((size_t)(rows * K));
         if (!xu) { rc = -2; goto done; }
         for (int64_t i = 0; i < rows * K; i++) xu[i] = (uint8_t)(xq[i] ^ 0x80);  /* x + 128 */
