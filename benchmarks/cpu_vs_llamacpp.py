@@ -36,9 +36,25 @@ FIGURES = ("tg", "pp128", "pp512", "batch8")
 GOALS = {"tg": 1.0, "pp128": 1.0, "pp512": 1.5, "batch8": 1.5}
 
 
+def cpu_isa() -> str:
+    """The widest vector instructions this CPU has, which both engines build for."""
+    from pocketllm.kernels.cpu.build import _cpu_flags
+
+    return "AVX-512" if "avx512f" in _cpu_flags() else "AVX2"
+
+
 def llamacpp_bin(threads: int) -> Path:
     if not (bin_dir() / "llama-bench").exists() or not (bin_dir() / "llama-batched-bench").exists():
-        run(["bash", PEERS / "llamacpp.sh", "build", "cpu"], env={"THREADS": str(threads)})
+        if cpu_isa() == "AVX-512":
+            run(["bash", PEERS / "llamacpp.sh", "build", "cpu"], env={"THREADS": str(threads)})
+        else:  # llamacpp.sh names AVX-512 explicitly (a native build can pick AMX, which these VMs trap)
+            src = bin_dir().parents[1]
+            if not src.exists():
+                run(["tar", "-xzf", PEERS / "llamacpp-src.tgz", "-C", src.parent])
+            run(["cmake", "-S", src, "-B", src / "build", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                 "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON",
+                 "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"])
+            run(["cmake", "--build", src / "build", f"-j{threads}", "--target", "llama-bench", "llama-batched-bench"])
     return bin_dir()
 
 
@@ -93,7 +109,7 @@ def markdown(report: dict) -> str:
              "",
              f"{report['machine']['cpu']}, {report['threads']} threads, commit {report['commit']}"
              f"{' (dirty)' if report['dirty'] else ''}, {report['date']}. llama.cpp built from ../shared/peers "
-             f"(AVX-512). tok/s; ratio = PocketLLM / llama.cpp; goal in brackets.",
+             f"({report.get('isa', 'AVX-512')}). tok/s; ratio = PocketLLM / llama.cpp; goal in brackets.",
              f"Command: `{report['command']}`", ""]
     for path_name in report["paths"]:
         figures = report.get("figures", FIGURES)
@@ -127,7 +143,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     bins = llamacpp_bin(args.threads)
     figures = tuple(f for f in FIGURES if f in args.figures.split(","))
-    report = {**environment(), "threads": args.threads, "command": " ".join(["python", *sys.argv]),
+    report = {**environment(), "threads": args.threads, "isa": cpu_isa(), "command": " ".join(["python", *sys.argv]),
               "paths": args.paths, "figures": figures, "files": []}
     for qtype in args.types:
         path = model_file(qtype, args.workdir, bins, args.shape)
