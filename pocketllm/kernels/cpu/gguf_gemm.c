@@ -953,15 +953,6 @@ static inline __m256i signed_grid(uint64_t g0, uint64_t g1, uint64_t g2, uint64_
     return _mm256_sign_epi8(_mm256_set_epi64x((long long)g3, (long long)g2, (long long)g1, (long long)g0), signs);
 }
 
-static inline __m128i bytes4(const uint8_t *p) {  /* 4 index bytes as 4 int32 */
-    int v; memcpy(&v, p, 4);
-    return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(v));
-}
-
-static inline __m256i grid8_gather(const uint64_t *grid, __m128i idx) {
-    return _mm256_i32gather_epi64((const long long *)grid, idx, 8);
-}
-
 static inline __m256i grid4_gather(const uint32_t *grid, __m256i idx) {
     return _mm256_i32gather_epi32((const int *)grid, idx, 4);
 }
@@ -1008,30 +999,35 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
     case IQ2_S: {
         const uint8_t *q = b + 2 + 4 * k, h = b[66 + k];
         uint32_t sb; memcpy(&sb, b + 34 + 4 * k, 4);
-        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi32(3));
-        const __m128i idx = _mm_or_si128(bytes4(q), _mm_slli_epi32(hi, 8));
-        *v = _mm256_sign_epi8(grid8_gather(iq2s_grid, idx), signs_of_bits(sb));
+        *v = signed_grid(iq2s_grid[q[0] | ((h << 8) & 0x300)], iq2s_grid[q[1] | ((h << 6) & 0x300)],
+                         iq2s_grid[q[2] | ((h << 4) & 0x300)], iq2s_grid[q[3] | ((h << 2) & 0x300)], signs_of_bits(sb));
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
         break;
     }
     case IQ1_S: {  /* values 8 * grid + the delta's sign, in [-9, 9]: w = d (2s + 1) / 8 * value */
+        const uint8_t *q = b + 2 + 4 * k;
         uint16_t qh; memcpy(&qh, b + 34 + 2 * k, 2);
-        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(qh), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(7));
-        const __m128i idx = _mm_or_si128(bytes4(b + 2 + 4 * k),
-                                         _mm_slli_epi32(hi, 8));
-        *v = iq1_values(grid8_gather(iq1s_grid, idx), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
+        const __m256i g = _mm256_set_epi64x((long long)iq1s_grid[q[3] | ((qh >> 1) & 0x700)],
+                                            (long long)iq1s_grid[q[2] | ((qh << 2) & 0x700)],
+                                            (long long)iq1s_grid[q[1] | ((qh << 5) & 0x700)],
+                                            (long long)iq1s_grid[q[0] | ((qh << 8) & 0x700)]);
+        *v = iq1_values(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
         *scale = odd_scales((qh >> 12) & 7, (qh >> 12) & 7);
         break;
     }
     case IQ1_M: {  /* the same, with a 3-bit scale per 16 weights and the delta's sign per 8 */
+        const uint8_t *q = b + 4 * k;
         uint16_t hh, sc[4];
         memcpy(&hh, b + 32 + 2 * k, 2);
         memcpy(sc, b + 48, 8);
-        const __m128i h = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(hh), _mm_setr_epi32(0, 4, 8, 12)), _mm_set1_epi32(15));
-        const __m128i idx = _mm_or_si128(bytes4(b + 4 * k),
-                                         _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(7)), 8));
-        const __m128i neg = _mm_cmpeq_epi32(_mm_and_si128(h, _mm_set1_epi32(8)), _mm_set1_epi32(8));
-        *v = iq1_values(grid8_gather(iq1s_grid, idx), _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
+        const uint32_t h = hh;
+        const __m256i g = _mm256_set_epi64x((long long)iq1s_grid[q[3] | ((h >> 4) & 0x700)],
+                                            (long long)iq1s_grid[q[2] | (h & 0x700)],
+                                            (long long)iq1s_grid[q[1] | ((h << 4) & 0x700)],
+                                            (long long)iq1s_grid[q[0] | ((h << 8) & 0x700)]);
+        const __m128i neg = _mm_cmpeq_epi32(_mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(3, 7, 11, 15)),
+                                                          _mm_set1_epi32(1)), _mm_set1_epi32(1));
+        *v = iq1_values(g, _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
         *scale = odd_scales((sc[k / 2] >> (6 * (k % 2))) & 7, (sc[k / 2] >> (6 * (k % 2) + 3)) & 7);
         break;
     }
