@@ -332,10 +332,15 @@ static inline void deq_iq1_s(const uint8_t *restrict b, float *restrict w) {
     }
 }
 
-static inline void deq_iq1_m(const uint8_t *restrict b, float *restrict w) {
+static inline float iq1_m_d(const uint8_t *b) {  /* the fp16 d from the scale words' top nibbles */
     uint16_t sc[4]; memcpy(sc, b + 48, 8);
     const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
-    const float d = h2f((const uint8_t *)&dbits);
+    return h2f((const uint8_t *)&dbits);
+}
+
+static inline void deq_iq1_m(const uint8_t *restrict b, float *restrict w) {
+    uint16_t sc[4]; memcpy(sc, b + 48, 8);
+    const float d = iq1_m_d(b);
     for (int g = 0; g < 32; g++) {  /* 8 weights; scale g / 2 (16 weights) */
         const int h = (b[32 + g / 2] >> (4 * (g % 2))) & 0xF, s = (sc[g / 8] >> (3 * ((g / 2) % 4))) & 7;
         deq_iq1_group(iq1s_grid[b[g] | (h & 7) << 8], d * (float)(2 * s + 1), h & 8 ? -IQ1_DELTA : IQ1_DELTA, w + 8 * g);
@@ -946,9 +951,9 @@ static inline __m256i signs_of_indices(uint32_t a, uint32_t b, uint32_t c, uint3
                              (long long)bit_signs[ksigns[b]], (long long)bit_signs[ksigns[a]]);
 }
 
-/* A sub-block's 32 grid values: four 8-value entries (IQ2_*) or eight 4-value ones (IQ3_*), from
- * scalar loads (the plain byte indices of IQ2_XXS, IQ2_XS, IQ3_XXS) or gathered (IQ2_S and IQ3_S,
- * whose indices take high bits from elsewhere: vector shifts, measured faster there). */
+/* A sub-block's 32 grid values: four 8-value entries (IQ2_*, IQ1_*) or eight 4-value ones (IQ3_*),
+ * from scalar loads, or for IQ3_S gathered (its eight indices' ninth bits formed by vector shifts:
+ * faster there; four-entry gathers were slower than scalar loads on AMD). */
 static inline __m256i signed_grid(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, __m256i signs) {
     return _mm256_sign_epi8(_mm256_set_epi64x((long long)g3, (long long)g2, (long long)g1, (long long)g0), signs);
 }
@@ -1048,11 +1053,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
 /* The float factor of a super-block's integer sums: d times 1/8 (IQ2_*, IQ1_*), 1/4 (IQ3_XXS) or 1
  * (IQ3_S); IQ1_M's fp16 d is spread over the top nibbles of its four scale words. */
 static inline float lattice_d(int type, const uint8_t *b) {
-    if (type == IQ1_M) {
-        uint16_t sc[4]; memcpy(sc, b + 48, 8);
-        const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
-        return h2f((const uint8_t *)&dbits) * 0.125f;
-    }
+    if (type == IQ1_M) return iq1_m_d(b) * 0.125f;
     return h2f(b) * (type == IQ3_S ? 1.0f : type == IQ3_XXS ? 0.25f : 0.125f);
 }
 
