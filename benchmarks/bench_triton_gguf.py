@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import time
 
 import numpy as np
@@ -73,6 +74,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="tile configs of each regime's kernel (SWEEP_GRIDS)")
     ap.add_argument("--sweep-regimes", default=",".join(SWEEP_GRIDS), help="with --sweep: which regimes")
     ap.add_argument("--sweep-m", type=int, default=None, help="with --sweep: this M instead of each regime's")
+    ap.add_argument("--sweep-grid", default=None,
+                    help='with --sweep: this grid (JSON, e.g. {"PROGRAMS_PER_SM": [1, 2, 4]}) instead of SWEEP_GRIDS\'')
     ap.add_argument("--warm", default=None, help="I/N: with --sweep, only compile the I-th of N shares of the configs")
     ap.add_argument("--no-splits", action="store_true", help="skip the split-K sweep (Q4_K, Q6_K at M=1)")
     ap.add_argument("--peak", type=float, default=4800.0, help="the GPU's memory bandwidth, GB/s (H200: 4800)")
@@ -85,6 +88,10 @@ def main():
           f"# DOT_CONFIG={kg.DOT_CONFIG}\n# MMA_CONFIG={kg.MMA_CONFIG} MMA_MAX_M={kg.MMA_MAX_M}")
 
     if args.sweep:
+        if args.sweep_grid:
+            for regime in args.sweep_regimes.split(","):
+                m, cfg, _ = SWEEP_GRIDS[regime]
+                SWEEP_GRIDS[regime] = (m, cfg, json.loads(args.sweep_grid))
         sweep(types, shapes, args.peak, tuple(int(v) for v in args.warm.split("/")) if args.warm else None,
               args.sweep_regimes.split(","), args.sweep_m)
         return
@@ -180,8 +187,8 @@ def sweep(types, shapes, peak, warm: tuple[int, int] | None = None, regimes=tupl
                 results.sort(key=lambda r: r[0])
                 t_def = bench_us(call)
                 print(f"{regime} M={m} {qtype.name} {n}x{k}: default {t_def:.1f} us "
-                      f"({nbytes / t_def / 1e3 / peak * 100:.0f}% peak); best:", flush=True)
-                for t, c in results[:4]:
+                      f"({nbytes / t_def / 1e3 / peak * 100:.0f}% peak); fastest first:", flush=True)
+                for t, c in results:
                     print(f"    {t:7.1f} us {nbytes / t / 1e3:6.0f} GB/s  {c}", flush=True)
 
 

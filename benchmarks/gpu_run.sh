@@ -4,7 +4,7 @@
 # and through the HTTP server, GGUF files (random weights, written on the spot) with llama.cpp
 # measured on the same files, step profiles, and transformers' eager baseline; last, the table
 # h200.md. Results land in $OUT (or benchmarks/results/ when run by hand).
-#   STAGES="tests bf16 serve gguf peer profile hf" (default: all but prep)
+#   STAGES="tests bf16 serve gguf peer spec profile hf" (default: all but prep)
 #     prep: build llama.cpp (from PEERS) and write the GGUF files, nothing measured: a call of its
 #           own, followed within the machine's warm period by one that measures (gguf peer ...)
 #     gguf: PocketLLM on GGUF_FILES: batch 1, and 64 sequences for the files of BATCHED_SHAPES
@@ -21,7 +21,7 @@ set -uo pipefail
 DEST=${OUT:-benchmarks/results}
 OUT=$DEST
 [ "${PACK:-0}" = 1 ] && OUT=$DEST/res
-STAGES=${STAGES:-"tests bf16 serve gguf peer profile hf"}
+STAGES=${STAGES:-"tests bf16 serve gguf peer spec profile hf"}
 GGUF_FILES=${GGUF_FILES:-"llama3-8b:Q4_K_M llama3-8b:IQ2_XXS llama3-70b:IQ2_XXS"}
 PEERS=${PEERS:-.peer}
 export LLAMACPP_DIR=${LLAMACPP_DIR:-/tmp/llama.cpp}
@@ -127,6 +127,21 @@ if has peer 120; then
     else
         tail -n 20 "$OUT/peer-build.log"
     fi
+fi
+if has spec 120; then
+    # Speculative decoding, 8B shape in bf16: n-gram lookup with k = 4, and drafts that are always
+    # right (--oracle); then one stream with the decode graphs' row floor off (SPEC_FLOOR_CONTROL=1),
+    # and which row counts cuBLAS computes alike.
+    k4='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 6}'
+    spec=(benchmarks/spec_decode.py --model llama3-8b --load-format dummy --device cuda --dtype bfloat16 --oracle
+          --max-tokens 128 --reps 1 --speculative-config "$k4")
+    timeout "${SPEC_TIMEOUT:-300}" $PY "${spec[@]}" --concurrency "${SPEC_CONCURRENCY:-1,64}" \
+        --out "$OUT/h200-spec-decode.json" 2>&1 | tail -n 24
+    if [ "${SPEC_FLOOR_CONTROL:-0}" = 1 ]; then
+        timeout 200 $PY "${spec[@]}" --concurrency 1 --row-floor 1 --out "$OUT/h200-spec-decode-row-floor-1.json" \
+            2>&1 | tail -n 12
+    fi
+    timeout 60 $PY benchmarks/cublas_row_invariance.py --out "$OUT/h200-cublas-row-invariance.json" 2>&1 | tail -n 6
 fi
 if has profile; then
     timeout 120 $PY benchmarks/profile_gpu_step.py llama3-8b --batch 1,64 --steps 16 \

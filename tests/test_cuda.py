@@ -74,3 +74,53 @@ def test_speculative_decoding_on_cuda_equals_transformers(tiny):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 32) for p in prompts]
     assert llm.engine.spec_stats.num_accepted_tokens > 0
     llm.engine.check_no_leaks()
+
+
+class _Continuation:
+    """Drafts the next tokens of a known continuation, as n-gram lookup over a text that holds it
+    would; with ``wrong_every``, every such draft position is off by one token id."""
+
+    def __init__(self, prompt_len: int, continuation: list[int], wrong_every: int = 0):
+        self.prompt_len, self.continuation, self.wrong_every = prompt_len, continuation, wrong_every
+
+    def propose_for(self, wanted: list) -> list[list[int]]:
+        out = []
+        for req, limit in wanted:
+            start = req.num_tokens - self.prompt_len
+            drafts = self.continuation[start:start + limit]
+            if self.wrong_every:
+                drafts = [(t + 1) % 384 if (start + i) % self.wrong_every == 0 else t for i, t in enumerate(drafts)]
+            out.append(drafts)
+        return out
+
+
+def test_bf16_verification_rows_compute_plain_decodings_bits(tiny):
+    """One request at a time in bf16: a verification step's rows (the last token and 4 drafts) run
+    in the same decode graph as a plain step's one row (DecodeGraphs' row floor), so each row
+    computes the bits plain decoding does. Drafts that are the plain continuation are then all
+    accepted, and wrong ones change no token or logprob."""
+    model, path = tiny
+    prompts = prompts_of([5, 33, 70], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    plain = LLM(str(path), device="cuda", dtype="bfloat16")
+    want = [plain.generate({"prompt_token_ids": p}, params)[0].outputs[0] for p in prompts]
+    spec = LLM(str(path), device="cuda", dtype="bfloat16", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    engine = spec.engine
+    assert engine.runner.graphs.sizes[0] == plain.engine.runner.graphs.sizes[0] == 8
+    engine.draft_length.limit = lambda req, cost: 4  # every step verifies four drafts
+    for wrong_every in (0, 3):
+        for p, w in zip(prompts, want):
+            engine.proposer = _Continuation(len(p), w.token_ids, wrong_every)
+            before = engine.spec_stats.copy()
+            got = spec.generate({"prompt_token_ids": p}, params)[0].outputs[0]
+            after = engine.spec_stats
+            assert got.token_ids == w.token_ids, (len(p), wrong_every)
+            for lw, lg in zip(w.logprobs, got.logprobs):
+                assert {t: v.logprob for t, v in lw.items()} == {t: v.logprob for t, v in lg.items()}
+            drafted = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            assert drafted > 0
+            if not wrong_every:
+                assert accepted == drafted, (len(p), accepted, drafted)
+    engine.check_no_leaks()

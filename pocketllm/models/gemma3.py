@@ -71,7 +71,7 @@ class Gemma3Model(torch.nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}),
+    capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}), cuda_graphs=True,
                                        sliding_window_kv="window")
 
     @classmethod
