@@ -95,6 +95,18 @@ def test_split_key_decode_matches_reference(splits):
     assert kattn.decode_splits(1, 8, torch.device("cpu")) == 16 and kattn.decode_splits(64, 8, torch.device("cpu")) == 1
 
 
+def test_a_decode_rows_bits_do_not_depend_on_its_step_size():
+    """A decode row's keys are split by its own length, not by how many rows its step has: alone or
+    as one of five (a request's last token and its drafts, say), it computes the same bits."""
+    q, kc, vc, rows, tables, lens, qsl = make_step([(1, 200 + i) for i in range(5)], 8, 8, 32, num_blocks=80, seed=4)
+    step = kattn.paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV), 1,
+                                 0.2)
+    alone = kattn.paged_attention(q[:1].to(DEV), kc.to(DEV), vc.to(DEV), tables[:1].to(DEV), lens[:1].to(DEV),
+                                  qsl[:2].to(DEV), 1, 0.2)
+    assert torch.equal(step[:1], alone)
+    torch.testing.assert_close(step.cpu(), reference_attention(q, kc, vc, rows, 0.2), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_attention_sinks_match_reference(splits):
     """gpt-oss's sinks, with a window, in prefill tiles and in split decode rows (the sink counted once)."""

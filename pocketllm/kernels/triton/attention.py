@@ -13,7 +13,10 @@ on (num_tokens, num_seqs): the decode launch is CUDA-graph capturable.
 
 Decode batches too small to fill the GPU (num_seqs * Hkv programs) split each sequence's keys
 into NUM_SPLITS ranges (flash-decoding): each program writes its unnormalised partial result
-with its running max and sum, and a second kernel merges the splits.
+with its running max and sum, and a second kernel merges the splits. The number of splits is
+DECODE_SPLITS for every such batch, not a function of its size, so a row's keys are cut by its
+own length alone and its output has the same bits in a step of 1 row as in one of 16 (what
+speculative verification needs: a request's drafts are rows of one step).
 """
 from __future__ import annotations
 
@@ -163,10 +166,13 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[device]
 
 
+DECODE_SPLITS = 16
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Key splits per decode row so that about two programs run per multiprocessor."""
-    want = 2 * _num_sms(device) // max(1, num_seqs * num_kv_heads)
-    return min(16, 1 << (want.bit_length() - 1)) if want >= 2 else 1  # a power of two
+    """Key splits per decode row: DECODE_SPLITS where one program per (row, KV head) would leave
+    more than half of the multiprocessors' two program slots empty, else none."""
+    return DECODE_SPLITS if num_seqs * num_kv_heads <= _num_sms(device) else 1
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
