@@ -130,17 +130,12 @@ if has peer 120; then
 fi
 if has spec 120; then
     # Speculative decoding, 8B shape in bf16: n-gram lookup with k = 4, and drafts that are always
-    # right (--oracle); then one stream with the decode graphs' row floor off (SPEC_FLOOR_CONTROL=1),
-    # and which row counts cuBLAS computes alike.
+    # right (--oracle); then which row counts cuBLAS computes alike.
     k4='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 6}'
     spec=(benchmarks/spec_decode.py --model llama3-8b --load-format dummy --device cuda --dtype bfloat16 --oracle
           --max-tokens 128 --reps 1 --speculative-config "$k4")
     timeout "${SPEC_TIMEOUT:-300}" $PY "${spec[@]}" --concurrency "${SPEC_CONCURRENCY:-1,64}" \
         --out "$OUT/h200-spec-decode.json" 2>&1 | tail -n 24
-    if [ "${SPEC_FLOOR_CONTROL:-0}" = 1 ]; then
-        timeout 200 $PY "${spec[@]}" --concurrency 1 --row-floor 1 --out "$OUT/h200-spec-decode-row-floor-1.json" \
-            2>&1 | tail -n 12
-    fi
     timeout 60 $PY benchmarks/cublas_row_invariance.py --out "$OUT/h200-cublas-row-invariance.json" 2>&1 | tail -n 6
 fi
 if has profile; then

@@ -145,15 +145,8 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None,
                     help="also time a draft model's drafting (a path, or a shape with --load-format dummy), "
                          "every step drafting num_speculative_tokens: its cost per drafted token")
-    ap.add_argument("--row-floor", type=int, default=None,
-                    help="CUDA: the decode graphs' smallest bucket for dense weights (runner/cuda_graphs.py: "
-                         "ROW_FLOOR; 1 gives each row count up to 8 its own graph, as before the floor)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.row_floor is not None:
-        from pocketllm.runner import cuda_graphs
-
-        cuda_graphs.ROW_FLOOR = args.row_floor
 
     engine = dict(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                   max_model_len=2048, num_threads=args.threads, num_kv_blocks=args.num_kv_blocks)
@@ -233,9 +226,7 @@ def main() -> None:
                                          "mean_speedup": round(sum(r["speedup"] for r in sel) / len(sel), 3)}
     print(json.dumps(summary, indent=1))
     if args.out:
-        from pocketllm.runner.cuda_graphs import ROW_FLOOR
-
-        payload = {**environment(), "command": "python " + " ".join(sys.argv), "engine": engine, "row_floor": ROW_FLOOR,
+        payload = {**environment(), "command": "python " + " ".join(sys.argv), "engine": engine,
                    "speculative_config": json.loads(args.speculative_config), "summary": summary, "rows": rows}
         Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
 

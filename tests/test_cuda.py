@@ -95,10 +95,10 @@ class _Continuation:
 
 
 def test_bf16_verification_rows_compute_plain_decodings_bits(tiny):
-    """One request at a time in bf16: a verification step's rows (the last token and 4 drafts) run
-    in the same decode graph as a plain step's one row (DecodeGraphs' row floor), so each row
-    computes the bits plain decoding does. Drafts that are the plain continuation are then all
-    accepted, and wrong ones change no token or logprob."""
+    """One request at a time in bf16: a verification step's rows (the last token and 4 drafts)
+    compute the bits plain decoding computes one row a step (attention splits a row's keys by its
+    own length; cuBLAS gives a row the same bits at 1 and at 5-8 rows). Drafts that are the plain
+    continuation are then all accepted, and wrong ones change no token or logprob."""
     model, path = tiny
     prompts = prompts_of([5, 33, 70], seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
@@ -107,7 +107,6 @@ def test_bf16_verification_rows_compute_plain_decodings_bits(tiny):
     spec = LLM(str(path), device="cuda", dtype="bfloat16", speculative_config={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     engine = spec.engine
-    assert engine.runner.graphs.sizes[0] == plain.engine.runner.graphs.sizes[0] == 8
     engine.draft_length.limit = lambda req, cost: 4  # every step verifies four drafts
     for wrong_every in (0, 3):
         for p, w in zip(prompts, want):

@@ -6,12 +6,6 @@ staging buffers, without a host sync); padding rows write no KV (slot -1) and at
 stale slot, so their outputs are finite and ignored. All graphs share one memory pool; the
 hidden states a replay returns stay valid until the next replay. Each KV group (a model with
 sliding-window layers has several) has its own static slots and block tables.
-
-With ``min_rows`` (dense weights: ``ROW_FLOOR``) there is no bucket below it: every step of up to
-that many rows runs the same kernels on the same shapes (cuBLAS picks its kernel by the row
-count, attention its key splits by the rows a step has), so a row's output does not depend on
-how many rows share its step. Speculative verification, a request's last token and its drafts
-as rows of one step, then computes what plain decoding computes a row at a time, in bf16 too.
 """
 from __future__ import annotations
 
@@ -22,23 +16,19 @@ from pocketllm.layers.attention import AttentionMetadata
 from pocketllm.models.base import CausalLM
 
 
-ROW_FLOOR = 8  # dense weights: the smallest decode graph (a GEMM of 8 rows costs what one of 1 does)
-
-
-def buckets(max_batch: int, min_rows: int = 1) -> list[int]:
+def buckets(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
     sizes += list(range(16, max_batch, 16 if max_batch <= 256 else 32))
-    floor = min(min_rows, max_batch)
-    return sorted({b for b in sizes if b >= floor} | {max_batch})
+    return sorted(set(sizes + [max_batch]))
 
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, device: torch.device, max_batch: int, max_blocks: int,
-                 windows: tuple[int | None, ...] = (None,), min_rows: int = 1):
+                 windows: tuple[int | None, ...] = (None,)):
         self.model = model
         self.windows = windows  # per KV group
         num_groups = len(windows)
-        self.sizes = buckets(max_batch, min_rows)
+        self.sizes = buckets(max_batch)
         self.max_batch, self.max_blocks = max_batch, max_blocks
         n = max_batch
 
@@ -89,10 +79,8 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def run(self, step, pending=None) -> torch.Tensor:
-        """Replays the bucket for `step` (a runner StepInputs of decode rows) -> hidden [b, H], the
-        bucket's rows (the step's n first; the LM head takes all b, for the same reason as the
-        graph). `pending` = (rows, tokens, index): input ids to take from the device
-        (ids[rows] = tokens[index])."""
+        """Replays the bucket for `step` (a runner StepInputs of decode rows) -> hidden [n, H].
+        `pending` = (rows, tokens, index): input ids to take from the device (ids[rows] = tokens[index])."""
         n = len(step.rows)
         b = next(s for s in self.sizes if s >= n)
         if self._copied is not None:
@@ -124,4 +112,4 @@ class DecodeGraphs:
             self.ids[dst] = tokens[src]
         graph, hidden = self.graphs[b]
         graph.replay()
-        return hidden  # the whole output: it keeps the 8-bit form its norm wrote (int8_act)
+        return hidden if n == b else hidden[:n]  # the whole output keeps the form its norm wrote (int8_act)

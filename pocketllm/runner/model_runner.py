@@ -72,14 +72,6 @@ class LaunchedStep:
         return {req.request_id: i for i, req in enumerate(self.sampling)}
 
 
-def _runs_gguf_kernels(model: CausalLM) -> bool:
-    """Whether any of the model's products (experts' too) runs on GGUF blocks, not dense weights."""
-    from pocketllm.layers.linear import Linear
-
-    quantized = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
-    return any(p.path == "triton" for q in quantized for p in getattr(q, "parts", [q]))
-
-
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero-filled KV memory. On the CPU it comes from calloc (numpy), whose large blocks are
     lazily zeroed pages: the cache becomes resident only as requests fill it. (Zeros, not
@@ -126,14 +118,10 @@ class ModelRunner:
             self.broadcast = StepBroadcast(device)
         # (graphs with the collectives inside are not measured yet: tensor-parallel steps run eagerly)
         if self.use_kernels and model.capabilities.cuda_graphs and not enforce_eager and self.tp.size == 1:
-            from pocketllm.runner.cuda_graphs import ROW_FLOOR, DecodeGraphs
+            from pocketllm.runner.cuda_graphs import DecodeGraphs
 
             largest = min(max_decode_rows, model.capabilities.cuda_graph_max_batch or max_decode_rows)
-            # GGUF products pick their kernel by rows too, but one row's GEMV is far faster than the
-            # tile kernel of 3 or more: those keep the small buckets.
-            min_rows = 1 if _runs_gguf_kernels(model) else ROW_FLOOR
-            self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows,
-                                       min_rows)
+            self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows)
 
     @staticmethod
     def kv_bytes_per_block(cfg, layout: KVLayout, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -343,13 +331,9 @@ class ModelRunner:
         prompt_sample = self._score_prompts(hidden, step.prompt_scores, score_rows) if score_rows else None
         sample = None
         if step.sampling:
-            prefix = rows[-1] == len(rows) - 1  # rows 0 .. len(rows) - 1
-            pick = None if prefix else torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
-            if graphed:  # the LM head over the graph's whole bucket, for the reason the graph has it
-                logits = self.model.compute_logits(hidden)
-                logits = logits[:len(rows)] if prefix else logits[pick]
-            else:
-                logits = self.model.compute_logits(hidden[:len(rows)] if prefix else hidden[pick])
+            if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:
+                hidden = hidden[torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)]
+            logits = self.model.compute_logits(hidden)
         self.ranks_mid_step = False  # the step's last collective is done
         if step.sampling:
             try:
