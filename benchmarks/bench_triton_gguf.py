@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--sweep-regimes", default=",".join(SWEEP_GRIDS), help="with --sweep: which regimes")
     ap.add_argument("--sweep-m", type=int, default=None, help="with --sweep: this M instead of each regime's")
     ap.add_argument("--sweep-grid", default=None,
-                    help='with --sweep: this grid (JSON, e.g. {"PROGRAMS_PER_SM": [1, 2, 4]}) instead of SWEEP_GRIDS\'')
+                    help='with --sweep: this grid (JSON, e.g. {"PROGRAMS_PER_SM": [1, 2, 4]}) instead of SWEEP_GRIDS')
     ap.add_argument("--warm", default=None, help="I/N: with --sweep, only compile the I-th of N shares of the configs")
     ap.add_argument("--no-splits", action="store_true", help="skip the split-K sweep (Q4_K, Q6_K at M=1)")
     ap.add_argument("--peak", type=float, default=4800.0, help="the GPU's memory bandwidth, GB/s (H200: 4800)")

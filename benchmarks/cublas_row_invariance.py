@@ -2,10 +2,9 @@
 
 For each of Llama-3.1-8B's projection shapes, ``x[:m] @ W.T`` for many ``m``; rows 0-3 of each
 result are compared bit for bit with every other ``m``'s, and the ``m`` that agree are printed as
-classes.  A class is a set of row counts one decode graph could serve without changing any row's
-output (what speculative verification needs: a request's rows computed as plain decoding computes
-its one row); the decode graphs' row floor (``runner/cuda_graphs.py: ROW_FLOOR``) rests on 1-8
-being one class once padded to 8.
+classes.  Row counts of one class give a row the same output whatever else shares its step: what
+speculative verification in bf16 needs (a request's last token and its drafts as rows of one step,
+computed as plain decoding computes its one row).
 
     python benchmarks/cublas_row_invariance.py --out benchmarks/results/h200-cublas-row-invariance.json
 """

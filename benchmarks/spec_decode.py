@@ -1,9 +1,10 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, one stream or several, on the
 same engine settings in the same process: copying workloads (the reply repeats its prompt with an
 edit) and ordinary chat prompts, greedy. `same_tokens` says whether both produced the same tokens
-(on the CPU they must; bf16 on a GPU computes a step of more rows with other bits); the figure is
-output tokens per second over the whole request, after a warm-up run of each prompt in each engine
-(so both find the prompt in their prefix cache: the figures are decoding's).
+(on the CPU they must, and for one stream on CUDA; at 64 sequences bf16 steps of other row counts
+compute other bits); the figure is output tokens per second over the whole request, after a warm-up
+run of each prompt in each engine (so both find the prompt in their prefix cache: the figures are
+decoding's).
 
     python benchmarks/spec_decode.py --out benchmarks/results/cpu-spec-decode.json
     python benchmarks/spec_decode.py --model llama3-8b --load-format dummy --device cuda --concurrency 1,64 \\

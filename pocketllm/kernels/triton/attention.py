@@ -170,8 +170,8 @@ DECODE_SPLITS = 16
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Key splits per decode row: DECODE_SPLITS where one program per (row, KV head) would leave
-    more than half of the multiprocessors' two program slots empty, else none."""
+    """Key splits per decode row: DECODE_SPLITS where one program per (row, KV head) would fill at
+    most one of each multiprocessor's two program slots, else none."""
     return DECODE_SPLITS if num_seqs * num_kv_heads <= _num_sms(device) else 1
 
 

@@ -626,9 +626,10 @@ ROW_ALIGN = 16  # packed rows are padded to a multiple of this many bytes (16-by
 GEMV_CONFIG = dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=1, PROGRAMS_PER_SM=8)
 DOT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
 DEQUANT_CONFIG = dict(BLOCK_N=1, BLOCK_K=1024, num_warps=4)
-# (mma: the fastest over M = 16, 32, 64 and the three 8B shapes, results/h200-triton-gguf-mma-programs-per-sm*.txt;
-# twice the splits of one program an SM, 11% less time in all than 128 x 128 on 8 warps)
-MMA_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=1, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
+# (mma, Q4_K: over M = 16, 32, 64 and the three 8B shapes, results/h200-triton-gguf-mma-programs-per-sm*.txt,
+# twice the K splits of one program an SM took 11% less time in all than 128 x 128 on 8 warps; parts of
+# 256 weights were 0.5% faster still, but spill at 64 rows on sm_90)
+MMA_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
 MMA_MAX_M = 64  # auto: the tensor-core tile kernel (gguf_mma.py) up to this many rows, 16-bit activations,
 # MMA_AUTO_TYPES only: Q4_K beat dequantize + cuBLAS at every 8B shape and M = 3..64 on the H200
 # (results/h200-triton-gguf-mma.txt); Q6_K and Q8_0 won some shapes and lost others, so they stay on request

@@ -45,6 +45,10 @@ FUSED_MAX_PAIRS_PER_EXPERT = 512
 FUSED_BLOCK_M, FUSED_BLOCK_M_PREFILL, PREFILL_TOKENS = 16, 64, 64
 ONE_HOT_MAX = 1 << 22  # align: pairs x experts up to which ranks come from a running count, not a sort
 FUSED_DENSE_CONFIG = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4)
+# GGUF experts: the tile the expert-sorted path was measured with (results/h200-fused-moe-kernels.txt),
+# with the per-type tiles of gguf.MMA_TYPE_CONFIG; the dense products' later tile (gguf.MMA_CONFIG,
+# swept with K splits, which this path has none of) was not timed on expert shapes.
+FUSED_GGUF_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=1)
 
 
 @triton.jit
@@ -211,7 +215,7 @@ def fused_moe(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationTyp
         assert stacked.dtype == x.dtype and stacked.shape[1] == k, (stacked.dtype, x.dtype, stacked.shape, k)
         cfg, row_bytes, hdr_start, n_blocks, consts = FUSED_DENSE_CONFIG, k, 0, 0, dict(QT=0, BPS=1)
     else:
-        cfg = kg.kernel_config("mma", qtype)
+        cfg = {**FUSED_GGUF_CONFIG, **kg.MMA_TYPE_CONFIG.get(qtype, {})}
         n_blocks, hdr_start, _ = kg._type_args(qtype, k)
         row_bytes, consts = stacked.shape[1], dict(QT=int(qtype), BPS=256 // block_size(qtype))
     gguf_mma.kernel[(triton.cdiv(n, cfg["BLOCK_N"]), 1, blocks)](
