@@ -8,6 +8,7 @@ import torch
 from conftest import prompts_of
 from reference import captured_logits, hf_greedy, hf_last_logits
 from pocketllm import LLM, SamplingParams
+from tiny_models import VOCAB
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -89,16 +90,18 @@ class _Continuation:
             start = req.num_tokens - self.prompt_len
             drafts = self.continuation[start:start + limit]
             if self.wrong_every:
-                drafts = [(t + 1) % 384 if (start + i) % self.wrong_every == 0 else t for i, t in enumerate(drafts)]
+                drafts = [(t + 1) % VOCAB if (start + i) % self.wrong_every == 0 else t for i, t in enumerate(drafts)]
             out.append(drafts)
         return out
 
 
 def test_bf16_verification_rows_compute_plain_decodings_bits(tiny):
     """One request at a time in bf16: a verification step's rows (the last token and 4 drafts)
-    compute the bits plain decoding computes one row a step (attention splits a row's keys by its
-    own length; cuBLAS gives a row the same bits at 1 and at 5-8 rows). Drafts that are the plain
-    continuation are then all accepted, and wrong ones change no token or logprob."""
+    compute the bits plain decoding computes one row a step, through every kernel of the decode
+    graphs (cuBLAS gives a row the same bits at 1 and at 5-8 rows). Drafts that are the plain
+    continuation are then all accepted, and wrong ones change no token or logprob. (The tiny models'
+    one or two KV heads got 16 key splits in either step under the old split rule too: that rule is
+    caught by test_triton_kernels.py's test_a_decode_rows_bits_do_not_depend_on_its_step_size.)"""
     model, path = tiny
     prompts = prompts_of([5, 33, 70], seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)

@@ -15,8 +15,8 @@ Decode batches too small to fill the GPU (num_seqs * Hkv programs) split each se
 into NUM_SPLITS ranges (flash-decoding): each program writes its unnormalised partial result
 with its running max and sum, and a second kernel merges the splits. The number of splits is
 DECODE_SPLITS for every such batch, not a function of its size, so a row's keys are cut by its
-own length alone and its output has the same bits in a step of 1 row as in one of 16 (what
-speculative verification needs: a request's drafts are rows of one step).
+own length alone and its output has the same bits in a step of 1 row as in any other step that
+splits (what speculative verification needs: a request's drafts are rows of one step).
 """
 from __future__ import annotations
 
