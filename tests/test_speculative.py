@@ -87,6 +87,33 @@ def test_ngram_lookup_matches_a_plain_loop():
     assert found > 100
 
 
+def test_draft_length_proposes_drafts_while_they_pay_for_their_rows():
+    """Steps timed at 10 ms + 2 ms a row: the fit finds the row's cost in tokens (2 ms at the
+    engine's rate), and a request drafts as many as alpha**i stays above it (with the margin)."""
+    from types import SimpleNamespace
+
+    from pocketllm.speculative.draft_length import DraftLength
+
+    dl = DraftLength(max_drafts=4, prior_cost=0.3)
+    req = SimpleNamespace(draft_hits=0.0, draft_misses=0.0)
+    assert dl.cost() == 0.3 and dl.limit(req, dl.cost()) == 4  # before a fit: 0.8**4 = 0.41 > 0.3 * 1.3
+    for i in range(40):
+        rows = 1 + i % 4
+        dl.observe_step(rows, rows, 0.010 + 0.002 * rows)
+    rate = sum(1 + i % 4 for i in range(40)) / sum(0.010 + 0.002 * (1 + i % 4) for i in range(40))
+    assert dl.cost() == pytest.approx(0.002 * rate, rel=0.05)
+    cheap = dl.cost() * DraftLength.MARGIN  # about 0.39 tokens a row
+    for hits, misses in ((0, 0), (20, 0), (0, 20)):
+        req = SimpleNamespace(draft_hits=float(hits), draft_misses=float(misses))
+        alpha = (hits + 1) / (hits + misses + 1.25)
+        want = sum(1 for i in range(1, 5) if alpha ** i > cheap)
+        assert dl.limit(req, dl.cost()) == want
+    assert [dl.limit(SimpleNamespace(draft_hits=h, draft_misses=m), dl.cost()) for h, m in ((0., 0.), (20., 0.), (0., 20.))] == [3, 4, 0]
+    for _ in range(200):  # all steps of one row: the fit has no spread and the prior comes back
+        dl.observe_step(1, 1, 0.012)
+    assert dl.cost() == 0.3
+
+
 # -- greedy: the same tokens as transformers, every family ----------------------------------------
 def test_greedy_tokens_match_transformers_under_speculation(tiny):
     model, path = tiny
@@ -278,6 +305,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(tmp_path, tempe
     spec = (draft_of(tmp_path) if method == "draft_model" else  # the model's argmax as its drafts
             {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     llm = LLM(str(tmp_path), dtype="float32", exact_kernels=True, max_num_seqs=256, seed=11, speculative_config=spec)
+    llm.engine.draft_length.limit = lambda req, cost: 3  # drafts at every step, whatever 256 rows cost here
     params = SamplingParams(temperature=temperature, top_k=top_k, repetition_penalty=repetition_penalty,
                             max_tokens=new, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params)
@@ -360,11 +388,14 @@ def test_prefix_cache_holds_accepted_tokens_only(default_llms):
     spec.engine.check_no_leaks()
 
 
-def test_grammars_hold_under_speculation(default_llms):
+def test_grammars_hold_under_speculation(default_llms, monkeypatch):
     """Drafts a grammar rejects are cut when proposed, each draft row is masked by the grammar
     after the drafts before it, and the matcher takes only accepted tokens: valid outputs, the
     same as without speculation."""
     plain, spec = default_llms
+    # Six rows of the default model can cost more than drafts would win on a slower CPU, and the
+    # draft-length rule then proposes none (it times the steps): here every found draft is proposed.
+    monkeypatch.setattr(spec.engine.draft_length, "limit", lambda req, cost: 4)
     tok = plain.get_tokenizer()
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                "people": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9999999},
