@@ -203,12 +203,30 @@ def _q45_k(b, h, xw, xd, xs, mask, xm, HIGH: tl.constexpr, EMU: tl.constexpr):
     lo = tl.sum(_dp4a(vlo, _x(x4, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
     hi = tl.sum(_dp4a(vhi, _x(x4 + 8, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
     h4 = h[:, :, None, None]
-    sc_lo, mn_lo = _scale_min_k4(h4 + 4, 2 * p, m4)
-    sc_hi, mn_hi = _scale_min_k4(h4 + 4, 2 * p + 1, m4)
+    dd, a, c, e = _u32(h4, m4), _u32(h4 + 4, m4), _u32(h4 + 8, m4), _u32(h4 + 12, m4)
+    sc_lo, mn_lo = _scale_min_k4_words(a, c, e, 2 * p)
+    sc_hi, mn_hi = _scale_min_k4_words(a, c, e, 2 * p + 1)
     xd4, xs4 = xd[:, :, None, None] + 2 * p, xs[:, :, None, None] + 2 * p
-    r = (_f16(h4, m4) * (_u2f(sc_lo) * _x(xd4, xm4) * lo + _u2f(sc_hi) * _x(xd4 + 1, xm4) * hi)
-         - _f16(h4 + 2, m4) * (_u2f(mn_lo) * _x(xs4, xm4) + _u2f(mn_hi) * _x(xs4 + 1, xm4)))
+    r = (_lo_f16(dd) * (_u2f(sc_lo) * _x(xd4, xm4) * lo + _u2f(sc_hi) * _x(xd4 + 1, xm4) * hi)
+         - _lo_f16(dd >> 16) * (_u2f(mn_lo) * _x(xs4, xm4) + _u2f(mn_hi) * _x(xs4 + 1, xm4)))
     return tl.sum(tl.sum(r, axis=3), axis=2)
+
+
+@triton.jit
+def _lo_f16(w):
+    """The fp16 in the low half of int32 ``w``, as float32."""
+    return (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale_min_k4_words(a, c, e, j):
+    """Q4_K / Q5_K: the 6-bit scale and min of sub-block ``j`` from the header's scale words (bytes
+    0-3, 4-7, 8-11), as ``gguf._scale_min_k4`` reads them byte by byte."""
+    sh = 8 * (j % 4)
+    aj, cj, ej = (a >> sh) & 0xFF, (c >> sh) & 0xFF, (e >> sh) & 0xFF
+    first = j < 4
+    return (tl.where(first, aj & 63, (ej & 0xF) | ((aj >> 2) & 0x30)),
+            tl.where(first, cj & 63, (ej >> 4) | ((cj >> 2) & 0x30)))
 
 
 @triton.jit
@@ -362,6 +380,27 @@ def _byte_masks(bits):
 
 
 @triton.jit
+def _ksigns(s7, EMU: tl.constexpr):
+    """llama.cpp's ``ksigns[s7]`` without the table: the 7 sign bits and their parity as bit 7 (a
+    group has an even count of negatives).  A gather from the table cost as much as the grid's."""
+    if EMU:
+        p = s7 ^ (s7 >> 4)
+        p ^= p >> 2
+        p ^= p >> 1
+    else:
+        p = tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [s7], dtype=tl.int32, is_pure=True, pack=1)
+    return s7 | ((p & 1) << 7)
+
+
+@triton.jit
+def _grid_words(lut_ptr, e):
+    """The two grid words of 8-wide entries ``e``, gathered as one 64-bit load (the lattice kernels are
+    bound by their gathers, not by the bytes)."""
+    g = tl.load(lut_ptr.to(tl.pointer_type(tl.int64)) + (_KS // 2) + e)
+    return g.to(tl.int32), (g >> 32).to(tl.int32)
+
+
+@triton.jit
 def _entry_axes(xw, mask, xm):
     """The lattice kernels' tile [R, B, 8, 4] of a step: (group of 32 ``sg``, entry of 8 weights
     ``g8`` in it, the weight and activation masks broadcast to it, each entry's activation words)."""
@@ -387,14 +426,13 @@ def _signed_dot(grid0, grid1, sgn, x4, xm4, EMU: tl.constexpr):
 @triton.jit
 def _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     # per group of 32: a word of 4 grid indices (8 weights each), a word of 4 sign indices and the
-    # scale.  One gather per 8 weights for the signs (ksigns, expanded to byte masks in registers)
-    # and two for the grid bytes.
+    # scale.  One gather per 8 weights (the grid entry); the signs are computed in registers.
     sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
     b4 = b[:, :, None, None] + 8 * sg
     e = (_u32(b4, m4) >> (8 * g8)) & 0xFF
     aux = _u32(b4 + 4, m4)
-    sgn = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
-    s = _signed_dot(tl.load(lut_ptr + _KS + 2 * e), tl.load(lut_ptr + _KS + 2 * e + 1), sgn, x4, xm4, EMU)
+    grid0, grid1 = _grid_words(lut_ptr, e)
+    s = _signed_dot(grid0, grid1, _ksigns((aux >> (7 * g8)) & 127, EMU), x4, xm4, EMU)
     s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
     db = _f16(h[:, :, None, None], m4) * (0.5 + _u2f((aux >> 28) & 15)) * 0.25
     return tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
@@ -408,7 +446,7 @@ def _iq3_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     b4 = b[:, :, None, None]
     e = _u16(b4 + 8 * sg + 2 * g8, m4)  # the 8 weights' two grid entries of 4
     aux = _u32(b4 + 64 + 4 * sg, m4)
-    sgn = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
+    sgn = _ksigns((aux >> (7 * g8)) & 127, EMU)
     s = _signed_dot(tl.load(lut_ptr + _KS + (e & 0xFF)), tl.load(lut_ptr + _KS + (e >> 8)), sgn, x4, xm4, EMU)
     s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
     db = (0.5 + _u2f((aux >> 28) & 15)) * 0.5
@@ -449,9 +487,10 @@ def _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, S: tl.constexpr, EMU: tl.cons
     else:
         q = _u16(b4 + 2 * entry, m4)
         idx = q & 511
-        sgn = tl.load(lut_ptr + (q >> 9))
+        sgn = _ksigns(q >> 9, EMU)
         sc = _u8(h4 + 2 + sg, m4)
-    s = _signed_dot(tl.load(lut_ptr + _KS + 2 * idx), tl.load(lut_ptr + _KS + 2 * idx + 1), sgn, x4, xm4, EMU)
+    grid0, grid1 = _grid_words(lut_ptr, idx)
+    s = _signed_dot(grid0, grid1, sgn, x4, xm4, EMU)
     db = 0.5 + _u2f((sc >> (4 * (g8 // 2))) & 15)  # the entry's 16 weights' scale
     r = tl.sum(db * s.to(tl.float32), axis=3, keep_dims=True) * _x(xd[:, :, None, None] + sg, xm4)
     return _f16(h, mask) * 0.25 * tl.sum(tl.sum(r, axis=3), axis=2)
@@ -479,10 +518,11 @@ def _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, M: tl.constexpr, EMU: tl.constexpr
         neg = (qh & 0x8000) != 0
         sc = (qh >> 12) & 7
         d = _f16(h, mask)
+    grid = _grid_words(lut_ptr, idx)
     sgrid, sx = tl.zeros_like(idx), tl.zeros_like(idx)
     for i in tl.static_range(2):
         xi = _x(x4 + i, xm4)
-        sgrid = _dp4a(tl.load(lut_ptr + _KS + 2 * idx + i), xi, sgrid, EMU)
+        sgrid = _dp4a(grid[i], xi, sgrid, EMU)
         sx = _dp4a(tl.zeros_like(xi) + 0x01010101, xi, sx, EMU)
     shift = tl.where(neg, -_IQ1_DELTA - 1.0, _IQ1_DELTA - 1.0)  # grid - 1 + delta
     r = _u2f(2 * sc + 1) * (sgrid.to(tl.float32) + shift * sx.to(tl.float32))
