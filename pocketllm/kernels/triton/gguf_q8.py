@@ -59,13 +59,14 @@ from .gguf import (  # the type ids as constexprs, and helpers
     _iq1_m_d,
     _plan,
     _reduce,
-    _scale_min_k4,
+    _type_args,
     _u2f,
     _u8,
     _u16,
     _u32,
     _value_table,
 )
+from ..cuda import gguf_gemv as cuda_gemv
 from .int8_act import Int8Activations, quantize_activations
 
 T = GGMLQuantizationType
@@ -623,12 +624,18 @@ def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, 
     """``x @ W.T`` through 8-bit activations for ``W`` packed by ``gguf.pack_gguf`` (a type of
     ``Q8_TYPES``); x [M, k] contiguous, the result [M, N] in x's dtype.  With ``ids`` (int64 [P]):
     ``packed`` is a stack of matrices of ``n`` rows and the result [P, n] as ``gguf_grouped_gemv``.
-    ``x8``: x already in 8 bits (``int8_act``: its producer wrote it), else x is quantized here."""
+    ``x8``: x already in 8 bits (``int8_act``: its producer wrote it), else x is quantized here.
+    On a CUDA device the types of ``cuda/gguf_gemv.py`` run its CUDA C kernel instead."""
     xq, xd, xs = quantize_activations(x) if x8 is None else x8
     if ids is None:
         m, n = x.shape[0], packed.shape[0]
     else:
         m = ids.numel()
+    if cuda_gemv.usable(qtype, x.device):  # the CUDA C kernel of the type (split_k does not apply)
+        y = cuda_gemv.gemv(xq, xd, xs, packed, qtype, k, n, m, _type_args(qtype, k)[1], x.dtype, ids=ids,
+                           x_div=x_div)
+        if y is not None:
+            return y
     plan = _plan("gemv_q8", qtype, k, x, m, n, split_k)
     block_n, out, targs = plan.cfg["BLOCK_N"], plan.out, plan.targs
     _gemv_q8_kernel[(triton.cdiv(n, block_n), m, out.shape[0])](

@@ -1,0 +1,86 @@
+"""The CUDA C GGUF GEMV (pocketllm/kernels/cuda/gguf_gemv.cu) against the Triton 8-bit GEMV
+(kernels/triton/gguf_q8.py), one activation row, on a CUDA GPU.
+
+    python benchmarks/bench_cuda_gemv.py                                   # Q4_K Q6_K Q5_K Q8_0, 8B shapes
+    python benchmarks/bench_cuda_gemv.py --types Q4_K --variants 2x128,4x128,8x256 --shapes 4096x4096
+
+Each timed call reads its weights from memory, as a decode step does: the weight is copied until the
+copies exceed 400 MB (several times the 50-60 MB L2), and one CUDA graph multiplies by each copy in
+turn; the time is the graph's replay (triton.testing.do_bench_cudagraph) over the copies.  GB/s counts
+the weight's GGUF bytes.  Every variant's output is checked against the Triton kernel's.  Variants:
+RxNT = R weight rows a block of NT threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+import triton
+from gguf import GGMLQuantizationType as T
+
+from pocketllm.kernels.cuda import gguf_gemv as cg
+from pocketllm.kernels.triton import gguf as kg
+from pocketllm.kernels.triton.int8_act import quantize_activations
+from pocketllm.loaders.dummy_gguf import _random_blocks
+from pocketllm.quant.gguf_types import row_nbytes
+
+# Llama-3.1-8B: qkv, o, gate+up, down, k or v; the output layer for Q6_K
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)]
+HEAD = (128256, 4096)
+
+
+def timed(fn, copies: int) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3 / copies
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q5_K,Q8_0")
+    ap.add_argument("--variants", default="1x64,2x64,2x128,4x64,4x128,8x128,8x256,16x256")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,... (and the output layer for Q6_K)")
+    ap.add_argument("--output-json")
+    args = ap.parse_args()
+    variants = [tuple(map(int, v.split("x"))) for v in args.variants.split(",")]
+    rows = []
+    for name in args.types.split(","):
+        qtype = T[name]
+        shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+        for n, k in shapes + ([HEAD] if qtype == T.Q6_K else []):
+            raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), qtype, (n, k), 0.02))
+            w0 = kg.pack_gguf(raw, qtype, k, "cuda")
+            nbytes = n * row_nbytes(qtype, k)
+            copies = max(1, min(64, -(-400_000_000 // nbytes)))
+            ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            x8 = quantize_activations(x)
+            hdr = kg._type_args(qtype, k)[1]
+            os.environ["POCKETLLM_DISABLE_CUDA_C"] = "1"
+            ref = kg.gguf_matmul(x, w0, qtype, k, packed=True, x8=x8).float()
+            t_triton = timed(lambda: [kg.gguf_matmul(x, w, qtype, k, packed=True, x8=x8) for w in ws], copies)
+            del os.environ["POCKETLLM_DISABLE_CUDA_C"]
+            row = dict(type=name, n=n, k=k, bytes=nbytes, copies=copies, triton_us=t_triton, cuda={})
+            for r, nt in variants:
+                y = cg.gemv(*x8, w0, qtype, k, n, 1, hdr, torch.bfloat16, r=r, nt=nt).float()
+                err = float((y - ref).abs().max() / ref.abs().max())
+                t = timed(lambda r=r, nt=nt: [cg.gemv(*x8, w, qtype, k, n, 1, hdr, torch.bfloat16, r=r, nt=nt)
+                                              for w in ws], copies)
+                row["cuda"][f"{r}x{nt}"] = dict(us=t, rel_err=err)
+            best = min(row["cuda"], key=lambda v: row["cuda"][v]["us"])
+            tb = row["cuda"][best]["us"]
+            print(f"{name:5s} {n:6d}x{k:<5d} triton {t_triton:7.1f} us {nbytes / t_triton / 1e3:5.0f} GB/s | "
+                  f"cuda best {best:6s} {tb:7.1f} us {nbytes / tb / 1e3:5.0f} GB/s ({t_triton / tb:4.2f}x) | "
+                  + " ".join(f"{v}:{d['us']:.1f}" for v, d in row["cuda"].items())
+                  + f" | max rel err {max(d['rel_err'] for d in row['cuda'].values()):.1e}", flush=True)
+            rows.append(row)
+            del ws, w0
+            torch.cuda.empty_cache()
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
