@@ -56,21 +56,15 @@ DEV W4 ld16(const void* p) {  // 16 bytes of activations (cached: every row's th
 #endif
 }
 
-DEV u32 ld_u16(const u8* p) {  // a header's 16-bit field (2-byte aligned)
+template <typename T> DEV u32 ld_field(const u8* p) {  // a header's field of type T (aligned to its size)
 #if defined(__CUDA_ARCH__)
-    return __ldg((const unsigned short*)p);
+    return __ldg((const T*)p);
 #else
-    u16 v; memcpy(&v, p, 2); return v;
+    T v; memcpy(&v, p, sizeof(T)); return v;
 #endif
 }
-
-DEV u32 ld_u32(const u8* p) {  // a header's 32-bit field (4-byte aligned)
-#if defined(__CUDA_ARCH__)
-    return __ldg((const unsigned int*)p);
-#else
-    u32 v; memcpy(&v, p, 4); return v;
-#endif
-}
+#define ld_u16 ld_field<unsigned short>
+#define ld_u32 ld_field<unsigned int>
 
 DEV float ldf(const float* p) {
 #if defined(__CUDA_ARCH__)
@@ -443,11 +437,7 @@ typedef ActQ32 ActMXFP4;
 typedef RawQ4_0 RawMXFP4;
 DEV void mxfp4_load(RawMXFP4& w, const u8* body, const u8* hdr, int sub) {
     w.q = ld_stream(body);
-#if defined(__CUDA_ARCH__)
-    w.h = __ldg(hdr);
-#else
-    w.h = *hdr;
-#endif
+    w.h = ld_field<unsigned char>(hdr);
 }
 DEV float mxfp4_dot(const RawMXFP4& w, const ActQ32& a, int sub, const u32* tab) {
     float d = bits_float(w.h < 2 ? 0x00200000u << w.h : (w.h - 1) << 23);  // 2^(e - 128)
