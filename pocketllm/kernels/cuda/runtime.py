@@ -117,7 +117,7 @@ def _make_current(device: torch.device) -> None:
     _check_cu(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
     if not ctx.value:
         torch.cuda.init()
-        _check_cu(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device.index or 0), "cuDevicePrimaryCtxRetain")
+        _check_cu(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device.index), "cuDevicePrimaryCtxRetain")
         _check_cu(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
@@ -150,6 +150,8 @@ _kernels: dict[tuple, Kernel] = {}
 
 def kernel(source: str, name: str, defines: dict[str, object], device: torch.device) -> Kernel:
     """``name`` of ``source`` compiled with ``defines`` for ``device`` (cached per process)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (name, tuple(sorted(defines.items())), device, hash(source))
     k = _kernels.get(key)
     if k is None:
