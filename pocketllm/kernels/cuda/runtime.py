@@ -65,17 +65,22 @@ def _libs() -> _Libs:
     return _Libs()
 
 
-def available() -> bool:
-    """Whether CUDA C kernels can be compiled and launched here (a CUDA device, NVRTC, the driver);
-    ``POCKETLLM_DISABLE_CUDA_C=1`` turns them off (the Triton kernels run instead)."""
-    if os.environ.get("POCKETLLM_DISABLE_CUDA_C") == "1" or not torch.cuda.is_available():
-        return False
+@cache
+def _loadable() -> bool:
     try:
         _libs()
     except OSError as e:
         log.warning("CUDA C kernels unavailable (%s): using the Triton kernels", e)
         return False
     return True
+
+
+def available() -> bool:
+    """Whether CUDA C kernels can be compiled and launched here (a CUDA device, NVRTC, the driver);
+    ``POCKETLLM_DISABLE_CUDA_C=1`` turns them off (the Triton kernels run instead)."""
+    if os.environ.get("POCKETLLM_DISABLE_CUDA_C") == "1" or not torch.cuda.is_available():
+        return False
+    return _loadable()
 
 
 def _check_cu(res: int, what: str) -> None:
