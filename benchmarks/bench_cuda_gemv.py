@@ -40,7 +40,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K,Q6_K,Q5_K,Q8_0")
     ap.add_argument("--variants", default="1x64,2x64,2x128,4x64,4x128,8x128,8x256,16x256")
-    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,... (and the output layer for Q6_K)")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="NxK,... (and the output layer for Q6_K)")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     variants = [tuple(map(int, v.split("x"))) for v in args.variants.split(",")]
@@ -56,16 +57,15 @@ def main():
             ws = [w0] + [w0.clone() for _ in range(copies - 1)]
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             x8 = quantize_activations(x)
-            hdr = kg._type_args(qtype, k)[1]
             os.environ["POCKETLLM_DISABLE_CUDA_C"] = "1"
             ref = kg.gguf_matmul(x, w0, qtype, k, packed=True, x8=x8).float()
             t_triton = timed(lambda: [kg.gguf_matmul(x, w, qtype, k, packed=True, x8=x8) for w in ws], copies)
             del os.environ["POCKETLLM_DISABLE_CUDA_C"]
             row = dict(type=name, n=n, k=k, bytes=nbytes, copies=copies, triton_us=t_triton, cuda={})
             for r, nt in variants:
-                y = cg.gemv(*x8, w0, qtype, k, n, 1, hdr, torch.bfloat16, r=r, nt=nt).float()
+                y = cg.gemv(*x8, w0, qtype, k, n, 1, torch.bfloat16, r=r, nt=nt).float()
                 err = float((y - ref).abs().max() / ref.abs().max())
-                t = timed(lambda r=r, nt=nt: [cg.gemv(*x8, w, qtype, k, n, 1, hdr, torch.bfloat16, r=r, nt=nt)
+                t = timed(lambda r=r, nt=nt: [cg.gemv(*x8, w, qtype, k, n, 1, torch.bfloat16, r=r, nt=nt)
                                               for w in ws], copies)
                 row["cuda"][f"{r}x{nt}"] = dict(us=t, rel_err=err)
             best = min(row["cuda"], key=lambda v: row["cuda"][v]["us"])

@@ -11,8 +11,8 @@
 //     (16-byte loads, plus their scales and sums) and reuses them from registers for the R rows;
 //   - weights are loaded with an L1 no-allocate hint (read once), so the activations stay in L1;
 //   - per thread one float accumulator a row, reduced by warp shuffles and shared memory at the end.
-// Measured on the H200 at Llama-3.1-8B's shapes, weights read from memory: 1.2-2.7x the Triton kernel,
-// 2.2-3.8 TB/s for the 4- to 6-bit types (benchmarks/results/h200-cuda-gemv-*.txt).
+// Measured on the H200 at Llama-3.1-8B's shapes, weights read from memory: 1.1-2.7x the Triton kernel,
+// up to 3.25 TB/s for Q4_K (28672x4096) and 3.7 for Q6_K's output layer (results/h200-cuda-gemv-*.txt).
 // The packed row layout is ``triton/gguf.py``'s pack_gguf: every block's body (codes), then every
 // block's header (scales), 16-byte aligned.
 //

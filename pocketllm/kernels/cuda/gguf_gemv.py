@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..triton.gguf import _value_table
+from ..triton.gguf import _type_args, _value_table
 from . import runtime
 
 log = logging.getLogger("pocketllm")
@@ -67,7 +67,7 @@ def _kernel(qtype: GGMLQuantizationType, dtype: torch.dtype, grouped: bool, devi
 
 
 def gemv(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType,
-         k: int, n: int, rows: int, hdr_start: int, dtype: torch.dtype, *, ids: torch.Tensor | None = None,
+         k: int, n: int, rows: int, dtype: torch.dtype, *, ids: torch.Tensor | None = None,
          x_div: int = 1, r: int | None = None, nt: int | None = None) -> torch.Tensor | None:
     """y [rows, n] of ``dtype``: row m is x[m] . W[j] (x in 8 bits: ``xq``, ``xd``, ``xs`` as
     ``int8_act``); with ``ids``, x[m // x_div] . W_ids[m][j] for a stack of matrices of n rows.
@@ -84,6 +84,6 @@ def gemv(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Ten
         return None
     y = torch.empty((rows, n), dtype=dtype, device=packed.device)
     kern.launch(((n + r - 1) // r, rows, 1), nt, packed, xq, xd, xs, y, y if ids is None else ids,
-                _value_table(packed.device, qtype), n, packed.shape[1], hdr_start, k // g["BLOCK"], x_div,
+                _value_table(packed.device, qtype), n, packed.shape[1], _type_args(qtype, k)[1], k // g["BLOCK"], x_div,
                 xq.stride(0), xd.stride(0), y.stride(0))
     return y

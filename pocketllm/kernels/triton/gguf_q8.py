@@ -59,7 +59,6 @@ from .gguf import (  # the type ids as constexprs, and helpers
     _iq1_m_d,
     _plan,
     _reduce,
-    _type_args,
     _u2f,
     _u8,
     _u16,
@@ -632,8 +631,7 @@ def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, 
     else:
         m = ids.numel()
     if cuda_gemv.usable(qtype, x.device):  # the CUDA C kernel of the type (split_k does not apply)
-        y = cuda_gemv.gemv(xq, xd, xs, packed, qtype, k, n, m, _type_args(qtype, k)[1], x.dtype, ids=ids,
-                           x_div=x_div)
+        y = cuda_gemv.gemv(xq, xd, xs, packed, qtype, k, n, m, x.dtype, ids=ids, x_div=x_div)
         if y is not None:
             return y
     plan = _plan("gemv_q8", qtype, k, x, m, n, split_k)
