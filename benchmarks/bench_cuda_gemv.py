@@ -8,7 +8,8 @@ Each timed call reads its weights from memory, as a decode step does: the weight
 copies exceed 400 MB (several times the 50-60 MB L2), and one CUDA graph multiplies by each copy in
 turn; the time is the graph's replay (triton.testing.do_bench_cudagraph) over the copies.  GB/s counts
 the weight's GGUF bytes.  Every variant's output is checked against the Triton kernel's.  Variants:
-RxNT = R weight rows a block of NT threads.
+RxNT = R weight rows a block of NT threads, a block a tile of R rows; RxNTxW: W blocks an SM, each taking
+tiles in turn.  --float: Triton's GEMV on float activations (the exact kernel) timed too.
 """
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ def main():
     ap.add_argument("--variants", default="1x64,2x64,2x128,4x64,4x128,8x128,8x256,16x256")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
                     help="NxK,... (and the output layer for Q6_K)")
+    ap.add_argument("--float", action="store_true", help="time the Triton GEMV on float activations too")
     ap.add_argument("--output-json")
     args = ap.parse_args()
-    variants = [tuple(map(int, v.split("x"))) for v in args.variants.split(",")]
+    variants = [(tuple(map(int, v.split("x"))) + (0,))[:3] for v in args.variants.split(",")]
     rows = []
     for name in args.types.split(","):
         qtype = T[name]
@@ -58,19 +60,24 @@ def main():
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             x8 = quantize_activations(x)
             os.environ["POCKETLLM_DISABLE_CUDA_C"] = "1"
-            ref = kg.gguf_matmul(x, w0, qtype, k, packed=True, x8=x8).float()
-            t_triton = timed(lambda: [kg.gguf_matmul(x, w, qtype, k, packed=True, x8=x8) for w in ws], copies)
-            del os.environ["POCKETLLM_DISABLE_CUDA_C"]
+            q8 = dict(packed=True, x8=x8, regime="gemv_q8")
+            ref = kg.gguf_matmul(x, w0, qtype, k, **q8).float()
+            t_triton = timed(lambda: [kg.gguf_matmul(x, w, qtype, k, **q8) for w in ws], copies)
             row = dict(type=name, n=n, k=k, bytes=nbytes, copies=copies, triton_us=t_triton, cuda={})
-            for r, nt in variants:
-                y = cg.gemv(*x8, w0, qtype, k, n, 1, torch.bfloat16, r=r, nt=nt).float()
+            if args.float:
+                row["triton_float_us"] = timed(lambda: [kg.gguf_matmul(x, w, qtype, k, packed=True, regime="gemv")
+                                                   for w in ws], copies)
+            del os.environ["POCKETLLM_DISABLE_CUDA_C"]
+            for r, nt, wv in variants:
+                y = cg.gemv(*x8, w0, qtype, k, n, 1, torch.bfloat16, r=r, nt=nt, w=wv).float()
                 err = float((y - ref).abs().max() / ref.abs().max())
-                t = timed(lambda r=r, nt=nt: [cg.gemv(*x8, w, qtype, k, n, 1, torch.bfloat16, r=r, nt=nt)
-                                              for w in ws], copies)
-                row["cuda"][f"{r}x{nt}"] = dict(us=t, rel_err=err)
+                t = timed(lambda r=r, nt=nt, wv=wv: [cg.gemv(*x8, w, qtype, k, n, 1, torch.bfloat16, r=r, nt=nt, w=wv)
+                                                     for w in ws], copies)
+                row["cuda"][f"{r}x{nt}" + (f"x{wv}" if wv else "")] = dict(us=t, rel_err=err)
             best = min(row["cuda"], key=lambda v: row["cuda"][v]["us"])
             tb = row["cuda"][best]["us"]
-            print(f"{name:5s} {n:6d}x{k:<5d} triton {t_triton:7.1f} us {nbytes / t_triton / 1e3:5.0f} GB/s | "
+            fl = f"(float {row['triton_float_us']:.1f}) " if "triton_float_us" in row else ""
+            print(f"{name:5s} {n:6d}x{k:<5d} triton {t_triton:7.1f} us {fl}{nbytes / t_triton / 1e3:5.0f} GB/s | "
                   f"cuda best {best:6s} {tb:7.1f} us {nbytes / tb / 1e3:5.0f} GB/s ({t_triton / tb:4.2f}x) | "
                   + " ".join(f"{v}:{d['us']:.1f}" for v, d in row["cuda"].items())
                   + f" | max rel err {max(d['rel_err'] for d in row['cuda'].values()):.1e}", flush=True)

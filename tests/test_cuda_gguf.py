@@ -77,7 +77,8 @@ def test_decoders_equal_the_dequantized_product(qtype, host_decoders):
     w = dequantize(raw, qtype, (n, k)).double().numpy()
     packed = np.ascontiguousarray(kg.pack_gguf(raw, qtype, k).numpy())
     _, hdr_start, _ = kg._type_args(qtype, k)
-    xq, xd, xs = (t.numpy() for t in quantize_activations(torch.from_numpy(rng.standard_normal((1, k), np.float32))))
+    x = torch.from_numpy(rng.standard_normal((1, k), np.float32))  # quantized by the Triton kernel (interpreted on a CPU)
+    xq, xd, xs = (t.cpu().numpy() for t in quantize_activations(x.cuda() if torch.cuda.is_available() else x))
     xdeq = (xq.astype(np.float64).reshape(-1, 32) * xd.astype(np.float64).reshape(-1, 1)).reshape(k)
     tab = np.ascontiguousarray(kg._value_table(torch.device("cpu"), qtype).numpy()[128:].view(np.uint32))
     fn = getattr(host_decoders, f"host_{cg.DECODERS[qtype]}")
@@ -105,13 +106,15 @@ def test_kernel_equals_the_dequantized_product(qtype):
     xq, xd, xs = quantize_activations(x)
     xdeq = (xq.double().view(2, -1, 32) * xd.double()[..., None]).view(2, k)
     ref, mag = xdeq @ w.T, xdeq.abs() @ w.abs().T
-    tiles = {torch.float32: [(2, 64)], torch.bfloat16: [(1, 64), (2, 64), (4, 128), (8, 256)], torch.float16: [(2, 64)]}
+    # (R, NT, W): W = 1 strides tiles over one block an SM (a few tiles each), 0 a block a tile
+    tiles = {torch.float32: [(2, 64, 0)], torch.float16: [(2, 64, 1)],
+             torch.bfloat16: [(1, 64, 0), (2, 64, 0), (4, 128, 0), (8, 256, 0), (4, 128, 1)]}
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -10)):
-        for r, nt in tiles[dtype]:
-            y = cg.gemv(xq, xd, xs, packed, qtype, k, n, 2, dtype, r=r, nt=nt)
+        for r, nt, w in tiles[dtype]:
+            y = cg.gemv(xq, xd, xs, packed, qtype, k, n, 2, dtype, r=r, nt=nt, w=w)
             assert y.dtype == dtype and y.shape == (2, n)
             err = (y.double() - ref).abs()
-            assert bool((err <= tol * mag + 1e-30).all()), (dtype, r, nt, float((err / mag).max()))
+            assert bool((err <= tol * mag + 1e-30).all()), (dtype, r, nt, w, float((err / mag).max()))
     # the weight as a stack of 5 matrices of 200 rows (experts): pairs (x row p // 2, matrix ids[p])
     e_rows = 200
     ids = torch.tensor([4, 0, 2, 4], device="cuda")

@@ -63,9 +63,9 @@ class ExpertStack:
     def int8(self) -> bool:
         """Whether a part's grouped GEMV runs on 8-bit activations (16-bit ones, which ``int8_act``
         checks)."""
-        from pocketllm.kernels.triton.gguf_q8 import Q8_AUTO_TYPES
+        from pocketllm.kernels.triton.gguf_q8 import Q8_TYPES
 
-        return any(p.qtype in Q8_AUTO_TYPES for p in self.parts)
+        return any(p.qtype in Q8_TYPES for p in self.parts)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None,
                  add_bias: bool = True) -> torch.Tensor:

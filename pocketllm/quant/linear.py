@@ -384,9 +384,9 @@ class GGUFLinear(torch.nn.Module):
         if self.path != "triton":
             return 0
         from pocketllm.kernels.triton.gguf import GEMV_MAX_M
-        from pocketllm.kernels.triton.gguf_q8 import Q8_AUTO_TYPES
+        from pocketllm.kernels.triton.gguf_q8 import Q8_TYPES
 
-        return GEMV_MAX_M if self.qtype in Q8_AUTO_TYPES else 0
+        return GEMV_MAX_M if self.qtype in Q8_TYPES else 0
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

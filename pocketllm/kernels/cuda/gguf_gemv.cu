@@ -46,6 +46,18 @@ DEV W4 ld_stream(const u8* p) {  // 16 bytes of weights, read once: no L1 alloca
 #endif
 }
 
+struct W2 { u32 x, y; };
+
+DEV W2 ld_stream8(const u8* p) {  // 8 bytes of weights, read once (the types whose pieces are 8 bytes)
+#if defined(__CUDA_ARCH__)
+    W2 r;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+#else
+    W2 r; memcpy(&r, p, 8); return r;
+#endif
+}
+
 DEV W4 ld16(const void* p) {  // 16 bytes of activations (cached: every row's thread reads them)
 #if defined(__CUDA_ARCH__)
     uint4 v = __ldg((const uint4*)p);
@@ -498,6 +510,40 @@ DEV float q2_k_dot(const RawQ2_K& w, const ActQ2_K& a, int sub, const u32* tab) 
     return half_to_float(w.dd) * sc_sum - half_to_float(w.dd >> 16) * mn_sum;
 }
 
+// Q3_K: Q2_K's 2-bit codes (same halves and pieces) after 32 bytes of high bits (bit 4n + j of byte l
+// for weight 32j + l of half n; the code is 4 lower where it is clear); header 12 bytes of 6-bit
+// scales (low nibbles in bytes 0-7, high 2 bits in bytes 8-11), fp16 d; w = d * (sc - 32) * q.
+// Scale s = 8n + 2j + i of piece (n, i): low nibble 4n of byte 2j + i, high bits 2(2n + j / 2) of
+// byte 8 + (2j + i) % 4.  The header is 14 bytes: 16-bit loads only.
+#define Q3_K_BLOCK 256
+#define Q3_K_BODY 96
+#define Q3_K_HDR 14
+#define Q3_K_PIECES 4
+typedef struct ActG16 ActQ3_K;
+struct RawQ3_K { W4 q, hm; u32 lo[4], hi[2], d; };
+#define q3_k_act g16_act
+DEV void q3_k_load(RawQ3_K& w, const u8* body, const u8* hdr, int sub) {
+    w.q = ld_stream(body + 32 + 16 * sub);
+    w.hm = ld_stream(body + 16 * (sub & 1));
+    for (int j = 0; j < 4; j++) w.lo[j] = ld_u16(hdr + 2 * j);
+    w.hi[0] = ld_u16(hdr + 8);
+    w.hi[1] = ld_u16(hdr + 10);
+    w.d = ld_u16(hdr + 12);
+}
+DEV float q3_k_dot(const RawQ3_K& w, const ActQ3_K& a, int sub, const u32* tab) {
+    const u32 m = 0x03030303, one = 0x01010101;
+    int n = sub >> 1, i = sub & 1;
+    float r = 0.0f;
+    for (int j = 0; j < 4; j++) {
+        int b = 4 * n + j;
+        W4 v = {((w.q.x >> (2 * j)) & m) | (((w.hm.x >> b) & one) << 2), ((w.q.y >> (2 * j)) & m) | (((w.hm.y >> b) & one) << 2),
+                ((w.q.z >> (2 * j)) & m) | (((w.hm.z >> b) & one) << 2), ((w.q.w >> (2 * j)) & m) | (((w.hm.w >> b) & one) << 2)};
+        int sc = (int)(((w.lo[j] >> (8 * i + 4 * n)) & 15) | (((w.hi[j & 1] >> (8 * i + 2 * (2 * n + (j >> 1)))) & 3) << 4)) - 32;
+        r += a.d[j] * (float)sc * (float)(dot4(v, a.x[j], 0) - 4 * a.sum[j]);
+    }
+    return half_to_float(w.d) * r;
+}
+
 // IQ2_XXS: blocks of 256 in 8 groups of 32; body 8 bytes a group: 4 grid indices (a byte each, 8
 // weights of the 256-entry grid each), then a word of 4 x 7 sign bits (llama.cpp's ksigns index:
 // the eighth sign is the parity) and a 4-bit scale; header fp16 d.  w = d * (0.5 + s) / 4 *
@@ -519,22 +565,25 @@ DEV void iq2_xxs_load(RawIQ2_XXS& w, const u8* body, const u8* hdr, int sub) {
     w.q = ld_stream(body + 16 * sub);
     w.h = ld_u16(hdr);
 }
-DEV u32 sign_masks(u32 bits) {  // bits 0-3 as byte masks (0xFF where set)
-    return (((bits & 15) * 0x00204081) & 0x01010101) * 0xFF;
-}
-DEV u32 ksigns(u32 s7) {  // the 7 sign bits and their parity as bit 7
+// An entry's 8 signs as two values whose bits 0-3 are the signs of its first and last four weights
+// (lo < 128, hi < 64: spread() moves bits 0-3 to the bytes without carries from the bits above).
+struct Signs { u32 lo, hi; };
+DEV Signs sign_byte(u32 b) { return {b & 127, b >> 4}; }  // bit j: weight j's sign (IQ2_S, IQ3_S)
+DEV Signs ksigns(u32 s7) {  // 7 sign bits, the eighth their parity (llama.cpp's ksigns): popc's bit 0 as hi's bit 3
 #if defined(__CUDA_ARCH__)
-    return s7 | ((__popc(s7) & 1) << 7);
+    u32 n = __popc(s7);
 #else
-    return s7 | ((__builtin_popcount(s7) & 1) << 7);
+    u32 n = __builtin_popcount(s7);
 #endif
+    return {s7, (s7 >> 4) + (n << 3)};
 }
-DEV int signed_entry(u32 g0, u32 g1, u32 signs, W4 x, int half, int acc) {
-    // an entry's 8 grid bytes (g0, g1), negated where ``signs`` is set, against its 8 activations
-    // (words 2 * half, 2 * half + 1 of x): (g ^ m) + (m & 1) is -g under the mask m (grid bytes > 0)
-    u32 m0 = sign_masks(signs), m1 = sign_masks(signs >> 4);
+DEV u32 spread(u32 v) { return (v * 0x00204081u) & 0x01010101u; }  // bits 0-3 of v as bit 0 of bytes 0-3
+DEV int signed_entry(u32 g0, u32 g1, Signs sg, W4 x, int half, int acc) {
+    // an entry's 8 grid bytes (g0, g1), negated where their sign is set, against its 8 activations
+    // (words 2 * half, 2 * half + 1 of x): (g ^ 0xFF) + 1 is -g (grid bytes > 0)
+    u32 s0 = spread(sg.lo), s1 = spread(sg.hi);
     u32 x0 = half ? x.z : x.x, x1 = half ? x.w : x.y;
-    return dp4a((g1 ^ m1) + (m1 & 0x01010101), x1, dp4a((g0 ^ m0) + (m0 & 0x01010101), x0, acc));
+    return dp4a((g1 ^ (s1 * 0xFF)) + s1, x1, dp4a((g0 ^ (s0 * 0xFF)) + s0, x0, acc));
 }
 DEV float iq2_xxs_dot(const RawIQ2_XXS& w, const ActIQ2_XXS& a, int sub, const u32* grid) {
     float r = 0.0f;
@@ -550,10 +599,243 @@ DEV float iq2_xxs_dot(const RawIQ2_XXS& w, const ActIQ2_XXS& a, int sub, const u
     return 0.25f * half_to_float(w.h) * r;
 }
 
+// The other lattice types.  A piece is two groups of 32 (64 weights, IQ2_XXS's activations); grid
+// entries of 8 bytes (IQ2_XS, IQ2_S, IQ1_S, IQ1_M: two table words) or 4 (IQ3_XXS, IQ3_S: one word,
+// two entries per 8 weights).  Sub-scales of 16 weights (IQ2_XS, IQ2_S, IQ1_M) are summed in integers
+// as odd multiples: (0.5 + s) / 4 = (2s + 1) / 8.
+typedef ActIQ2_XXS ActL64;
+#define lattice64_act iq2_xxs_act
+DEV u32 byte_of(u32 v, int i) { return (v >> (8 * i)) & 0xFF; }
+
+// IQ2_XS: body 16 bits an entry (9-bit index into 512 entries, 7 sign bits as IQ2_XXS's); header fp16
+// d, 8 bytes of two 4-bit scales a group.  w = d * (0.5 + s) / 4 * grid * sign.
+#define IQ2_XS_BLOCK 256
+#define IQ2_XS_BODY 64
+#define IQ2_XS_HDR 10
+#define IQ2_XS_PIECES 4
+#define IQ2_XS_LUT 1024
+typedef ActL64 ActIQ2_XS;
+#define iq2_xs_act lattice64_act
+struct RawIQ2_XS { W4 q; u32 d, sc; };
+DEV void iq2_xs_load(RawIQ2_XS& w, const u8* body, const u8* hdr, int sub) {
+    w.q = ld_stream(body + 16 * sub);
+    w.d = ld_u16(hdr);
+    w.sc = ld_u16(hdr + 2 + 2 * sub);
+}
+DEV float iq2_xs_dot(const RawIQ2_XS& w, const ActL64& a, int sub, const u32* grid) {
+    const u32 words[4] = {w.q.x, w.q.y, w.q.z, w.q.w};
+    float r = 0.0f;
+    for (int g = 0; g < 2; g++) {
+        int t = 0;
+        for (int h = 0; h < 2; h++) {  // entries 2h, 2h + 1 of the group: one word, one sub-scale
+            u32 v = words[2 * g + h];
+            int s = 0;
+            for (int e = 0; e < 2; e++) {
+                u32 c = (v >> (16 * e)) & 0xFFFF, k = c & 511;
+                s = signed_entry(grid[2 * k], grid[2 * k + 1], ksigns(c >> 9), a.x[2 * g + h], e, s);
+            }
+            t += (2 * (int)((w.sc >> (8 * g + 4 * h)) & 15) + 1) * s;
+        }
+        r += a.d[g] * (float)t;
+    }
+    return 0.125f * half_to_float(w.d) * r;
+}
+
+// IQ2_S: body 32 bytes of index low bytes, then 32 sign bytes (an entry's 8 signs); header fp16 d,
+// 8 bytes of index high bits (2 an entry), 8 bytes of scales as IQ2_XS's.  1024 entries.  A piece
+// reads 8 bytes of each.
+#define IQ2_S_BLOCK 256
+#define IQ2_S_BODY 64
+#define IQ2_S_HDR 18
+#define IQ2_S_PIECES 4
+#define IQ2_S_LUT 2048
+typedef ActL64 ActIQ2_S;
+#define iq2_s_act lattice64_act
+struct RawIQ2_S { W2 q, s; u32 d, qh, sc; };
+DEV void iq2_s_load(RawIQ2_S& w, const u8* body, const u8* hdr, int sub) {
+    w.q = ld_stream8(body + 8 * sub);
+    w.s = ld_stream8(body + 32 + 8 * sub);
+    w.d = ld_u16(hdr);
+    w.qh = ld_u16(hdr + 2 + 2 * sub);
+    w.sc = ld_u16(hdr + 10 + 2 * sub);
+}
+DEV float iq2_s_dot(const RawIQ2_S& w, const ActL64& a, int sub, const u32* grid) {
+    float r = 0.0f;
+    for (int g = 0; g < 2; g++) {
+        u32 idx = g ? w.q.y : w.q.x, signs = g ? w.s.y : w.s.x, qh = byte_of(w.qh, g);
+        int t = 0;
+        for (int h = 0; h < 2; h++) {
+            int s = 0;
+            for (int e = 0; e < 2; e++) {
+                int l = 2 * h + e;
+                u32 k = byte_of(idx, l) | (((qh >> (2 * l)) & 3) << 8);
+                s = signed_entry(grid[2 * k], grid[2 * k + 1], sign_byte(byte_of(signs, l)), a.x[2 * g + h], e, s);
+            }
+            t += (2 * (int)((w.sc >> (8 * g + 4 * h)) & 15) + 1) * s;
+        }
+        r += a.d[g] * (float)t;
+    }
+    return 0.125f * half_to_float(w.d) * r;
+}
+
+// IQ3_XXS: body 64 index bytes (256 entries of 4 weights), then a word a group of 4 x 7 sign bits
+// (ksigns, per 8 weights) and a 4-bit scale; header fp16 d.  w = d * (0.5 + s) / 2 * grid * sign.
+#define IQ3_XXS_BLOCK 256
+#define IQ3_XXS_BODY 96
+#define IQ3_XXS_HDR 2
+#define IQ3_XXS_PIECES 4
+#define IQ3_XXS_LUT 256
+typedef ActL64 ActIQ3_XXS;
+#define iq3_xxs_act lattice64_act
+struct RawIQ3_XXS { W4 q; W2 s; u32 d; };
+DEV void iq3_xxs_load(RawIQ3_XXS& w, const u8* body, const u8* hdr, int sub) {
+    w.q = ld_stream(body + 16 * sub);
+    w.s = ld_stream8(body + 64 + 8 * sub);
+    w.d = ld_u16(hdr);
+}
+DEV float iq3_xxs_dot(const RawIQ3_XXS& w, const ActL64& a, int sub, const u32* grid) {
+    const u32 words[4] = {w.q.x, w.q.y, w.q.z, w.q.w};
+    float r = 0.0f;
+    for (int g = 0; g < 2; g++) {
+        u32 aux = g ? w.s.y : w.s.x;
+        int t = 0;
+        for (int l = 0; l < 4; l++) {  // 8 weights: index bytes 2l, 2l + 1 of the group's 8
+            u32 v = words[2 * g + (l >> 1)] >> (16 * (l & 1));
+            t = signed_entry(grid[v & 0xFF], grid[(v >> 8) & 0xFF], ksigns((aux >> (7 * l)) & 127),
+                             a.x[2 * g + (l >> 1)], l & 1, t);
+        }
+        r += a.d[g] * (float)((2 * (int)(aux >> 28) + 1) * t);
+    }
+    return 0.25f * half_to_float(w.d) * r;
+}
+
+// IQ3_S: body 64 index low bytes (512 entries of 4 weights); header fp16 d, 8 bytes of index high bits
+// (bit i of byte g for entry i of group g), 32 sign bytes (per 8 weights), 4 bytes of two 4-bit scales;
+// w = d * (1 + 2s) * grid * sign.  The header is 46 bytes: 16-bit loads.
+#define IQ3_S_BLOCK 256
+#define IQ3_S_BODY 64
+#define IQ3_S_HDR 46
+#define IQ3_S_PIECES 4
+#define IQ3_S_LUT 512
+typedef ActL64 ActIQ3_S;
+#define iq3_s_act lattice64_act
+struct RawIQ3_S { W4 q; u32 d, qh, s0, s1, sc; };
+DEV void iq3_s_load(RawIQ3_S& w, const u8* body, const u8* hdr, int sub) {
+    const u8* s = hdr + 10 + 8 * sub;
+    w.q = ld_stream(body + 16 * sub);
+    w.d = ld_u16(hdr);
+    w.qh = ld_u16(hdr + 2 + 2 * sub);
+    w.s0 = ld_u16(s) | (ld_u16(s + 2) << 16);
+    w.s1 = ld_u16(s + 4) | (ld_u16(s + 6) << 16);
+    w.sc = ld_field<unsigned char>(hdr + 42 + sub);
+}
+DEV float iq3_s_dot(const RawIQ3_S& w, const ActL64& a, int sub, const u32* grid) {
+    const u32 words[4] = {w.q.x, w.q.y, w.q.z, w.q.w};
+    float r = 0.0f;
+    for (int g = 0; g < 2; g++) {
+        u32 qh = byte_of(w.qh, g), signs = g ? w.s1 : w.s0;
+        int t = 0;
+        for (int l = 0; l < 4; l++) {
+            u32 v = words[2 * g + (l >> 1)] >> (16 * (l & 1));
+            u32 k0 = (v & 0xFF) | (((qh >> (2 * l)) & 1) << 8), k1 = ((v >> 8) & 0xFF) | (((qh >> (2 * l + 1)) & 1) << 8);
+            t = signed_entry(grid[k0], grid[k1], sign_byte(byte_of(signs, l)), a.x[2 * g + (l >> 1)], l & 1, t);
+        }
+        r += a.d[g] * (float)((2 * (int)((w.sc >> (4 * g)) & 15) + 1) * t);
+    }
+    return half_to_float(w.d) * r;
+}
+
+// IQ1_S / IQ1_M: 2048 entries of 8 values -1..1 (in the table as 0..2: minus the activations' sum),
+// plus a delta of +-1/8 an entry's group: with the sums of 8 activations, 8 * w . x is an integer
+// 8 * grid' . x + (8 * delta - 8) * sum, delta - 1 = -7/8 or -9/8.
+struct ActIQ1 { W4 x[4]; float d[2]; int sum[8]; };  // sum[4g + l]: activations 32g + 8l ..
+DEV void iq1_act(ActIQ1& a, const i8* xq, const float* xd, const float* xs, int blk, int sub) {
+    const i8* p = xq + 256 * blk + 64 * sub;
+    for (int j = 0; j < 4; j++) {
+        a.x[j] = ld16(p + 16 * j);
+        a.sum[2 * j] = dp4a(a.x[j].y, 0x01010101u, dp4a(a.x[j].x, 0x01010101u, 0));
+        a.sum[2 * j + 1] = dp4a(a.x[j].w, 0x01010101u, dp4a(a.x[j].z, 0x01010101u, 0));
+    }
+    a.d[0] = ldf(xd + 8 * blk + 2 * sub);
+    a.d[1] = ldf(xd + 8 * blk + 2 * sub + 1);
+}
+DEV int entry_dot(u32 g0, u32 g1, W4 x, int half, int acc) {
+    return dp4a(g1, half ? x.w : x.y, dp4a(g0, half ? x.z : x.x, acc));
+}
+DEV int iq1_term(const u32* grid, u32 k, bool negative, const ActIQ1& a, int g, int l) {  // 8 * w . x / dl
+    return 8 * entry_dot(grid[2 * k], grid[2 * k + 1], a.x[2 * g + (l >> 1)], l & 1, 0)
+         + (negative ? -9 : -7) * a.sum[4 * g + l];
+}
+
+// IQ1_S: body 32 index low bytes; header fp16 d, a 16-bit word a group: index high bits (3 an entry),
+// a 3-bit scale (bits 12-14) and the delta's sign (bit 15).  w = d * (2s + 1) * (grid + delta).
+#define IQ1_S_BLOCK 256
+#define IQ1_S_BODY 32
+#define IQ1_S_HDR 18
+#define IQ1_S_PIECES 4
+#define IQ1_S_LUT 4096
+typedef ActIQ1 ActIQ1_S;
+#define iq1_s_act iq1_act
+struct RawIQ1_S { W2 q; u32 d, qh; };
+DEV void iq1_s_load(RawIQ1_S& w, const u8* body, const u8* hdr, int sub) {
+    w.q = ld_stream8(body + 8 * sub);
+    w.d = ld_u16(hdr);
+    w.qh = ld_u16(hdr + 2 + 4 * sub) | (ld_u16(hdr + 4 + 4 * sub) << 16);
+}
+DEV float iq1_s_dot(const RawIQ1_S& w, const ActIQ1& a, int sub, const u32* grid) {
+    float r = 0.0f;
+    for (int g = 0; g < 2; g++) {
+        u32 qh = (w.qh >> (16 * g)) & 0xFFFF, idx = g ? w.q.y : w.q.x;
+        int t = 0;
+        for (int l = 0; l < 4; l++)
+            t += iq1_term(grid, byte_of(idx, l) | (((qh >> (3 * l)) & 7) << 8), qh & 0x8000, a, g, l);
+        r += a.d[g] * (float)((2 * (int)((qh >> 12) & 7) + 1) * t);
+    }
+    return 0.125f * half_to_float(w.d) * r;
+}
+
+// IQ1_M: body 32 index low bytes; header 16 bytes of a nibble an entry (index high bits, the delta's
+// sign as bit 3), then 4 16-bit words of 3-bit scales (one per 16 weights) whose top nibbles make the
+// fp16 d.  w = d * (2s + 1) * (grid + delta).
+#define IQ1_M_BLOCK 256
+#define IQ1_M_BODY 32
+#define IQ1_M_HDR 24
+#define IQ1_M_PIECES 4
+#define IQ1_M_LUT 4096
+typedef ActIQ1 ActIQ1_M;
+#define iq1_m_act iq1_act
+struct RawIQ1_M { W2 q; u32 qh, s0, s1; };
+DEV void iq1_m_load(RawIQ1_M& w, const u8* body, const u8* hdr, int sub) {
+    w.q = ld_stream8(body + 8 * sub);
+    w.qh = ld_u32(hdr + 4 * sub);
+    w.s0 = ld_u32(hdr + 16);
+    w.s1 = ld_u32(hdr + 20);
+}
+DEV float iq1_m_dot(const RawIQ1_M& w, const ActIQ1& a, int sub, const u32* grid) {
+    u32 d = ((w.s0 >> 12) & 0xF) | ((w.s0 >> 24) & 0xF0) | ((w.s1 >> 4) & 0xF00) | ((w.s1 >> 16) & 0xF000);
+    u32 sw = ((sub < 2 ? w.s0 : w.s1) >> (16 * (sub & 1))) & 0xFFFF;  // the scales of groups 2sub, 2sub + 1
+    float r = 0.0f;
+    for (int g = 0; g < 2; g++) {
+        u32 qh = (w.qh >> (16 * g)) & 0xFFFF, idx = g ? w.q.y : w.q.x;
+        int t = 0;
+        for (int h = 0; h < 2; h++) {
+            int th = 0;
+            for (int e = 0; e < 2; e++) {
+                int l = 2 * h + e;
+                u32 nib = (qh >> (4 * l)) & 15;
+                th += iq1_term(grid, byte_of(idx, l) | ((nib & 7) << 8), nib & 8, a, g, l);
+            }
+            t += (2 * (int)((sw >> (6 * g + 3 * h)) & 7) + 1) * th;
+        }
+        r += a.d[g] * (float)t;
+    }
+    return 0.125f * half_to_float(d) * r;
+}
+
 // ---- the kernel ------------------------------------------------------------------------------
 // Compiled once per (TYPE, R, NT, OUT, GROUPED) by defines: TYPE is a decoder's prefix (q4_k),
 // ACT / RAW its structs, BODY / HDR / PIECES its geometry, LUT the words of its table (0: none).
-// Grid (ceil(N / R), M).
+// Grid (at most ceil(N / R), M).
 // y[m, n] (row stride stride_y) = x[m] . W[n] for n in this block's R rows; GROUPED: row n of matrix
 // ids[m] of a stack of matrices of N rows, activation row m / x_div (mixture-of-experts pairs).
 
@@ -588,50 +870,54 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL(
 #else
     const u32* tab = lut;
 #endif
-    const int m = blockIdx.y, n0 = blockIdx.x * R;
-    long long base = n0;
+    const int m = blockIdx.y;
+    long long base = 0;
     int xm = m;
 #if GROUPED
-    base += ids[m] * (long long)N;
+    base = ids[m] * (long long)N;
     xm = m / x_div;
 #endif
     xq += (long long)xm * stride_xq;
     xd += (long long)xm * stride_xd;
     xs += (long long)xm * stride_xd;
-    const u8* rows[R];
-#pragma unroll
-    for (int r = 0; r < R; r++)  // rows past N read row N - 1 and are not stored
-        rows[r] = w + (base + (n0 + r < N ? r : N - 1 - n0)) * (long long)row_bytes;
-    float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = 0.0f;
-    const int n_pieces = n_blocks * PIECES;
-    for (int pc = threadIdx.x; pc < n_pieces; pc += NT) {
-        const int blk = pc / PIECES, sub = pc % PIECES;
-        RAW raw[R];
-#pragma unroll
-        for (int r = 0; r < R; r++)
-            CAT(TYPE, _load)(raw[r], rows[r] + BODY * blk, rows[r] + hdr_start + HDR * blk, sub);
-        ACT a;
-        CAT(TYPE, _act)(a, xq, xd, xs, blk, sub);
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r] += CAT(TYPE, _dot)(raw[r], a, sub, tab);
-    }
+    const int n_pieces = n_blocks * PIECES, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __shared__ float part[NT / 32][R];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // tiles of R rows: one a block, or (for the types with a staged table: fewer blocks, so fewer
+    // copies of the table) strided over the blocks
+    for (int n0 = blockIdx.x * R; n0 < N; n0 += gridDim.x * R) {
+        const u8* rows[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        float v = acc[r];
+        for (int r = 0; r < R; r++)  // rows past N read row N - 1 and are not stored
+            rows[r] = w + (base + n0 + (n0 + r < N ? r : N - 1 - n0)) * (long long)row_bytes;
+        float acc[R];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-        if (lane == 0) part[warp][r] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < R && n0 + threadIdx.x < N) {
-        float v = 0.0f;
+        for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        for (int pc = threadIdx.x; pc < n_pieces; pc += NT) {
+            const int blk = pc / PIECES, sub = pc % PIECES;
+            RAW raw[R];
 #pragma unroll
-        for (int i = 0; i < NT / 32; i++) v += part[i][threadIdx.x];
-        store_out(y + (long long)m * stride_y + n0 + threadIdx.x, v);
+            for (int r = 0; r < R; r++)
+                CAT(TYPE, _load)(raw[r], rows[r] + BODY * blk, rows[r] + hdr_start + HDR * blk, sub);
+            ACT a;
+            CAT(TYPE, _act)(a, xq, xd, xs, blk, sub);
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r] += CAT(TYPE, _dot)(raw[r], a, sub, tab);
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float v = acc[r];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+            if (lane == 0) part[warp][r] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < R && n0 + threadIdx.x < N) {
+            float v = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NT / 32; i++) v += part[i][threadIdx.x];
+            store_out(y + (long long)m * stride_y + n0 + threadIdx.x, v);
+        }
+        __syncthreads();  // part is written again by the next tile
     }
 }
 #endif

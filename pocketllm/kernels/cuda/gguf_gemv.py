@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..triton.gguf import _type_args, _value_table
+from ..triton.gguf import _num_sms, _type_args, _value_table
 from . import runtime
 
 log = logging.getLogger("pocketllm")
@@ -18,16 +18,20 @@ T = GGMLQuantizationType
 SOURCE = Path(__file__).with_name("gguf_gemv.cu")
 # type -> the decoder's name in the source (its geometry is the source's <NAME>_BODY / _HDR / _PIECES,
 # and <NAME>_LUT, where it has one, the words of its table staged in shared memory)
-DECODERS = {T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0", T.Q5_1: "q5_1", T.Q8_0: "q8_0", T.Q2_K: "q2_k",
-            T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.IQ4_NL: "iq4_nl", T.IQ4_XS: "iq4_xs",
-            T.MXFP4: "mxfp4", T.IQ2_XXS: "iq2_xxs"}
+DECODERS = {t: t.name.lower() for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+                                         T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+                                         T.IQ1_S, T.IQ1_M)}
 CUDA_GEMV_TYPES: frozenset[GGMLQuantizationType] = frozenset(DECODERS)
-# R weight rows a block of NT threads.  The fastest over the 8B shapes on the H200 (benchmarks/bench_cuda_gemv.py,
-# weights read from memory: results/h200-cuda-gemv-k-types.txt, -more-types.txt): 2 x 64 for every type but Q8_0
-# and IQ2_XXS (4 x 128), by the sums over the shapes printed there.  More rows a block share the activations' loads but
-# leave fewer blocks than SMs x resident blocks for the small matrices.
-CONFIG = dict(R=2, NT=64)
-TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {T.Q8_0: dict(R=4, NT=128), T.IQ2_XXS: dict(R=4, NT=128)}
+# R weight rows a block of NT threads; W: blocks an SM, each taking tiles of R rows in turn, or 0: a block a
+# tile.  The fastest over the 8B shapes on the H200 (benchmarks/bench_cuda_gemv.py, weights read from memory; by
+# the sums over the shapes printed there): 2 x 64 for the types without a table (results/h200-cuda-gemv-k-types.txt,
+# -more-types.txt) but Q8_0 (4 x 128); 4 x 128 with 4 blocks an SM for the lattice types, whose grids are staged
+# in shared memory once a block (results/h200-cuda-gemv-lattice.txt).  More rows a block share the activations'
+# loads but leave fewer blocks than SMs x resident blocks for the small matrices.
+CONFIG = dict(R=2, NT=64, W=0)
+TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
+    T.Q8_0: dict(R=4, NT=128),
+    **{t: dict(R=4, NT=128, W=4) for t in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)}}
 _OUT = {torch.bfloat16: ("u16", 1), torch.float16: ("u16", 0), torch.float32: ("float", 0)}  # C type, bf16 rounding
 
 
@@ -68,14 +72,14 @@ def _kernel(qtype: GGMLQuantizationType, dtype: torch.dtype, grouped: bool, devi
 
 def gemv(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType,
          k: int, n: int, rows: int, dtype: torch.dtype, *, ids: torch.Tensor | None = None,
-         x_div: int = 1, r: int | None = None, nt: int | None = None) -> torch.Tensor | None:
+         x_div: int = 1, r: int | None = None, nt: int | None = None, w: int | None = None) -> torch.Tensor | None:
     """y [rows, n] of ``dtype``: row m is x[m] . W[j] (x in 8 bits: ``xq``, ``xd``, ``xs`` as
     ``int8_act``); with ``ids``, x[m // x_div] . W_ids[m][j] for a stack of matrices of n rows.
     None where NVRTC cannot build the kernel on this machine (logged once; the caller falls back)."""
     g = geometry(qtype)
     assert k % g["BLOCK"] == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0, "misaligned activations"
     cfg = config(qtype)
-    r, nt = r or cfg["R"], nt or cfg["NT"]
+    r, nt, w = r or cfg["R"], nt or cfg["NT"], cfg["W"] if w is None else w
     try:
         kern = _kernel(qtype, dtype, ids is not None, packed.device, r, nt)
     except RuntimeError as e:
@@ -83,7 +87,8 @@ def gemv(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Ten
         _failed.add(qtype)
         return None
     y = torch.empty((rows, n), dtype=dtype, device=packed.device)
-    kern.launch(((n + r - 1) // r, rows, 1), nt, packed, xq, xd, xs, y, y if ids is None else ids,
+    tiles = (n + r - 1) // r
+    kern.launch((min(tiles, w * _num_sms(packed.device)) if w else tiles, rows, 1), nt, packed, xq, xd, xs, y, y if ids is None else ids,
                 _value_table(packed.device, qtype), n, packed.shape[1], _type_args(qtype, k)[1], k // g["BLOCK"], x_div,
                 xq.stride(0), xd.stride(0), y.stride(0))
     return y

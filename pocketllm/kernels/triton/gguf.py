@@ -22,7 +22,7 @@ The regimes, by the number of activation rows M (``gguf_matmul`` picks them):
   ``BLOCK_N`` weight rows; per chunk ``a * sum(v * x) + c * sum(x)``, sums inside a thread, scales
   out of the inner product, float32.  When there are fewer tiles than SMs, K is split over
   programs (``split_k``) and the partial sums added after (deterministic).
-* ``"gemv_q8"`` (M <= 2 with bfloat16 / float16 activations, for ``gguf_q8.Q8_AUTO_TYPES``): the
+* ``"gemv_q8"`` (M <= 2 with bfloat16 / float16 activations, for ``gguf_q8.Q8_TYPES``): the
   same shape of work on 8-bit activations and integer dot products (``gguf_q8.py``), llama.cpp's
   method: a few instructions per weight instead of ~14; not exact (the activations' rounding).
 * ``"dot"`` (only when asked for): the decoded tile is rounded to x's dtype and fed to ``tl.dot``
@@ -858,7 +858,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     m, n = x.shape[0], qweight.shape[0]
     if regime == "auto":
         regime = "gemv" if m <= GEMV_MAX_M else "dot" if m <= DOT_MAX_M else "dequant"
-        if regime == "gemv" and x.dtype != torch.float32 and qtype in _q8().Q8_AUTO_TYPES:
+        if regime == "gemv" and x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
             regime = "gemv_q8"
         elif regime == "dequant" and m <= MMA_MAX_M and x.dtype != torch.float32 and qtype in MMA_AUTO_TYPES:
             regime = "mma"
@@ -919,7 +919,7 @@ def gguf_grouped_gemv(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantiz
     x = x.contiguous()
     if p == 0:
         return x.new_zeros(0, n)
-    if x.dtype != torch.float32 and qtype in _q8().Q8_AUTO_TYPES:
+    if x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
         return _q8().gemv_q8(x, stacked, qtype, k, ids=ids, n=n, x_div=x_div, x8=x8)
     return _gemv(x, stacked, qtype, k, n, p, ids=ids, x_div=x_div)
 

@@ -600,6 +600,9 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, r
     tl.store(y_ptr + pid_s * stride_ys + m * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+# The "auto" regime runs these on 8-bit activations (every type).  IQ3_S's Triton kernel had been slower than its
+# exact float GEMV (14336x4096 44.1 against 40.8 us: results/h200-triton-gguf-q8-more-types.txt); its CUDA C kernel,
+# which runs on CUDA devices, is 2.5x faster than either (results/h200-cuda-gemv-lattice.txt).
 Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
                                                         T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS,
                                                         T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
@@ -609,10 +612,6 @@ Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T
 # (results/h200-triton-gguf-q8-sweep.txt): longer steps than the float kernel's, more bytes in
 # flight (the default before, 2 rows x 1024, read Q4_K at 1.2 TB/s, this at 1.6).
 GEMV_Q8_CONFIG = dict(BLOCK_N=4, BLOCK_K=2048, num_warps=2, PROGRAMS_PER_SM=8)
-# What the "auto" regime runs on 8-bit activations: all but IQ3_S, whose float GEMV was faster over an 8B
-# layer's shapes on the H200 (14336x4096 40.8 against 44.1 us, 4096x4096 13.4 against 14.5, 4096x14336
-# 41.8 against 40.2: results/h200-triton-gguf-q8-more-types.txt) and is exact.
-Q8_AUTO_TYPES: frozenset[GGMLQuantizationType] = Q8_TYPES - {T.IQ3_S}
 GEMV_Q8_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
     T.Q6_K: dict(BLOCK_N=8, num_warps=8, PROGRAMS_PER_SM=2),
     T.Q8_0: dict(BLOCK_N=1),
