@@ -19,6 +19,7 @@ import torch
 from test_quant_linear import realistic_blocks
 
 from pocketllm.kernels.cuda import gguf_gemv as cg
+from pocketllm.kernels.cuda import gguf_mmq
 from pocketllm.kernels.triton import gguf as kg
 from pocketllm.kernels.triton.int8_act import quantize_activations
 from pocketllm.quant.dequant import dequantize
@@ -142,3 +143,23 @@ def test_gemv_q8_takes_the_cuda_kernel_for_its_types(monkeypatch):
         y_triton = kg.gguf_matmul(x, packed, qtype, k, packed=True)
         monkeypatch.undo()
         assert torch.allclose(y.float(), y_triton.float(), rtol=2 ** -7, atol=1e-3 * float(y_triton.abs().max()))
+
+
+@cuda_only
+@pytest.mark.parametrize("qtype", sorted(gguf_mmq.MMQ_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_mmq_equals_the_dequantized_product(qtype):
+    """The integer tensor-core product of several activation rows: every row and weight row (none a multiple
+    of the 64 x 64 tile), K split or not, equal to the dequantized weights times the 8-bit activations."""
+    n, k = 1000, 2048
+    rng = np.random.default_rng(qtype.value)
+    raw = torch.from_numpy(realistic_blocks(rng, qtype, n, k))
+    w = dequantize(raw, qtype, (n, k)).double().cuda()
+    packed = kg.pack_gguf(raw.cuda(), qtype, k)
+    for m, splits in ((3, 1), (17, 3), (64, None), (130, 2)):
+        xq, xd, xs = quantize_activations(torch.randn(m, k, device="cuda"))
+        xdeq = (xq.double().view(m, -1, 32) * xd.double()[..., None]).view(m, k)
+        ref, mag = xdeq @ w.T, xdeq.abs() @ w.abs().T
+        y = gguf_mmq.mmq(xq, xd, xs, packed, qtype, k, n, m, torch.float32, splits=splits)
+        assert y.shape == (m, n)
+        err = (y.double() - ref).abs()
+        assert bool((err <= 1e-5 * mag + 1e-30).all()), (m, splits, float((err / mag).max()))

@@ -1,0 +1,74 @@
+"""The integer tensor-core GGUF product (pocketllm/kernels/cuda/gguf_mmq.cu) against the Triton tile kernel
+(regime "mma": bf16 tensor cores, codes decoded in registers) and dequantize + cuBLAS (regime "dequant"),
+at a few activation rows, on a CUDA GPU.
+
+    python benchmarks/bench_cuda_mmq.py --rows 16,32,64 --shapes 6144x4096,28672x4096,4096x14336
+
+Each timed call reads its weights from memory (copies rotated past 400 MB, one CUDA graph over them, as
+bench_cuda_gemv.py); the MMQ time includes quantizing the activations to 8 bits.  The relative error is
+the largest difference from the Triton tile kernel's output over its largest value.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+import triton
+from gguf import GGMLQuantizationType as T
+
+from pocketllm.kernels.cuda import gguf_mmq
+from pocketllm.kernels.triton import gguf as kg
+from pocketllm.kernels.triton.int8_act import quantize_activations
+from pocketllm.loaders.dummy_gguf import _random_blocks
+from pocketllm.quant.gguf_types import row_nbytes
+
+
+def timed(fn, copies: int) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3 / copies
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default="Q4_K")
+    ap.add_argument("--rows", default="16,32,64")
+    ap.add_argument("--shapes", default="6144x4096,4096x4096,28672x4096,4096x14336")
+    ap.add_argument("--output-json")
+    args = ap.parse_args()
+    out = []
+    for name in args.types.split(","):
+        qtype = T[name]
+        for shape in args.shapes.split(","):
+            n, k = map(int, shape.split("x"))
+            raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), qtype, (n, k), 0.02))
+            w0 = kg.pack_gguf(raw, qtype, k, "cuda")
+            nbytes = n * row_nbytes(qtype, k)
+            copies = max(1, min(64, -(-400_000_000 // nbytes)))
+            ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+            for m in map(int, args.rows.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = kg.gguf_matmul(x, w0, qtype, k, packed=True, regime="mma").float()
+
+                def mmq(w):
+                    return gguf_mmq.mmq(*quantize_activations(x), w, qtype, k, n, m, torch.bfloat16)
+
+                err = float((mmq(w0).float() - ref).abs().max() / ref.abs().max())
+                row = dict(type=name, n=n, k=k, m=m, bytes=nbytes, copies=copies, rel_err=err)
+                for regime in ("mma", "dequant"):
+                    row[f"{regime}_us"] = timed(lambda: [kg.gguf_matmul(x, w, qtype, k, packed=True, regime=regime)
+                                                         for w in ws], copies)
+                row["mmq_us"] = timed(lambda: [mmq(w) for w in ws], copies)
+                print(f"{name:5s} {n:6d}x{k:<5d} M={m:3d} | triton mma {row['mma_us']:7.1f} us | dequant+cuBLAS "
+                      f"{row['dequant_us']:7.1f} | mmq {row['mmq_us']:7.1f} ({row['mma_us'] / row['mmq_us']:4.2f}x mma, "
+                      f"{nbytes / row['mmq_us'] / 1e3:5.0f} GB/s) | rel err {err:.1e}", flush=True)
+                out.append(row)
+            del ws, w0
+            torch.cuda.empty_cache()
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
