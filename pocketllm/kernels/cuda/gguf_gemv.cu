@@ -622,23 +622,34 @@ DEV void iq2_xs_load(RawIQ2_XS& w, const u8* body, const u8* hdr, int sub) {
     w.d = ld_u16(hdr);
     w.sc = ld_u16(hdr + 2 + 2 * sub);
 }
-DEV float iq2_xs_dot(const RawIQ2_XS& w, const ActL64& a, int sub, const u32* grid) {
-    const u32 words[4] = {w.q.x, w.q.y, w.q.z, w.q.w};
+// Two groups of 32 of 8-byte grid entries with a 4-bit sub-scale a 16 (IQ2_XS, IQ2_S): ``entry(g, l, k, sg)``
+// gives entry l of group g's grid index and signs.
+template <typename Entry>
+DEV float iq2_groups(Entry entry, u32 sc, float d, const ActL64& a, const u32* grid) {
     float r = 0.0f;
     for (int g = 0; g < 2; g++) {
         int t = 0;
-        for (int h = 0; h < 2; h++) {  // entries 2h, 2h + 1 of the group: one word, one sub-scale
-            u32 v = words[2 * g + h];
+        for (int h = 0; h < 2; h++) {  // entries 2h, 2h + 1 of the group: one sub-scale
             int s = 0;
             for (int e = 0; e < 2; e++) {
-                u32 c = (v >> (16 * e)) & 0xFFFF, k = c & 511;
-                s = signed_entry(grid[2 * k], grid[2 * k + 1], ksigns(c >> 9), a.x[2 * g + h], e, s);
+                u32 k;
+                Signs sg;
+                entry(g, 2 * h + e, k, sg);
+                s = signed_entry(grid[2 * k], grid[2 * k + 1], sg, a.x[2 * g + h], e, s);
             }
-            t += (2 * (int)((w.sc >> (8 * g + 4 * h)) & 15) + 1) * s;
+            t += (2 * (int)((sc >> (8 * g + 4 * h)) & 15) + 1) * s;
         }
         r += a.d[g] * (float)t;
     }
-    return 0.125f * half_to_float(w.d) * r;
+    return 0.125f * d * r;
+}
+DEV float iq2_xs_dot(const RawIQ2_XS& w, const ActL64& a, int sub, const u32* grid) {
+    const u32 words[4] = {w.q.x, w.q.y, w.q.z, w.q.w};
+    return iq2_groups([&](int g, int l, u32& k, Signs& sg) {
+        u32 c = (words[2 * g + (l >> 1)] >> (16 * (l & 1))) & 0xFFFF;
+        k = c & 511;
+        sg = ksigns(c >> 9);
+    }, w.sc, half_to_float(w.d), a, grid);
 }
 
 // IQ2_S: body 32 bytes of index low bytes, then 32 sign bytes (an entry's 8 signs); header fp16 d,
@@ -660,22 +671,11 @@ DEV void iq2_s_load(RawIQ2_S& w, const u8* body, const u8* hdr, int sub) {
     w.sc = ld_u16(hdr + 10 + 2 * sub);
 }
 DEV float iq2_s_dot(const RawIQ2_S& w, const ActL64& a, int sub, const u32* grid) {
-    float r = 0.0f;
-    for (int g = 0; g < 2; g++) {
-        u32 idx = g ? w.q.y : w.q.x, signs = g ? w.s.y : w.s.x, qh = byte_of(w.qh, g);
-        int t = 0;
-        for (int h = 0; h < 2; h++) {
-            int s = 0;
-            for (int e = 0; e < 2; e++) {
-                int l = 2 * h + e;
-                u32 k = byte_of(idx, l) | (((qh >> (2 * l)) & 3) << 8);
-                s = signed_entry(grid[2 * k], grid[2 * k + 1], sign_byte(byte_of(signs, l)), a.x[2 * g + h], e, s);
-            }
-            t += (2 * (int)((w.sc >> (8 * g + 4 * h)) & 15) + 1) * s;
-        }
-        r += a.d[g] * (float)t;
-    }
-    return 0.125f * half_to_float(w.d) * r;
+    return iq2_groups([&](int g, int l, u32& k, Signs& sg) {
+        u32 idx = g ? w.q.y : w.q.x, signs = g ? w.s.y : w.s.x;
+        k = byte_of(idx, l) | (((byte_of(w.qh, g) >> (2 * l)) & 3) << 8);
+        sg = sign_byte(byte_of(signs, l));
+    }, w.sc, half_to_float(w.d), a, grid);
 }
 
 // IQ3_XXS: body 64 index bytes (256 entries of 4 weights), then a word a group of 4 x 7 sign bits
