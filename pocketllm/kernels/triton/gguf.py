@@ -836,6 +836,12 @@ def _mma():
     return gguf_mma
 
 
+def _mmq():
+    from pocketllm.kernels.cuda import gguf_mmq  # imports this module's helpers
+
+    return gguf_mmq
+
+
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int, *,
                 packed: bool = False, regime: str = "auto", split_k: int | None = None,
                 x8=None) -> torch.Tensor:
@@ -862,8 +868,11 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
             regime = "gemv_q8"
         elif regime == "dequant" and m <= MMA_MAX_M and x.dtype != torch.float32 and qtype in MMA_AUTO_TYPES:
             regime = "mma"
-    if regime not in ("gemv", "gemv_q8", "dot", "dequant", "mma"):
-        raise ValueError(f"regime must be auto, gemv, gemv_q8, dot, dequant or mma; got {regime!r}")
+        if regime in ("mma", "dequant") and x.dtype != torch.float32 and os.environ.get("POCKETLLM_MMQ") == "1" \
+                and _mmq().usable(qtype, x.device):  # not measured end to end yet: on request only
+            regime = "mmq"
+    if regime not in ("gemv", "gemv_q8", "dot", "dequant", "mma", "mmq"):
+        raise ValueError(f"regime must be auto, gemv, gemv_q8, dot, dequant, mma or mmq; got {regime!r}")
     if regime == "mma" and qtype not in _mma().MMA_TYPES:
         raise ValueError(f"no tensor-core tile kernel for {qtype.name}")
     if m == 0 or n == 0:
@@ -872,6 +881,9 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
         return _dequant_matmul(x, qweight, qtype, k)
     if regime == "gemv_q8":
         return _q8().gemv_q8(x, qweight, qtype, k, split_k, x8=x8)
+    if regime == "mmq":  # the integer tensor-core kernel of cuda/gguf_mmq.cu
+        xq, xd, xs = _q8().quantize_activations(x) if x8 is None else x8
+        return _mmq().mmq(xq, xd, xs, qweight, qtype, k, n, m, x.dtype, split_k)
 
     if regime == "gemv":
         return _gemv(x, qweight, qtype, k, n, m, split_k)
