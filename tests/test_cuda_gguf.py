@@ -145,6 +145,55 @@ def test_gemv_q8_takes_the_cuda_kernel_for_its_types(monkeypatch):
         assert torch.allclose(y.float(), y_triton.float(), rtol=2 ** -7, atol=1e-3 * float(y_triton.abs().max()))
 
 
+_TILE_HARNESS = """
+#include "{gemv}"
+#include "{mmq}"
+#define TILE_ROW(name, UNITS, G, MIN) \\
+extern "C" void host_tile_##name(const u8* row, int hdr_start, int n_steps, const u32* lut, float* out) {{ \\
+    MmqTile* t = new MmqTile; \\
+    for (int step = 0; step < n_steps; step++) {{ \\
+        for (int u = 0; u < UNITS; u++) name##_tile(*t, 0, row, hdr_start, step, u, lut); \\
+        for (int i = 0; i < KB; i++) \\
+            out[KB * step + i] = t->ws[0][i / G] * (float)t->w[0][i] - (MIN ? t->wm[0][i / G] : 0.0f); \\
+    }} \\
+    delete t; \\
+}}
+{instances}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_tiles(tmp_path_factory):
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    d = tmp_path_factory.mktemp("cuda_tiles")
+    names = [cg.DECODERS[t] for t in gguf_mmq.MMQ_TYPES]
+    inst = "\n".join(f"TILE_ROW({n}, {n.upper()}_UNITS, {n.upper()}_G, {n.upper()}_MIN)" for n in names)
+    (d / "t.cpp").write_text(_TILE_HARNESS.format(gemv=cg.SOURCE, mmq=gguf_mmq.SOURCE, instances=inst))
+    done = subprocess.run([cxx, "-O1", "-shared", "-fPIC", str(d / "t.cpp"), "-o", str(d / "t.so")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return ctypes.CDLL(str(d / "t.so"))
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_mmq.MMQ_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_mmq_tiles_are_the_dequantized_weights(qtype, host_tiles):
+    """The integer tensor-core kernel's tile decoders (gguf_mmq.cu, compiled as host C++): a row's int8 codes
+    times their group's scale, minus its minimum, are gguf's dequantized weights."""
+    n, k = 4, 1024
+    raw = torch.from_numpy(realistic_blocks(np.random.default_rng(qtype.value), qtype, n, k))
+    w = dequantize(raw, qtype, (n, k)).numpy()
+    packed = np.ascontiguousarray(kg.pack_gguf(raw, qtype, k).numpy())
+    lut = np.ascontiguousarray(kg._value_table(torch.device("cpu"), qtype).numpy().view(np.uint32))
+    fn = getattr(host_tiles, f"host_tile_{cg.DECODERS[qtype]}")
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    for r in range(n):
+        out = np.empty(k, np.float32)
+        fn(p(packed[r]), kg._type_args(qtype, k)[1], k // 256, p(lut), p(out))
+        np.testing.assert_allclose(out, w[r], rtol=0, atol=1e-6 * float(np.abs(w[r]).max()))
+
+
 @cuda_only
 @pytest.mark.parametrize("qtype", sorted(gguf_mmq.MMQ_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
 def test_mmq_equals_the_dequantized_product(qtype):

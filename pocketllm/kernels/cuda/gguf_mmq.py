@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..triton.gguf import _num_sms, _type_args
+from ..triton.gguf import _num_sms, _type_args, _value_table
 from . import gguf_gemv, runtime
 
 T = GGMLQuantizationType
 SOURCE = Path(__file__).with_name("gguf_mmq.cu")
-MMQ_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_K})  # those with a tile decoder (``<type>_tile``)
+MMQ_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_K, T.Q6_K, T.Q8_0, T.IQ2_XXS})  # with a ``<type>_tile``
 BN = BM = 64  # weight rows and activation rows a block (gguf_mmq.cu)
 WAVES = 2  # K is split until the blocks fill this many programs an SM
 
@@ -24,12 +24,12 @@ def source() -> str:
     return gguf_gemv.source() + SOURCE.read_text()
 
 
-def usable(qtype: GGMLQuantizationType, device: torch.device) -> bool:
-    return qtype in MMQ_TYPES and device.type == "cuda" and runtime.available()
+def usable(qtype: GGMLQuantizationType, device: torch.device, k: int = 256) -> bool:
+    return qtype in MMQ_TYPES and k % 256 == 0 and device.type == "cuda" and runtime.available()
 
 
-def splits_for(tiles: int, n_blocks: int, device: torch.device) -> int:
-    return max(1, min(n_blocks, math.ceil(WAVES * _num_sms(device) / tiles)))
+def splits_for(tiles: int, n_steps: int, device: torch.device) -> int:
+    return max(1, min(n_steps, math.ceil(WAVES * _num_sms(device) / tiles)))
 
 
 def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType,
@@ -38,15 +38,15 @@ def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tens
     ``pack_gguf``; K split over ``splits`` programs (default: enough to fill the GPU), added in order after."""
     dec = gguf_gemv.DECODERS[qtype]
     up = dec.upper()
-    geo = gguf_gemv.geometry(qtype)
-    assert qtype in MMQ_TYPES and k % geo["BLOCK"] == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
-    n_blocks = k // geo["BLOCK"]
+    assert qtype in MMQ_TYPES and k % 256 == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
+    n_steps = k // 256
     tiles = math.ceil(n / BN) * math.ceil(m / BM)
-    s = splits or splits_for(tiles, n_blocks, packed.device)
+    s = splits or splits_for(tiles, n_steps, packed.device)
     name = f"mmq_{dec}"
-    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_BODY=f"{up}_BODY",
-                                               MMQ_HDR=f"{up}_HDR"), packed.device)
+    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=f"{up}_G",
+                                               MMQ_MIN=f"{up}_MIN"), packed.device)
     part = torch.empty((s, m, n), dtype=torch.float32, device=packed.device)
-    kern.launch((math.ceil(n / BN), math.ceil(m / BM), s), 128, packed, xq, xd, xs, part, n, m, packed.shape[1],
-                _type_args(qtype, k)[1], n_blocks, xq.stride(0), xd.stride(0))
+    kern.launch((math.ceil(n / BN), math.ceil(m / BM), s), 128, packed, xq, xd, xs, part,
+                _value_table(packed.device, qtype), n, m, packed.shape[1], _type_args(qtype, k)[1], n_steps,
+                xq.stride(0), xd.stride(0))
     return (part[0] if s == 1 else part.sum(0)).to(dtype)

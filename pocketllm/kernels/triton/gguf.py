@@ -869,7 +869,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
         elif regime == "dequant" and m <= MMA_MAX_M and x.dtype != torch.float32 and qtype in MMA_AUTO_TYPES:
             regime = "mma"
         if regime in ("mma", "dequant") and x.dtype != torch.float32 and os.environ.get("POCKETLLM_MMQ") == "1" \
-                and _mmq().usable(qtype, x.device):  # not measured end to end yet: on request only
+                and _mmq().usable(qtype, x.device, k):  # not measured end to end yet: on request only
             regime = "mmq"
     if regime not in ("gemv", "gemv_q8", "dot", "dequant", "mma", "mmq"):
         raise ValueError(f"regime must be auto, gemv, gemv_q8, dot, dequant, mma or mmq; got {regime!r}")
