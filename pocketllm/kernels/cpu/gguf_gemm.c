@@ -38,6 +38,8 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
  * bit_signs[b] is -1 (0xFF) where bit j of b is set, else +1; ksigns maps a 7-bit sign index to its
  * 8 bits (the eighth the parity). */
 static uint64_t iq2xxs_grid[256], iq2xs_grid[512], iq2s_grid[1024], iq1s_grid[2048];
+static uint64_t iq1s_grid8[2048];      /* IQ1's entries times 8 (-8, 0, 8): the 8-bit kernels' values 8 * grid + delta */
+static uint64_t iq1_delta_lanes[16][4]; /* bit l of the index: lane l's 8 bytes -1, else +1 (IQ1_M's delta signs) */
 static uint32_t iq3xxs_grid[256], iq3s_grid[512];
 static uint8_t ksigns[128];
 static uint64_t bit_signs[256];
@@ -57,6 +59,13 @@ void gguf_set_lattice_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const 
         for (int j = 0; j < 8; j++) v |= (uint64_t)((b >> j) & 1 ? 0xFF : 0x01) << (8 * j);
         bit_signs[b] = v;
     }
+    for (int i = 0; i < 2048; i++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)(uint8_t)(8 * (int8_t)(iq1s_grid[i] >> (8 * j))) << (8 * j);
+        iq1s_grid8[i] = v;
+    }
+    for (int b = 0; b < 16; b++)
+        for (int l = 0; l < 4; l++) iq1_delta_lanes[b][l] = (b >> l) & 1 ? 0xFFFFFFFFFFFFFFFFULL : 0x0101010101010101ULL;
     lattice_tables_set = 1;
 }
 
@@ -962,10 +971,24 @@ static inline __m256i grid4_gather(const uint32_t *grid, __m256i idx) {
     return _mm256_i32gather_epi32((const int *)grid, idx, 4);
 }
 
-static inline __m256i iq1_values(__m256i grid, __m256i delta_signs) {  /* 8 * grid + delta_signs (+-1) */
-    const __m256i g2 = _mm256_add_epi8(grid, grid), g4 = _mm256_add_epi8(g2, g2);
-    return _mm256_add_epi8(_mm256_add_epi8(g4, g4), delta_signs);
+/* Four 8-byte grid entries: index low bytes q[0..3] and high bits `hi`, four fields of `bits` bits from
+ * bit 0 (IQ1_S, IQ1_M: 3; IQ2_S: 2).  With BMI2 (AVX-512 builds) the four indices are deposited into
+ * 16-bit lanes by two pdep, as llama.cpp does, instead of a shift, mask and or each. */
+static inline __m256i grid4x8(const uint64_t *grid, const uint8_t *q, uint32_t hi, int bits) {
+    uint16_t i[4];
+#ifdef __BMI2__
+    uint32_t q32;
+    memcpy(&q32, q, 4);
+    const uint64_t p = _pdep_u64(q32, 0x00FF00FF00FF00FFULL) |
+                       _pdep_u64(hi, bits == 3 ? 0x0700070007000700ULL : 0x0300030003000300ULL);
+    memcpy(i, &p, 8);
+#else
+    const uint32_t m = (1u << bits) - 1;
+    for (int l = 0; l < 4; l++) i[l] = (uint16_t)(q[l] | ((hi >> (bits * l)) & m) << 8);
+#endif
+    return _mm256_set_epi64x((long long)grid[i[3]], (long long)grid[i[2]], (long long)grid[i[1]], (long long)grid[i[0]]);
 }
+
 
 static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-15, then 16-31 */
     return _mm256_set_m128i(_mm_set1_epi16((short)(2 * s_hi + 1)), _mm_set1_epi16((short)(2 * s_lo + 1)));
@@ -1004,19 +1027,14 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
     case IQ2_S: {
         const uint8_t *q = b + 2 + 4 * k, h = b[66 + k];
         uint32_t sb; memcpy(&sb, b + 34 + 4 * k, 4);
-        *v = signed_grid(iq2s_grid[q[0] | ((h << 8) & 0x300)], iq2s_grid[q[1] | ((h << 6) & 0x300)],
-                         iq2s_grid[q[2] | ((h << 4) & 0x300)], iq2s_grid[q[3] | ((h << 2) & 0x300)], signs_of_bits(sb));
+        *v = _mm256_sign_epi8(grid4x8(iq2s_grid, q, h, 2), signs_of_bits(sb));
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
         break;
     }
     case IQ1_S: {  /* values 8 * grid + the delta's sign, in [-9, 9]: w = d (2s + 1) / 8 * value */
         const uint8_t *q = b + 2 + 4 * k;
         uint16_t qh; memcpy(&qh, b + 34 + 2 * k, 2);
-        const __m256i g = _mm256_set_epi64x((long long)iq1s_grid[q[3] | ((qh >> 1) & 0x700)],
-                                            (long long)iq1s_grid[q[2] | ((qh << 2) & 0x700)],
-                                            (long long)iq1s_grid[q[1] | ((qh << 5) & 0x700)],
-                                            (long long)iq1s_grid[q[0] | ((qh << 8) & 0x700)]);
-        *v = iq1_values(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
+        *v = _mm256_add_epi8(grid4x8(iq1s_grid8, q, qh & 0xFFF, 3), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
         *scale = odd_scales((qh >> 12) & 7, (qh >> 12) & 7);
         break;
     }
@@ -1026,13 +1044,13 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         memcpy(&hh, b + 32 + 2 * k, 2);
         memcpy(sc, b + 48, 8);
         const uint32_t h = hh;
-        const __m256i g = _mm256_set_epi64x((long long)iq1s_grid[q[3] | ((h >> 4) & 0x700)],
-                                            (long long)iq1s_grid[q[2] | (h & 0x700)],
-                                            (long long)iq1s_grid[q[1] | ((h << 4) & 0x700)],
-                                            (long long)iq1s_grid[q[0] | ((h << 8) & 0x700)]);
-        const __m128i neg = _mm_cmpeq_epi32(_mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(3, 7, 11, 15)),
-                                                          _mm_set1_epi32(1)), _mm_set1_epi32(1));
-        *v = iq1_values(g, _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
+#ifdef __BMI2__
+        const uint32_t hi = _pext_u32(h, 0x7777), neg = _pext_u32(h, 0x8888);
+#else
+        const uint32_t hi = (h & 7) | ((h >> 1) & 0x38) | ((h >> 2) & 0x1C0) | ((h >> 3) & 0xE00);
+        const uint32_t neg = ((h >> 3) & 1) | ((h >> 6) & 2) | ((h >> 9) & 4) | ((h >> 12) & 8);
+#endif
+        *v = _mm256_add_epi8(grid4x8(iq1s_grid8, q, hi, 3), _mm256_loadu_si256((const __m256i *)iq1_delta_lanes[neg]));
         *scale = odd_scales((sc[k / 2] >> (6 * (k % 2))) & 7, (sc[k / 2] >> (6 * (k % 2) + 3)) & 7);
         break;
     }
