@@ -764,30 +764,29 @@ typedef __m512i isum_t;
         for (int r = 0; r < R; r++)                                                                 \
             isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, _mm512_loadu_si512((x) + r * K)), s_); \
     } while (0)
+/* unsigned values u against x, negated where bit i of the 64-bit mask `neg` is set (vpdpwssd with the
+ * pair's scales) */
+#define MASKED_PRODUCTS(R, u512, neg, s512, x, isum)                                                \
+    do {                                                                                            \
+        const __m512i u_ = (u512), s_ = (s512);                                                     \
+        const __mmask64 neg_ = (neg);                                                               \
+        for (int r = 0; r < R; r++) {                                                               \
+            const __m512i x_ = _mm512_loadu_si512((x) + r * K);                                     \
+            const __m512i sx_ = _mm512_mask_sub_epi8(x_, neg_, _mm512_setzero_si512(), x_);         \
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, sx_), s_);             \
+        }                                                                                           \
+    } while (0)
 /* signed values v: |v| against x with v's sign */
 #define SIGNED_SUB_BLOCK_PAIR(R, vlo, vhi, x, slo, shi, isum)                                       \
     do {                                                                                            \
-        const __m512i v_ = WIDEN(vlo, vhi), u_ = _mm512_abs_epi8(v_), s_ = WIDEN(slo, shi);        \
-        const __mmask64 neg_ = _mm512_movepi8_mask(v_);                                             \
-        for (int r = 0; r < R; r++) {                                                               \
-            const __m512i x_ = _mm512_loadu_si512((x) + r * K);                                     \
-            const __m512i sx_ = _mm512_mask_sub_epi8(x_, neg_, _mm512_setzero_si512(), x_);         \
-            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, sx_), s_);             \
-        }                                                                                           \
+        const __m512i v_ = WIDEN(vlo, vhi);                                                         \
+        MASKED_PRODUCTS(R, _mm512_abs_epi8(v_), _mm512_movepi8_mask(v_), WIDEN(slo, shi), x, isum); \
     } while (0)
-/* The same for unsigned grid values whose signs are the bits of `negbits` (byte i negative where bit i
- * is set): the sign bits become the mask as they are, with no sign vectors built. */
+/* unsigned grid values whose signs are the bits of `negbits` (byte i negative where bit i is set): the
+ * sign bits become the mask as they are, with no sign vectors built */
 #define MASKED_SIGNS 1
 #define MASKED_SUB_BLOCK_PAIR(R, ulo, uhi, negbits, x, slo, shi, isum)                              \
-    do {                                                                                            \
-        const __m512i u_ = WIDEN(ulo, uhi), s_ = WIDEN(slo, shi);                                   \
-        const __mmask64 neg_ = (__mmask64)(negbits);                                                \
-        for (int r = 0; r < R; r++) {                                                               \
-            const __m512i x_ = _mm512_loadu_si512((x) + r * K);                                     \
-            const __m512i sx_ = _mm512_mask_sub_epi8(x_, neg_, _mm512_setzero_si512(), x_);         \
-            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, sx_), s_);             \
-        }                                                                                           \
-    } while (0)
+    MASKED_PRODUCTS(R, WIDEN(ulo, uhi), (__mmask64)(negbits), WIDEN(slo, shi), x, isum)
 #else
 typedef __m256i isum_t;
 #define ISUM_ZERO() _mm256_setzero_si256()
