@@ -50,6 +50,8 @@ def _arch_flags(isa: str = "native") -> list[str]:
             flags += ["-mavxvnni"]
         if top >= 3 and {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= have:
             flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
+            if "bmi2" in have:  # pdep / pext: fast on every AVX-512 CPU (microcoded on AMD before Zen 3)
+                flags += ["-mbmi2"]
             if "avx512_vnni" in have:
                 flags += ["-mavx512vnni"]
     return flags

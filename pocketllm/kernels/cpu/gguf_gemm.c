@@ -38,6 +38,8 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
  * bit_signs[b] is -1 (0xFF) where bit j of b is set, else +1; ksigns maps a 7-bit sign index to its
  * 8 bits (the eighth the parity). */
 static uint64_t iq2xxs_grid[256], iq2xs_grid[512], iq2s_grid[1024], iq1s_grid[2048];
+static uint64_t iq1s_grid8[2048];      /* IQ1's entries times 8 (-8, 0, 8): the 8-bit kernels' values 8 * grid + delta */
+static uint64_t iq1_delta_lanes[16][4]; /* bit l of the index: lane l's 8 bytes -1, else +1 (IQ1_M's delta signs, BMI2) */
 static uint32_t iq3xxs_grid[256], iq3s_grid[512];
 static uint8_t ksigns[128];
 static uint64_t bit_signs[256];
@@ -57,6 +59,13 @@ void gguf_set_lattice_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const 
         for (int j = 0; j < 8; j++) v |= (uint64_t)((b >> j) & 1 ? 0xFF : 0x01) << (8 * j);
         bit_signs[b] = v;
     }
+    for (int i = 0; i < 2048; i++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)(uint8_t)(8 * (int8_t)(iq1s_grid[i] >> (8 * j))) << (8 * j);
+        iq1s_grid8[i] = v;
+    }
+    for (int b = 0; b < 16; b++)
+        for (int l = 0; l < 4; l++) iq1_delta_lanes[b][l] = (b >> l) & 1 ? 0xFFFFFFFFFFFFFFFFULL : 0x0101010101010101ULL;
     lattice_tables_set = 1;
 }
 
@@ -755,17 +764,29 @@ typedef __m512i isum_t;
         for (int r = 0; r < R; r++)                                                                 \
             isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, _mm512_loadu_si512((x) + r * K)), s_); \
     } while (0)
-/* signed values v: |v| against x with v's sign */
-#define SIGNED_SUB_BLOCK_PAIR(R, vlo, vhi, x, slo, shi, isum)                                       \
+/* unsigned values u against x, negated where bit i of the 64-bit mask `neg` is set (vpdpwssd with the
+ * pair's scales) */
+#define MASKED_PRODUCTS(R, u512, neg, s512, x, isum)                                                \
     do {                                                                                            \
-        const __m512i v_ = WIDEN(vlo, vhi), u_ = _mm512_abs_epi8(v_), s_ = WIDEN(slo, shi);        \
-        const __mmask64 neg_ = _mm512_movepi8_mask(v_);                                             \
+        const __m512i u_ = (u512), s_ = (s512);                                                     \
+        const __mmask64 neg_ = (neg);                                                               \
         for (int r = 0; r < R; r++) {                                                               \
             const __m512i x_ = _mm512_loadu_si512((x) + r * K);                                     \
             const __m512i sx_ = _mm512_mask_sub_epi8(x_, neg_, _mm512_setzero_si512(), x_);         \
             isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, sx_), s_);             \
         }                                                                                           \
     } while (0)
+/* signed values v: |v| against x with v's sign */
+#define SIGNED_SUB_BLOCK_PAIR(R, vlo, vhi, x, slo, shi, isum)                                       \
+    do {                                                                                            \
+        const __m512i v_ = WIDEN(vlo, vhi);                                                         \
+        MASKED_PRODUCTS(R, _mm512_abs_epi8(v_), _mm512_movepi8_mask(v_), WIDEN(slo, shi), x, isum); \
+    } while (0)
+/* unsigned grid values whose signs are the bits of `negbits` (byte i negative where bit i is set): the
+ * sign bits become the mask as they are, with no sign vectors built */
+#define MASKED_SIGNS 1
+#define MASKED_SUB_BLOCK_PAIR(R, ulo, uhi, negbits, x, slo, shi, isum)                              \
+    MASKED_PRODUCTS(R, WIDEN(ulo, uhi), (__mmask64)(negbits), WIDEN(slo, shi), x, isum)
 #else
 typedef __m256i isum_t;
 #define ISUM_ZERO() _mm256_setzero_si256()
@@ -784,6 +805,8 @@ typedef __m256i isum_t;
             isum[r] = DPWSSD(isum[r], _mm256_maddubs_epi16(uhi_, _mm256_sign_epi8(_mm256_loadu_si256(x_ + 1), vhi)), shi); \
         }                                                                                           \
     } while (0)
+#define MASKED_SIGNS 0
+#define MASKED_SUB_BLOCK_PAIR(R, ulo, uhi, negbits, x, slo, shi, isum) SIGNED_SUB_BLOCK_PAIR(R, ulo, uhi, x, slo, shi, isum)
 #endif
 
 /* Scales for a 32-weight chunk of two 16-weight sub-blocks, as vpmaddwd's 16-bit operand: lanes
@@ -954,69 +977,110 @@ static inline __m256i signs_of_indices(uint32_t a, uint32_t b, uint32_t c, uint3
 /* A sub-block's 32 grid values: four 8-value entries (IQ2_*, IQ1_*) or eight 4-value ones (IQ3_*),
  * from scalar loads, or for IQ3_S gathered (its eight indices' ninth bits formed by vector shifts:
  * faster there; four-entry gathers were slower than scalar loads on AMD). */
-static inline __m256i signed_grid(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, __m256i signs) {
-    return _mm256_sign_epi8(_mm256_set_epi64x((long long)g3, (long long)g2, (long long)g1, (long long)g0), signs);
-}
-
 static inline __m256i grid4_gather(const uint32_t *grid, __m256i idx) {
     return _mm256_i32gather_epi32((const int *)grid, idx, 4);
 }
 
-static inline __m256i iq1_values(__m256i grid, __m256i delta_signs) {  /* 8 * grid + delta_signs (+-1) */
-    const __m256i g2 = _mm256_add_epi8(grid, grid), g4 = _mm256_add_epi8(g2, g2);
-    return _mm256_add_epi8(_mm256_add_epi8(g4, g4), delta_signs);
+static inline __m256i grid4(const uint64_t *grid, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
+    return _mm256_set_epi64x((long long)grid[i3], (long long)grid[i2], (long long)grid[i1], (long long)grid[i0]);
 }
+
+#ifdef __BMI2__
+/* Four 8-byte grid entries: index low bytes q[0..3] and high bits `hi`, four fields of `bits` bits from
+ * bit 0 (IQ1_S, IQ1_M: 3; IQ2_S: 2), deposited into 16-bit lanes by two pdep as llama.cpp does, instead
+ * of a shift, mask and or each (BMI2: the AVX-512 builds; without it each type forms its indices). */
+static inline __m256i grid4x8(const uint64_t *grid, const uint8_t *q, uint32_t hi, int bits) {
+    uint16_t i[4];
+    uint32_t q32;
+    memcpy(&q32, q, 4);
+    const uint64_t p = _pdep_u64(q32, 0x00FF00FF00FF00FFULL) |
+                       _pdep_u64(hi, bits == 3 ? 0x0700070007000700ULL : 0x0300030003000300ULL);
+    memcpy(i, &p, 8);
+    return grid4(grid, i[0], i[1], i[2], i[3]);
+}
+#endif
 
 static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-15, then 16-31 */
     return _mm256_set_m128i(_mm_set1_epi16((short)(2 * s_hi + 1)), _mm_set1_epi16((short)(2 * s_lo + 1)));
 }
 
-/* Sub-block k (32 weights) of a lattice super-block: its signed values and scale factors. */
+/* A grid's unsigned values u and their signs: where the caller takes masked signs (`masked`) u as it is
+ * and the 32 sign bits in *neg, else the signed values.  The signs as 32 bits (IQ2_S, IQ3_S) or four
+ * 7-bit ksigns indices (IQ2_XXS, IQ2_XS, IQ3_XXS). */
+static inline __m256i with_signs(__m256i u, uint32_t bits, int masked, uint32_t *neg) {
+    if (masked) {
+        *neg = bits;
+        return u;
+    }
+    return _mm256_sign_epi8(u, signs_of_bits(bits));
+}
+static inline __m256i with_ksigns(__m256i u, uint32_t a, uint32_t b, uint32_t c, uint32_t d, int masked, uint32_t *neg) {
+    if (masked) {
+        *neg = ksigns[a] | (uint32_t)ksigns[b] << 8 | (uint32_t)ksigns[c] << 16 | (uint32_t)ksigns[d] << 24;
+        return u;
+    }
+    return _mm256_sign_epi8(u, signs_of_indices(a, b, c, d));
+}
+
+/* Sub-block k (32 weights) of a lattice super-block: its values and scale factors; with `masked`
+ * (MASKED_SIGNS builds, types with sign bits: all but IQ1_*) the unsigned values and *neg their signs. */
 static inline __attribute__((always_inline)) void lattice_sub_block(const int type, const uint8_t *restrict b, int k,
-                                                                    __m256i *v, __m256i *scale) {
+                                                                    int masked, __m256i *v, __m256i *scale,
+                                                                    uint32_t *neg) {
     uint32_t aux;
     switch (type) {
     case IQ2_XXS: {
         const uint8_t *q = b + 2 + 8 * k;
         memcpy(&aux, q + 4, 4);
-        *v = signed_grid(iq2xxs_grid[q[0]], iq2xxs_grid[q[1]], iq2xxs_grid[q[2]], iq2xxs_grid[q[3]],
-                         signs_of_indices(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127));
+        *v = with_ksigns(_mm256_set_epi64x((long long)iq2xxs_grid[q[3]], (long long)iq2xxs_grid[q[2]],
+                                           (long long)iq2xxs_grid[q[1]], (long long)iq2xxs_grid[q[0]]),
+                         aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127, masked, neg);
         *scale = odd_scales(aux >> 28, aux >> 28);
         break;
     }
     case IQ3_XXS: {
         const uint8_t *q = b + 2 + 8 * k;
         memcpy(&aux, b + 66 + 4 * k, 4);
-        *v = signed_grid(grid3_pair(iq3xxs_grid, q[0], q[1]), grid3_pair(iq3xxs_grid, q[2], q[3]),
-                         grid3_pair(iq3xxs_grid, q[4], q[5]), grid3_pair(iq3xxs_grid, q[6], q[7]),
-                         signs_of_indices(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127));
+        *v = with_ksigns(_mm256_set_epi64x((long long)grid3_pair(iq3xxs_grid, q[6], q[7]),
+                                           (long long)grid3_pair(iq3xxs_grid, q[4], q[5]),
+                                           (long long)grid3_pair(iq3xxs_grid, q[2], q[3]),
+                                           (long long)grid3_pair(iq3xxs_grid, q[0], q[1])),
+                         aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127, masked, neg);
         *scale = odd_scales(aux >> 28, aux >> 28);
         break;
     }
     case IQ2_XS: {
         uint16_t q[4];
         memcpy(q, b + 2 + 8 * k, 8);
-        *v = signed_grid(iq2xs_grid[q[0] & 511], iq2xs_grid[q[1] & 511], iq2xs_grid[q[2] & 511], iq2xs_grid[q[3] & 511],
-                         signs_of_indices(q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9));
+        *v = with_ksigns(_mm256_set_epi64x((long long)iq2xs_grid[q[3] & 511], (long long)iq2xs_grid[q[2] & 511],
+                                           (long long)iq2xs_grid[q[1] & 511], (long long)iq2xs_grid[q[0] & 511]),
+                         q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9, masked, neg);
         *scale = odd_scales(b[66 + k] & 0xF, b[66 + k] >> 4);
         break;
     }
     case IQ2_S: {
         const uint8_t *q = b + 2 + 4 * k, h = b[66 + k];
         uint32_t sb; memcpy(&sb, b + 34 + 4 * k, 4);
-        *v = signed_grid(iq2s_grid[q[0] | ((h << 8) & 0x300)], iq2s_grid[q[1] | ((h << 6) & 0x300)],
-                         iq2s_grid[q[2] | ((h << 4) & 0x300)], iq2s_grid[q[3] | ((h << 2) & 0x300)], signs_of_bits(sb));
+#ifdef __BMI2__
+        const __m256i u = grid4x8(iq2s_grid, q, h, 2);
+#else
+        const __m256i u = grid4(iq2s_grid, q[0] | ((h << 8) & 0x300), q[1] | ((h << 6) & 0x300), q[2] | ((h << 4) & 0x300),
+                                q[3] | ((h << 2) & 0x300));
+#endif
+        *v = with_signs(u, sb, masked, neg);
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
         break;
     }
     case IQ1_S: {  /* values 8 * grid + the delta's sign, in [-9, 9]: w = d (2s + 1) / 8 * value */
         const uint8_t *q = b + 2 + 4 * k;
         uint16_t qh; memcpy(&qh, b + 34 + 2 * k, 2);
-        const __m256i g = _mm256_set_epi64x((long long)iq1s_grid[q[3] | ((qh >> 1) & 0x700)],
-                                            (long long)iq1s_grid[q[2] | ((qh << 2) & 0x700)],
-                                            (long long)iq1s_grid[q[1] | ((qh << 5) & 0x700)],
-                                            (long long)iq1s_grid[q[0] | ((qh << 8) & 0x700)]);
-        *v = iq1_values(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
+#ifdef __BMI2__
+        const __m256i g = grid4x8(iq1s_grid8, q, qh & 0xFFF, 3);
+#else
+        const __m256i g = grid4(iq1s_grid8, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700), q[2] | ((qh << 2) & 0x700),
+                                q[3] | ((qh >> 1) & 0x700));
+#endif
+        *v = _mm256_add_epi8(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
         *scale = odd_scales((qh >> 12) & 7, (qh >> 12) & 7);
         break;
     }
@@ -1026,13 +1090,16 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         memcpy(&hh, b + 32 + 2 * k, 2);
         memcpy(sc, b + 48, 8);
         const uint32_t h = hh;
-        const __m256i g = _mm256_set_epi64x((long long)iq1s_grid[q[3] | ((h >> 4) & 0x700)],
-                                            (long long)iq1s_grid[q[2] | (h & 0x700)],
-                                            (long long)iq1s_grid[q[1] | ((h << 4) & 0x700)],
-                                            (long long)iq1s_grid[q[0] | ((h << 8) & 0x700)]);
+#ifdef __BMI2__  /* the index bits and the delta signs (bit 3 of each nibble) compacted by pext */
+        *v = _mm256_add_epi8(grid4x8(iq1s_grid8, q, _pext_u32(h, 0x7777), 3),
+                             _mm256_loadu_si256((const __m256i *)iq1_delta_lanes[_pext_u32(h, 0x8888)]));
+#else
+        const __m256i g = grid4(iq1s_grid8, q[0] | ((h << 8) & 0x700), q[1] | ((h << 4) & 0x700), q[2] | (h & 0x700),
+                                q[3] | ((h >> 4) & 0x700));
         const __m128i neg = _mm_cmpeq_epi32(_mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(3, 7, 11, 15)),
                                                           _mm_set1_epi32(1)), _mm_set1_epi32(1));
-        *v = iq1_values(g, _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
+        *v = _mm256_add_epi8(g, _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
+#endif
         *scale = odd_scales((sc[k / 2] >> (6 * (k % 2))) & 7, (sc[k / 2] >> (6 * (k % 2) + 3)) & 7);
         break;
     }
@@ -1043,7 +1110,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
         const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
                                             _mm256_set1_epi32(1));
-        *v = _mm256_sign_epi8(grid4_gather(iq3s_grid, _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8))), signs_of_bits(sb));
+        *v = with_signs(grid4_gather(iq3s_grid, _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8))), sb, masked, neg);
         const int s = (b[106 + k / 2] >> (4 * (k % 2))) & 0xF;
         *scale = _mm256_set1_epi16((short)(2 * s + 1));
     }
@@ -1064,11 +1131,18 @@ static inline __attribute__((always_inline)) void lattice_superblock(
     const float d = lattice_d(type, b);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
+    /* masked signs: the types with sign bits; those with ksigns indices only from 2 activation rows (at
+     * one, their sign vectors from the table measured faster: results/cpu-lattice-masked-signs.txt) */
+    const int masked = MASKED_SIGNS && (type == IQ2_S || type == IQ3_S || (R > 1 && type != IQ1_S && type != IQ1_M));
     for (int k = 0; k < 8; k += 2) {
         __m256i v[2], scale[2];
-        lattice_sub_block(type, b, k, &v[0], &scale[0]);
-        lattice_sub_block(type, b, k + 1, &v[1], &scale[1]);
-        SIGNED_SUB_BLOCK_PAIR(R, v[0], v[1], x + 32 * k, scale[0], scale[1], isum);
+        uint32_t neg[2];
+        lattice_sub_block(type, b, k, masked, &v[0], &scale[0], &neg[0]);
+        lattice_sub_block(type, b, k + 1, masked, &v[1], &scale[1], &neg[1]);
+        if (masked)
+            MASKED_SUB_BLOCK_PAIR(R, v[0], v[1], neg[0] | (uint64_t)neg[1] << 32, x + 32 * k, scale[0], scale[1], isum);
+        else
+            SIGNED_SUB_BLOCK_PAIR(R, v[0], v[1], x + 32 * k, scale[0], scale[1], isum);
     }
     for (int r = 0; r < R; r++)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ISUM_NARROW(isum[r])), _mm256_set1_ps(d * xd[r * nsb]), acc[r]);
@@ -1227,7 +1301,7 @@ static void lattice_kgemm_decoded(const int type, const int nbytes, const uint8_
                     const uint8_t *b = W[nb + i] + j * nbytes;
                     f[i * nsb + j] = lattice_d(type, b);
                     for (int k = 0; k < 8; k++)
-                        lattice_sub_block(type, b, k, &v[(i * nsb + j) * 8 + k], &sc[(i * nsb + j) * 8 + k]);
+                        lattice_sub_block(type, b, k, 0, &v[(i * nsb + j) * 8 + k], &sc[(i * nsb + j) * 8 + k], 0);
                 }
             for (int64_t b0 = 0; b0 < B; b0 += IRB)
                 for (int64_t i = 0; i < rows; i++) {

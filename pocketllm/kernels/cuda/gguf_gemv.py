@@ -48,6 +48,7 @@ def geometry(qtype: GGMLQuantizationType) -> dict[str, int]:
     return {f: int(m.group(1)) if m else 0 for f, m in found.items()}
 
 
+@cache
 def config(qtype: GGMLQuantizationType) -> dict:
     return {**CONFIG, **TYPE_CONFIG.get(qtype, {})}
 
@@ -59,6 +60,7 @@ def usable(qtype: GGMLQuantizationType, device: torch.device) -> bool:
     return qtype in CUDA_GEMV_TYPES and qtype not in _failed and device.type == "cuda" and runtime.available()
 
 
+@cache  # the defines and compile key once per variant, not every call (a failed build raises: not cached)
 def _kernel(qtype: GGMLQuantizationType, dtype: torch.dtype, grouped: bool, device: torch.device, r: int, nt: int):
     dec = DECODERS[qtype]
     out_t, bf16 = _OUT[dtype]
@@ -88,7 +90,8 @@ def gemv(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Ten
         return None
     y = torch.empty((rows, n), dtype=dtype, device=packed.device)
     tiles = (n + r - 1) // r
-    kern.launch((min(tiles, w * _num_sms(packed.device)) if w else tiles, rows, 1), nt, packed, xq, xd, xs, y, y if ids is None else ids,
-                _value_table(packed.device, qtype), n, packed.shape[1], _type_args(qtype, k)[1], k // g["BLOCK"], x_div,
-                xq.stride(0), xd.stride(0), y.stride(0))
+    blocks = min(tiles, w * _num_sms(packed.device)) if w else tiles
+    kern.launch((blocks, rows, 1), nt, packed, xq, xd, xs, y, y if ids is None else ids, _value_table(packed.device, qtype),
+                n, packed.shape[1], _type_args(qtype, k)[1], k // g["BLOCK"], x_div, xq.stride(0), xd.stride(0),
+                y.stride(0))
     return y

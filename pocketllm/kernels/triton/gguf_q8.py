@@ -602,7 +602,7 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, r
 
 # The "auto" regime runs these on 8-bit activations (every type).  IQ3_S's Triton kernel had been slower than its
 # exact float GEMV (14336x4096 44.1 against 40.8 us: results/h200-triton-gguf-q8-more-types.txt); its CUDA C kernel,
-# which runs on CUDA devices, is 2.5x faster than either (results/h200-cuda-gemv-lattice.txt).
+# which runs on CUDA devices, is 2.3-2.6x faster than either (results/h200-cuda-gemv-lattice-signs.txt).
 Q8_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
                                                         T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS,
                                                         T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
