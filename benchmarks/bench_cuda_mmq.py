@@ -51,8 +51,8 @@ def main():
                 ref = kg.gguf_matmul(x, w0, qtype, k, packed=True, regime="dequant").float()
                 regimes = ["mma", "dequant"] if qtype in kg._mma().MMA_TYPES else ["dequant"]
 
-                def mmq(w):
-                    return gguf_mmq.mmq(*quantize_activations(x), w, qtype, k, n, m, torch.bfloat16)
+                def mmq(w, bm=None):
+                    return gguf_mmq.mmq(*quantize_activations(x), w, qtype, k, n, m, torch.bfloat16, bm=bm)
 
                 err = float((mmq(w0).float() - ref).abs().max() / ref.abs().max())
                 row = dict(type=name, n=n, k=k, m=m, bytes=nbytes, copies=copies, rel_err=err)
@@ -60,10 +60,15 @@ def main():
                     row[f"{regime}_us"] = timed(lambda: [kg.gguf_matmul(x, w, qtype, k, packed=True, regime=regime)
                                                          for w in ws], copies)
                 row["mmq_us"] = timed(lambda: [mmq(w) for w in ws], copies)
+                half = gguf_mmq.block_m(m) // 2  # the rows as blocks of half as many
+                if half >= 16:
+                    row[f"mmq_bm{half}_us"] = timed(lambda: [mmq(w, half) for w in ws], copies)
                 best = min(row[f"{r}_us"] for r in regimes)
                 print(f"{name:7s} {n:6d}x{k:<5d} M={m:3d} | " + " | ".join(f"{r} {row[f'{r}_us']:7.1f} us" for r in regimes)
                       + f" | mmq {row['mmq_us']:7.1f} ({best / row['mmq_us']:4.2f}x the best, "
-                      f"{nbytes / row['mmq_us'] / 1e3:5.0f} GB/s) | rel err {err:.1e}", flush=True)
+                      f"{nbytes / row['mmq_us'] / 1e3:5.0f} GB/s)"
+                      + (f" | mmq bm{half} {row[f'mmq_bm{half}_us']:7.1f}" if half >= 16 else "")
+                      + f" | rel err {err:.1e}", flush=True)
                 out.append(row)
             del ws, w0
             torch.cuda.empty_cache()

@@ -212,3 +212,26 @@ def test_mmq_equals_the_dequantized_product(qtype):
         assert y.shape == (m, n)
         err = (y.double() - ref).abs()
         assert bool((err <= 1e-5 * mag + 1e-30).all()), (m, splits, float((err / mag).max()))
+
+
+@cuda_only
+@pytest.mark.parametrize("qtype", sorted(gguf_mmq.MMQ_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_auto_takes_mmq_for_its_rows(qtype, monkeypatch):
+    """gguf_matmul's auto regime: the integer tensor-core kernel from GEMV_MAX_M + 1 rows to MMQ_MAX_M (to
+    MMA_MAX_M for MMQ_WIDE_TYPES), 16-bit activations only; its output that of dequantize + cuBLAS to the
+    8-bit activations' rounding."""
+    n, k = 300, 1024
+    raw = torch.from_numpy(realistic_blocks(np.random.default_rng(5), qtype, n, k)).cuda()
+    packed = kg.pack_gguf(raw, qtype, k)
+    seen = []
+    real = gguf_mmq.mmq
+    monkeypatch.setattr(gguf_mmq, "mmq", lambda *a, **kw: seen.append(a[7]) or real(*a, **kw))
+    top = kg.MMA_MAX_M if qtype in kg.MMQ_WIDE_TYPES else kg.MMQ_MAX_M
+    rows = (kg.GEMV_MAX_M, kg.GEMV_MAX_M + 1, kg.MMQ_MAX_M, kg.MMQ_MAX_M + 1, kg.MMA_MAX_M, kg.MMA_MAX_M + 1)
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = kg.gguf_matmul(x, packed, qtype, k, packed=True)
+        ref = kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dequant").float()
+        assert float((y.float() - ref).abs().max()) <= 0.03 * float(ref.abs().max()), m
+    kg.gguf_matmul(torch.randn(8, k, device="cuda"), packed, qtype, k, packed=True)  # float32: exact paths
+    assert seen == [m for m in rows if kg.GEMV_MAX_M < m <= top]

@@ -10,21 +10,19 @@
 //
 // Compiled after gguf_gemv.cu's helpers (the same program text).  The tile decoders (``<type>_tile``)
 // also compile as host C++: tests/test_cuda_gguf.py checks them against gguf's dequantization.
-// The kernel, once per type (MMQ = the decoder's prefix, MMQ_UNITS its units a step of 256 weights,
-// MMQ_G its group, MMQ_MIN whether it has minimums): grid (ceil(N / BN), ceil(M / BM), splits of K);
-// 128 threads (4 warps, 16 weight rows each, all BM activation rows).  part[z, m, n]: split z's float32
-// sum (the caller adds the splits in order).
 
 #define BN 64         // weight rows a block
-#define BM 64         // activation rows a block
 #define KB 256        // weights a step
-#define LD (KB + 16)  // bytes a row in shared memory: fragment loads of 8 rows x 4 words fall in 32 banks
+#ifndef MMQ_PAD
+#define MMQ_PAD 32
+#endif
+#define LD (KB + MMQ_PAD)  // bytes a row in shared memory.  Groups of 32 (pad 32: 72 words): a half-warp's
+                           // 8-byte fragment loads (rows g, bytes 8q) fall in 32 distinct banks; groups of 16
+                           // (pad 16: 68 words): a warp's 4-byte loads (rows g, bytes 4q) do
 
-struct alignas(16) MmqTile {
+struct alignas(16) MmqTile {  // a step's weights: int8 codes, each group's scale and minimum
     i8 w[BN][LD];
-    i8 x[BM][LD];
-    float ws[BN][16], wm[BN][16];  // the weights' scale and minimum of each group (32: entries 0-7)
-    float xd[BM][8], xs[BM][8];    // the activations' scale and scaled sum of each 32
+    float ws[BN][16], wm[BN][16];  // groups of 32: entries 0-7
 };
 
 DEV void st16(i8* p, W4 v) {  // 16 bytes to a 16-byte aligned place (shared memory in the kernel)
@@ -36,16 +34,27 @@ DEV void st16(i8* p, W4 v) {  // 16 bytes to a 16-byte aligned place (shared mem
 }
 
 // ---- tile decoders: unit u of 256-weight step `step` of weight row `row` (packed as pack_gguf) into
-// tile row r: its int8 codes at their weights' places, its groups' scales (and minimums) --------------
+// tile row r: its int8 codes at their weights' places, its groups' scales (and minimums).  Each is a
+// fetch (global memory to registers: the kernel issues it a step ahead) and a put (registers to the tile);
+// <type>_tile is both. -------------------------------------------------------------------------------
+
+#define MMQ_TILE(name)                                                                                      \
+    DEV void name##_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step, int u, const u32* lut) {  \
+        name##_put(t, r, name##_fetch(row, hdr_start, step, u), u, lut);                                     \
+    }
 
 // Q4_K: unit p (0..3): the 32 bytes whose low nibbles are sub-block 2p's codes and high nibbles 2p + 1's.
 #define Q4_K_UNITS 4
 #define Q4_K_G 32
 #define Q4_K_MIN 1
-DEV void q4_k_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step, int p, const u32* lut) {
+struct MmqQ4_K { W4 q0, q1, h; };
+DEV MmqQ4_K q4_k_fetch(const u8* row, int hdr_start, int step, int p) {
     const u8 *body = row + Q4_K_BODY * step, *hdr = row + hdr_start + Q4_K_HDR * step;
+    return {ld_stream(body + 32 * p), ld_stream(body + 32 * p + 16), ld16(hdr)};
+}
+DEV void q4_k_put(MmqTile& t, int r, const MmqQ4_K& a, int p, const u32* lut) {
     const u32 m = 0x0F0F0F0F;
-    W4 q0 = ld_stream(body + 32 * p), q1 = ld_stream(body + 32 * p + 16), h = ld16(hdr);
+    const W4 q0 = a.q0, q1 = a.q1, h = a.h;
     W4 l0 = {q0.x & m, q0.y & m, q0.z & m, q0.w & m}, l1 = {q1.x & m, q1.y & m, q1.z & m, q1.w & m};
     W4 h0 = {(q0.x >> 4) & m, (q0.y >> 4) & m, (q0.z >> 4) & m, (q0.w >> 4) & m};
     W4 h1 = {(q1.x >> 4) & m, (q1.y >> 4) & m, (q1.z >> 4) & m, (q1.w >> 4) & m};
@@ -61,20 +70,28 @@ DEV void q4_k_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step, in
     t.wm[r][2 * p] = dmin * (float)(mn & 0xFF);
     t.wm[r][2 * p + 1] = dmin * (float)(mn >> 8);
 }
+MMQ_TILE(q4_k)
 
 // Q6_K: unit (n, i) = 2n + i: weights 128n + 32j + 16i + l (j, l as gguf_gemv.cu's pieces), codes q - 32,
 // groups of 16 with int8 scales.
 #define Q6_K_UNITS 4
 #define Q6_K_G 16
 #define Q6_K_MIN 0
-DEV void q6_k_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step, int u, const u32* lut) {
+struct MmqQ6_K { W4 qa, qb, qc; u32 sc, d; };
+DEV MmqQ6_K q6_k_fetch(const u8* row, int hdr_start, int step, int u) {
     const u8 *body = row + Q6_K_BODY * step, *hdr = row + hdr_start + Q6_K_HDR * step;
     const int n = u >> 1, i = u & 1;
-    const W4 qa = ld_stream(body + 64 * n + 16 * i), qb = ld_stream(body + 64 * n + 32 + 16 * i),
-             qc = ld_stream(body + 128 + 32 * n + 16 * i);
+    u32 sc = 0;  // scales 8n + 2j + i (j = 0..3) as bytes j
+    for (int j = 0; j < 4; j++) sc |= ld_field<unsigned char>(hdr + 8 * n + 2 * j + i) << (8 * j);
+    return {ld_stream(body + 64 * n + 16 * i), ld_stream(body + 64 * n + 32 + 16 * i),
+            ld_stream(body + 128 + 32 * n + 16 * i), sc, ld_u16(hdr + 16)};
+}
+DEV void q6_k_put(MmqTile& t, int r, const MmqQ6_K& w, int u, const u32* lut) {
+    const int n = u >> 1, i = u & 1;
     const u32 m = 0x0F0F0F0F, m2 = 0x30303030, off = 0x20202020;
-    const u32 a[4] = {qa.x, qa.y, qa.z, qa.w}, b[4] = {qb.x, qb.y, qb.z, qb.w}, c[4] = {qc.x, qc.y, qc.z, qc.w};
-    const float d = half_to_float(ld_u16(hdr + 16));
+    const u32 a[4] = {w.qa.x, w.qa.y, w.qa.z, w.qa.w}, b[4] = {w.qb.x, w.qb.y, w.qb.z, w.qb.w},
+              c[4] = {w.qc.x, w.qc.y, w.qc.z, w.qc.w};
+    const float d = half_to_float(w.d);
     for (int j = 0; j < 4; j++) {  // ql's low nibbles (j = 0, 1) or high (2, 3) of qa (even j) or qb
         u32 v[4];
         for (int k = 0; k < 4; k++) {
@@ -84,35 +101,44 @@ DEV void q6_k_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step, in
         }
         W4 vv = {v[0], v[1], v[2], v[3]};
         st16(&t.w[r][128 * n + 32 * j + 16 * i], vv);
-        t.ws[r][8 * n + 2 * j + i] = d * (float)(int)(i8)ld_field<unsigned char>(hdr + 8 * n + 2 * j + i);
+        t.ws[r][8 * n + 2 * j + i] = d * (float)(int)(i8)(w.sc >> (8 * j));
     }
 }
+MMQ_TILE(q6_k)
 
 // Q8_0: 32-weight blocks: unit u is block 8 * step + u.
 #define Q8_0_UNITS 8
 #define Q8_0_G 32
 #define Q8_0_MIN 0
-DEV void q8_0_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step, int u, const u32* lut) {
+struct MmqQ8_0 { W4 a, b; u32 d; };
+DEV MmqQ8_0 q8_0_fetch(const u8* row, int hdr_start, int step, int u) {
     const int blk = 8 * step + u;
     const u8* body = row + Q8_0_BODY * blk;
-    st16(&t.w[r][32 * u], ld_stream(body));
-    st16(&t.w[r][32 * u + 16], ld_stream(body + 16));
-    t.ws[r][u] = half_to_float(ld_u16(row + hdr_start + Q8_0_HDR * blk));
+    return {ld_stream(body), ld_stream(body + 16), ld_u16(row + hdr_start + Q8_0_HDR * blk)};
 }
+DEV void q8_0_put(MmqTile& t, int r, const MmqQ8_0& w, int u, const u32* lut) {
+    st16(&t.w[r][32 * u], w.a);
+    st16(&t.w[r][32 * u + 16], w.b);
+    t.ws[r][u] = half_to_float(w.d);
+}
+MMQ_TILE(q8_0)
 
 // IQ2_XXS: unit u is group u (32 weights: four grid entries, their signs and a 4-bit scale); the grid's
 // words from the table in global memory (lut from word 128 on, as the GEMV's shared copy).
 #define IQ2_XXS_UNITS 8
 #define IQ2_XXS_G 32
 #define IQ2_XXS_MIN 0
-DEV void iq2_xxs_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step, int u, const u32* lut) {
+struct MmqIQ2_XXS { u32 idx, aux, d; };
+DEV MmqIQ2_XXS iq2_xxs_fetch(const u8* row, int hdr_start, int step, int u) {
     const u8* body = row + IQ2_XXS_BODY * step + 8 * u;
-    const u32 idx = ld_u32(body), aux = ld_u32(body + 4);
+    return {ld_u32(body), ld_u32(body + 4), ld_u16(row + hdr_start + IQ2_XXS_HDR * step)};
+}
+DEV void iq2_xxs_put(MmqTile& t, int r, const MmqIQ2_XXS& w, int u, const u32* lut) {
     const u32* grid = lut + 128;
     u32 v[8];
     for (int e = 0; e < 4; e++) {
-        const u32 k = (idx >> (8 * e)) & 0xFF;
-        const Signs sg = ksigns((aux >> (7 * e)) & 127);
+        const u32 k = (w.idx >> (8 * e)) & 0xFF;
+        const Signs sg = ksigns((w.aux >> (7 * e)) & 127);
         const u32 s0 = spread(sg.lo), s1 = spread(sg.hi);
         v[2 * e] = (ld_field<unsigned int>((const u8*)(grid + 2 * k)) ^ (s0 * 0xFF)) + s0;
         v[2 * e + 1] = (ld_field<unsigned int>((const u8*)(grid + 2 * k + 1)) ^ (s1 * 0xFF)) + s1;
@@ -120,17 +146,39 @@ DEV void iq2_xxs_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step,
     W4 a = {v[0], v[1], v[2], v[3]}, b = {v[4], v[5], v[6], v[7]};
     st16(&t.w[r][32 * u], a);
     st16(&t.w[r][32 * u + 16], b);
-    t.ws[r][u] = 0.125f * half_to_float(ld_u16(row + hdr_start + IQ2_XXS_HDR * step)) * (float)(2 * (int)(aux >> 28) + 1);
+    t.ws[r][u] = 0.125f * half_to_float(w.d) * (float)(2 * (int)(w.aux >> 28) + 1);
 }
+MMQ_TILE(iq2_xxs)
 
 // ---- the kernel ------------------------------------------------------------------------------------
+// Once per type (MMQ = the decoder's prefix, MMQ_UNITS its units a step, MMQ_G its group, MMQ_MIN whether it
+// has minimums) and activation rows a block (MMQ_BM: 16, 32 or 64).  A step's loads are issued a step ahead:
+// the weights' bytes and the activations' scales into registers, the activations' codes by cp.async into
+// the other of two buffers, so global memory's latency hides behind the step's products.
+// Fragments: in a group of 32, thread q's k slots 4q..4q+3 and 16+4q..16+4q+3 of both operands are weights
+// 8q..8q+7 (one 8-byte load each; a product may take its k in any order that both operands share).
+// A group's int32 product starts at MAGIC, so it reads as the float 1.5 * 2^23 + product (|product| < 2^22:
+// at most 32 * 127 * 127) and one subtraction converts it (I2F issues at a quarter of the FP32 rate).
 
 #if defined(__CUDACC__) && defined(MMQ)
 #define MMQ_THREADS 128
+#define BM MMQ_BM
+#define MAGIC 0x4B400000
 #ifndef CAT
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 #endif
+
+struct alignas(16) MmqAct { i8 x[BM][LD]; };                       // a step's activation codes
+struct alignas(16) MmqActScales { float v[8][BM / 2][4]; };  // by group and pair of rows: both rows' scales,
+                                                             // then their scaled sums (one 16-byte load)
+
+DEV void cp_async16(void* dst, const void* src, bool ok) {  // 16 bytes, or zeros where !ok
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(ok ? 16 : 0));
+}
+DEV void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+DEV void cp_async_wait_prior() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }  // all but the last group
 
 DEV void mma_k32(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -145,72 +193,116 @@ DEV void mma_k16(int* c, u32 a0, u32 a1, u32 b0) {
                  : "r"(a0), "r"(a1), "r"(b0));
 }
 
-extern "C" __global__ void __launch_bounds__(MMQ_THREADS) KERNEL(
+// grid (ceil(N / BN), ceil(M / BM), splits of K); 128 threads (4 warps: 16 weight rows each, all BM
+// activation rows); dynamic shared memory: MmqTile, two MmqAct, MmqActScales.  part[z, m, n]: split z's
+// float32 sum (the caller adds the splits in order).
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
         const u8* __restrict__ w, const i8* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, float* __restrict__ part, const u32* __restrict__ lut, int N, int M,
         int row_bytes, int hdr_start, int n_steps, int stride_xq, int stride_xd) {
-    __shared__ MmqTile t;
+    extern __shared__ __align__(16) unsigned char smem[];
+    MmqTile& t = *(MmqTile*)smem;
+    MmqAct* ax = (MmqAct*)(smem + sizeof(MmqTile));
+    MmqActScales& as = *(MmqActScales*)(smem + sizeof(MmqTile) + 2 * sizeof(MmqAct));
+    constexpr int PER = BN * MMQ_UNITS / MMQ_THREADS, XS = BM * 8 / MMQ_THREADS, XC = BM * 16 / MMQ_THREADS;
+    static_assert(PER * MMQ_THREADS == BN * MMQ_UNITS && XS >= 1, "a thread's share of a step");
     const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int s0 = (int)((long long)n_steps * blockIdx.z / gridDim.z);
     const int s1 = (int)((long long)n_steps * (blockIdx.z + 1) / gridDim.z);
+
+    decltype(CAT(MMQ, _fetch)(w, 0, 0, 0)) raw[PER];
+    float rd[XS], rs[XS];
+    auto fetch = [&](int step) {  // the step's weight units and activation scales, to registers
+#pragma unroll
+        for (int i = 0; i < PER; i++) {  // rows past N fetch row N - 1 (their outputs are not stored)
+            const int u = tid + i * MMQ_THREADS, r = u / MMQ_UNITS;
+            raw[i] = CAT(MMQ, _fetch)(w + (long long)min(n0 + r, N - 1) * row_bytes, hdr_start, step, u % MMQ_UNITS);
+        }
+#pragma unroll
+        for (int i = 0; i < XS; i++) {
+            const int u = tid + i * MMQ_THREADS, mm = m0 + (u >> 3);
+            const long long at = (long long)mm * stride_xd + 8 * step + (u & 7);
+            rd[i] = mm < M ? ldf(xd + at) : 0.0f;
+            rs[i] = MMQ_MIN && mm < M ? ldf(xs + at) : 0.0f;
+        }
+    };
+    auto copy_x = [&](int step, MmqAct& b) {  // the step's activation codes, by cp.async (rows past M: zeros)
+#pragma unroll
+        for (int i = 0; i < XC; i++) {
+            const int u = tid + i * MMQ_THREADS, r = u >> 4, c = u & 15, mm = m0 + r;
+            cp_async16(&b.x[r][16 * c], mm < M ? xq + (long long)mm * stride_xq + KB * step + 16 * c : xq, mm < M);
+        }
+        cp_async_commit();
+    };
+
     float acc[BM / 8][4];
 #pragma unroll
     for (int j = 0; j < BM / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     const int ra = 16 * warp + g;  // this thread's weight rows ra and ra + 8 of the tile
+    if (s0 < s1) {
+        fetch(s0);
+        copy_x(s0, ax[0]);
+    }
     for (int step = s0; step < s1; step++) {
-        // the weight tile: BN rows x MMQ_UNITS units (rows past N decode row N - 1: not stored)
-        for (int u = tid; u < BN * MMQ_UNITS; u += MMQ_THREADS) {
-            const int r = u / MMQ_UNITS;
-            CAT(MMQ, _tile)(t, r, w + (long long)min(n0 + r, N - 1) * row_bytes, hdr_start, step, u % MMQ_UNITS, lut);
+        const MmqAct& X = ax[(step - s0) & 1];
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int u = tid + i * MMQ_THREADS;
+            CAT(MMQ, _put)(t, u / MMQ_UNITS, raw[i], u % MMQ_UNITS, lut);
         }
-        // the activation tile: BM rows x 16 pieces of 16 bytes (rows past M are zeros)
-        for (int u = tid; u < BM * 16; u += MMQ_THREADS) {
-            const int r = u >> 4, c = u & 15, mm = m0 + r;
-            W4 v = {0u, 0u, 0u, 0u};
-            if (mm < M) v = ld16(xq + (long long)mm * stride_xq + KB * step + 16 * c);
-            st16(&t.x[r][16 * c], v);
+#pragma unroll
+        for (int i = 0; i < XS; i++) {
+            const int u = tid + i * MMQ_THREADS;
+            const int r = u >> 3;
+            as.v[u & 7][r >> 1][r & 1] = rd[i];
+            as.v[u & 7][r >> 1][2 + (r & 1)] = rs[i];
         }
-        for (int u = tid; u < BM * 8; u += MMQ_THREADS) {
-            const int r = u >> 3, s = u & 7, mm = m0 + r;
-            const bool ok = mm < M;
-            t.xd[r][s] = ok ? ldf(xd + (long long)mm * stride_xd + 8 * step + s) : 0.0f;
-            t.xs[r][s] = ok ? ldf(xs + (long long)mm * stride_xd + 8 * step + s) : 0.0f;
+        if (step + 1 < s1) {
+            fetch(step + 1);
+            copy_x(step + 1, ax[(step + 1 - s0) & 1]);
+        } else {
+            cp_async_commit();  // an empty group: the wait below still leaves only the newest pending
         }
+        cp_async_wait_prior();
         __syncthreads();
 #pragma unroll
         for (int s = 0; s < KB / MMQ_G; s++) {  // group s of MMQ_G weights
-            const i8* wa = &t.w[ra][MMQ_G * s + 4 * q];
-            const i8* wb = &t.w[ra + 8][MMQ_G * s + 4 * q];
             const float sa = t.ws[ra][s], sb = t.ws[ra + 8][s];
 #if MMQ_MIN
             const float ma = t.wm[ra][s], mb = t.wm[ra + 8][s];
 #endif
             const int gx = s * MMQ_G / 32;  // the activations' group of 32
+#if MMQ_G == 32
+            const uint2 wa = *(const uint2*)&t.w[ra][32 * s + 8 * q], wb = *(const uint2*)&t.w[ra + 8][32 * s + 8 * q];
+#else
+            const u32 wa = *(const u32*)&t.w[ra][16 * s + 4 * q], wb = *(const u32*)&t.w[ra + 8][16 * s + 4 * q];
+#endif
 #pragma unroll
             for (int j = 0; j < BM / 8; j++) {
-                const i8* xb = &t.x[8 * j + g][MMQ_G * s + 4 * q];
-                int c[4] = {0, 0, 0, 0};
+                int c[4] = {MAGIC, MAGIC, MAGIC, MAGIC};
 #if MMQ_G == 32
-                mma_k32(c, *(const u32*)wa, *(const u32*)wb, *(const u32*)(wa + 16), *(const u32*)(wb + 16),
-                        *(const u32*)xb, *(const u32*)(xb + 16));
+                const uint2 xb = *(const uint2*)&X.x[8 * j + g][32 * s + 8 * q];
+                mma_k32(c, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
 #else
-                mma_k16(c, *(const u32*)wa, *(const u32*)wb, *(const u32*)xb);
+                mma_k16(c, wa, wb, *(const u32*)&X.x[8 * j + g][16 * s + 4 * q]);
 #endif
                 const int mc = 8 * j + 2 * q;  // this thread's activation rows mc and mc + 1 of the tile
-                const float d0 = t.xd[mc][gx], d1 = t.xd[mc + 1][gx];
+                const float4 de = *(const float4*)as.v[gx][mc >> 1];
+                const float2 d = {de.x, de.y};
                 float y0 = acc[j][0], y1 = acc[j][1], y2 = acc[j][2], y3 = acc[j][3];
 #if MMQ_MIN
-                const float e0 = t.xs[mc][gx], e1 = t.xs[mc + 1][gx];
-                y0 = fmaf(-ma, e0, y0);
-                y1 = fmaf(-ma, e1, y1);
-                y2 = fmaf(-mb, e0, y2);
-                y3 = fmaf(-mb, e1, y3);
+                const float2 e = {de.z, de.w};
+                y0 = fmaf(-ma, e.x, y0);
+                y1 = fmaf(-ma, e.y, y1);
+                y2 = fmaf(-mb, e.x, y2);
+                y3 = fmaf(-mb, e.y, y3);
 #endif
-                acc[j][0] = fmaf(sa * d0, (float)c[0], y0);
-                acc[j][1] = fmaf(sa * d1, (float)c[1], y1);
-                acc[j][2] = fmaf(sb * d0, (float)c[2], y2);
-                acc[j][3] = fmaf(sb * d1, (float)c[3], y3);
+                const float magic = 12582912.0f;
+                acc[j][0] = fmaf(sa * d.x, __int_as_float(c[0]) - magic, y0);
+                acc[j][1] = fmaf(sa * d.y, __int_as_float(c[1]) - magic, y1);
+                acc[j][2] = fmaf(sb * d.x, __int_as_float(c[2]) - magic, y2);
+                acc[j][3] = fmaf(sb * d.y, __int_as_float(c[3]) - magic, y3);
             }
         }
         __syncthreads();

@@ -15,8 +15,10 @@ from . import gguf_gemv, runtime
 T = GGMLQuantizationType
 SOURCE = Path(__file__).with_name("gguf_mmq.cu")
 MMQ_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_K, T.Q6_K, T.Q8_0, T.IQ2_XXS})  # with a ``<type>_tile``
-BN = BM = 64  # weight rows and activation rows a block (gguf_mmq.cu)
+BN = 64  # weight rows a block (gguf_mmq.cu)
+KB = 256  # weights a step
 WAVES = 2  # K is split until the blocks fill this many programs an SM
+_GROUP = {T.Q6_K: 16}  # weights a scale (32 for the others)
 
 
 @cache
@@ -32,21 +34,37 @@ def splits_for(tiles: int, n_steps: int, device: torch.device) -> int:
     return max(1, min(n_steps, math.ceil(WAVES * _num_sms(device) / tiles)))
 
 
+def block_m(m: int) -> int:
+    """Activation rows a block: 16, 32 or 64."""
+    return min(64, max(16, 1 << (m - 1).bit_length()))
+
+
+def shared_bytes(qtype: GGMLQuantizationType, bm: int) -> int:
+    """gguf_mmq.cu's dynamic shared memory: the weight tile, two activation buffers, the activation scales."""
+    ld = KB + (16 if _GROUP.get(qtype, 32) == 16 else 32)
+    return BN * ld + 2 * BN * 16 * 4 + 2 * bm * ld + 2 * 8 * bm * 4
+
+
 def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType,
-        k: int, n: int, m: int, dtype: torch.dtype, splits: int | None = None) -> torch.Tensor:
+        k: int, n: int, m: int, dtype: torch.dtype, splits: int | None = None, bm: int | None = None) -> torch.Tensor:
     """y [m, n] of ``dtype`` = x . W^T for x in 8 bits (``xq``, ``xd``, ``xs`` as ``int8_act``) and W packed by
-    ``pack_gguf``; K split over ``splits`` programs (default: enough to fill the GPU), added in order after."""
+    ``pack_gguf``; K split over ``splits`` programs (default: enough to fill the GPU), added in order after;
+    ``bm`` activation rows a block (default ``block_m(m)``)."""
     dec = gguf_gemv.DECODERS[qtype]
     up = dec.upper()
-    assert qtype in MMQ_TYPES and k % 256 == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
-    n_steps = k // 256
-    tiles = math.ceil(n / BN) * math.ceil(m / BM)
+    assert qtype in MMQ_TYPES and k % KB == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
+    n_steps = k // KB
+    bm = bm or block_m(m)
+    assert bm in (16, 32, 64)
+    tiles = math.ceil(n / BN) * math.ceil(m / bm)
     s = splits or splits_for(tiles, n_steps, packed.device)
-    name = f"mmq_{dec}"
-    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=f"{up}_G",
-                                               MMQ_MIN=f"{up}_MIN"), packed.device)
+    group = _GROUP.get(qtype, 32)
+    name = f"mmq_{dec}_{bm}"
+    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=group,
+                                               MMQ_MIN=f"{up}_MIN", MMQ_BM=bm, MMQ_PAD=16 if group == 16 else 32),
+                          packed.device)
     part = torch.empty((s, m, n), dtype=torch.float32, device=packed.device)
-    kern.launch((math.ceil(n / BN), math.ceil(m / BM), s), 128, packed, xq, xd, xs, part,
+    kern.launch((math.ceil(n / BN), math.ceil(m / bm), s), 128, packed, xq, xd, xs, part,
                 _value_table(packed.device, qtype), n, m, packed.shape[1], _type_args(qtype, k)[1], n_steps,
-                xq.stride(0), xd.stride(0))
+                xq.stride(0), xd.stride(0), shared=shared_bytes(qtype, bm))
     return (part[0] if s == 1 else part.sum(0)).to(dtype)

@@ -126,6 +126,9 @@ def _make_current(device: torch.device) -> None:
         _check_cu(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
 class Kernel:
     """A compiled kernel of one module; ``launch`` takes tensors (as pointers) and Python ints (as
     C ints), in the kernel's argument order, and launches on the current stream."""
@@ -142,11 +145,17 @@ class Kernel:
             _check_cu(cu.cuModuleGetFunction(ctypes.byref(self._fn), self._module, name.encode()),
                       f"cuModuleGetFunction({name})")
 
-    def launch(self, grid: tuple[int, int, int], block: int, *args) -> None:
+        self._shared = 48 * 1024  # dynamic shared memory a launch may take without opting in
+
+    def launch(self, grid: tuple[int, int, int], block: int, *args, shared: int = 0) -> None:
+        """``shared``: bytes of dynamic shared memory."""
+        if shared > self._shared:
+            _check_cu(_libs().cuda.cuFuncSetAttribute(self._fn, _MAX_DYNAMIC_SHARED, shared), "cuFuncSetAttribute")
+            self._shared = shared
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        _check_cu(_libs().cuda.cuLaunchKernel(self._fn, grid[0], grid[1], grid[2], block, 1, 1, 0,
+        _check_cu(_libs().cuda.cuLaunchKernel(self._fn, grid[0], grid[1], grid[2], block, 1, 1, shared,
                                               ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
 
 

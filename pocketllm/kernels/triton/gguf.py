@@ -634,6 +634,13 @@ MMA_MAX_M = 64  # auto: the tensor-core tile kernel (gguf_mma.py) up to this man
 # MMA_AUTO_TYPES only: Q4_K beat dequantize + cuBLAS at every 8B shape and M = 3..64 on the H200
 # (results/h200-triton-gguf-mma.txt); Q6_K and Q8_0 won some shapes and lost others, so they stay on request
 MMA_AUTO_TYPES = frozenset({T.Q4_K})
+# auto: the integer tensor-core kernel (cuda/gguf_mmq.cu) for its types, 16-bit activations, up to MMQ_MAX_M
+# rows (MMA_MAX_M for MMQ_WIDE_TYPES).  On the H200 at the 8B shapes (results/h200-cuda-mmq-3.txt) it took
+# 0.46-0.93x the time of the best other kernel at 4-32 rows for every type; at 64 rows 0.70-1.06x for
+# IQ2_XXS (against dequantize + cuBLAS) but up to 1.4x for the others, and 64-sequence decode of the Q4_K_M
+# file was 6% slower with it (h200-gguf-llama3-8b-*-batch64-{tile,mmq}-c.json)
+MMQ_MAX_M = 32
+MMQ_WIDE_TYPES = frozenset({T.IQ2_XXS})
 GEMV_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {  # the wider codes: one row (Q6_K measured)
     t: dict(BLOCK_N=1) for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)}
 DOT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
@@ -868,8 +875,8 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
             regime = "gemv_q8"
         elif regime == "dequant" and m <= MMA_MAX_M and x.dtype != torch.float32 and qtype in MMA_AUTO_TYPES:
             regime = "mma"
-        if regime in ("mma", "dequant") and x.dtype != torch.float32 and os.environ.get("POCKETLLM_MMQ") == "1" \
-                and _mmq().usable(qtype, x.device, k):  # not measured end to end yet: on request only
+        if regime in ("mma", "dequant") and m <= (MMQ_MAX_M if qtype not in MMQ_WIDE_TYPES else MMA_MAX_M) \
+                and x.dtype != torch.float32 and _mmq().usable(qtype, x.device, k):
             regime = "mmq"
     if regime not in ("gemv", "gemv_q8", "dot", "dequant", "mma", "mmq"):
         raise ValueError(f"regime must be auto, gemv, gemv_q8, dot, dequant, mma or mmq; got {regime!r}")
