@@ -235,3 +235,36 @@ def test_auto_takes_mmq_for_its_rows(qtype, monkeypatch):
         assert float((y.float() - ref).abs().max()) <= 0.03 * float(ref.abs().max()), m
     kg.gguf_matmul(torch.randn(8, k, device="cuda"), packed, qtype, k, packed=True)  # float32: exact paths
     assert seen == [m for m in rows if kg.GEMV_MAX_M < m <= top]
+
+
+@cuda_only
+@pytest.mark.parametrize("qtype", sorted(gguf_mmq.MMQ_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_mmq_moe_multiplies_each_pair_by_its_expert(qtype, monkeypatch):
+    """The integer tensor-core kernel over a mixture-of-experts layer's pairs sorted by expert (experts chosen
+    by several tokens, by one, by none, more pairs than a row block; blocks of 16 and 32): row p is
+    x[p // x_div] . W[ids[p]]^T for the 8-bit activations; fused_moe takes it for 16-bit activations."""
+    from pocketllm.kernels.triton import moe
+
+    n, k, experts = 200, 512, 5
+    raw = torch.from_numpy(realistic_blocks(np.random.default_rng(9), qtype, experts * n, k))
+    w = dequantize(raw, qtype, (experts * n, k)).double().cuda()
+    stacked = kg.pack_gguf(raw.cuda(), qtype, k)
+    ids = torch.tensor([[4, 1]] * 37 + [[2, 0]], device="cuda")  # 4 and 1: 37 pairs each, 3: none
+    for block_m in (16, 32):
+        routing = moe.align(ids, experts, block_m=block_m)
+        for x_div, rows in ((2, 38), (1, 76)):
+            xq, xd, xs = quantize_activations(torch.randn(rows, k, device="cuda"))
+            xdeq = (xq.double().view(rows, -1, 32) * xd.double()[..., None]).view(rows, k)
+            y = gguf_mmq.moe(xq, xd, xs, stacked, qtype, k, n, routing, x_div, torch.float32)
+            assert y.shape == (76, n)
+            for p, e in enumerate(ids.flatten().tolist()):
+                we = w[e * n:(e + 1) * n]
+                ref, mag = xdeq[p // x_div] @ we.T, xdeq[p // x_div].abs() @ we.abs().T
+                assert bool(((y[p].double() - ref).abs() <= 1e-5 * mag + 1e-30).all()), (block_m, x_div, p)
+    seen = []
+    real = gguf_mmq.moe
+    monkeypatch.setattr(gguf_mmq, "moe", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    x = torch.randn(38, k, device="cuda", dtype=torch.bfloat16)
+    moe.fused_moe(x, stacked, qtype, k, n, moe.align(ids, experts, block_m=16), 2)
+    moe.fused_moe(x.float(), stacked, qtype, k, n, moe.align(ids, experts, block_m=16), 2)  # float32: Triton's
+    assert seen == [1]

@@ -198,10 +198,14 @@ DEV void mma_k16(int* c, u32 a0, u32 a1, u32 b0) {
 // grid (ceil(N / BN), ceil(M / BM), splits of K); 128 threads (4 warps: 16 weight rows each, all BM
 // activation rows); dynamic shared memory: MmqTile, two MmqAct, MmqActScales.  part[z, m, n]: split z's
 // float32 sum (the caller adds the splits in order).
+// MMQ_MOE (a mixture-of-experts layer, no splits): row block y holds expert experts[y]'s (token, expert) pairs
+// pairs[y * BM ...] (M = the number of pairs P, which pads), w its N rows from expert e * N on; a pair p reads
+// activation row p / x_div and writes part row p.
 extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
         const u8* __restrict__ w, const i8* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, float* __restrict__ part, const u32* __restrict__ lut, int N, int M,
-        int row_bytes, int hdr_start, int n_steps, int stride_xq, int stride_xd) {
+        int row_bytes, int hdr_start, int n_steps, int stride_xq, int stride_xd,
+        const int* __restrict__ pairs, const int* __restrict__ experts, int x_div) {
     extern __shared__ __align__(16) unsigned char smem[];
     MmqTile& t = *(MmqTile*)smem;
     MmqAct* ax = (MmqAct*)(smem + sizeof(MmqTile));
@@ -212,6 +216,21 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int s0 = (int)((long long)n_steps * blockIdx.z / gridDim.z);
     const int s1 = (int)((long long)n_steps * (blockIdx.z + 1) / gridDim.z);
+#if MMQ_MOE
+    const int e = experts[blockIdx.y];
+    if (e < 0) return;  // row blocks past the last expert's
+    w += (long long)e * N * row_bytes;
+    auto out_row = [&](int r) { const int p = pairs[m0 + r]; return p < M ? p : -1; };
+    auto in_row = [&](int r) { const int p = out_row(r); return p < 0 ? -1 : p / x_div; };
+#else
+    auto out_row = [&](int r) { return m0 + r < M ? m0 + r : -1; };
+    auto in_row = out_row;
+#endif
+    int rows_s[XS], rows_c[XC];  // the activation rows of this thread's scales and codes (-1: none)
+#pragma unroll
+    for (int i = 0; i < XS; i++) rows_s[i] = in_row((tid + i * MMQ_THREADS) >> 3);
+#pragma unroll
+    for (int i = 0; i < XC; i++) rows_c[i] = in_row((tid + i * MMQ_THREADS) >> 4);
 
     decltype(CAT(MMQ, _fetch)(w, 0, 0, 0)) raw[PER];
     float rd[XS], rs[XS];
@@ -223,17 +242,17 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
         }
 #pragma unroll
         for (int i = 0; i < XS; i++) {
-            const int u = tid + i * MMQ_THREADS, mm = m0 + (u >> 3);
-            const long long at = (long long)mm * stride_xd + 8 * step + (u & 7);
-            rd[i] = mm < M ? ldf(xd + at) : 0.0f;
-            rs[i] = MMQ_MIN && mm < M ? ldf(xs + at) : 0.0f;
+            const int mm = rows_s[i];
+            const long long at = (long long)mm * stride_xd + 8 * step + ((tid + i * MMQ_THREADS) & 7);
+            rd[i] = mm >= 0 ? ldf(xd + at) : 0.0f;
+            rs[i] = MMQ_MIN && mm >= 0 ? ldf(xs + at) : 0.0f;
         }
     };
-    auto copy_x = [&](int step, MmqAct& b) {  // the step's activation codes, by cp.async (rows past M: zeros)
+    auto copy_x = [&](int step, MmqAct& b) {  // the step's activation codes, by cp.async (no row: zeros)
 #pragma unroll
         for (int i = 0; i < XC; i++) {
-            const int u = tid + i * MMQ_THREADS, r = u >> 4, c = u & 15, mm = m0 + r;
-            cp_async16(&b.x[r][16 * c], mm < M ? xq + (long long)mm * stride_xq + KB * step + 16 * c : xq, mm < M);
+            const int u = tid + i * MMQ_THREADS, r = u >> 4, c = u & 15, mm = rows_c[i];
+            cp_async16(&b.x[r][16 * c], mm >= 0 ? xq + (long long)mm * stride_xq + KB * step + 16 * c : xq, mm >= 0);
         }
         cp_async_commit();
     };
@@ -312,11 +331,11 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
     float* out = part + (long long)blockIdx.z * M * N;
 #pragma unroll
     for (int j = 0; j < BM / 8; j++) {
-        const int mc = m0 + 8 * j + 2 * q, na = n0 + ra;
+        const int r0 = out_row(8 * j + 2 * q), r1 = out_row(8 * j + 2 * q + 1), na = n0 + ra;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int mm = mc + (i & 1), nn = na + 8 * (i >> 1);
-            if (mm < M && nn < N) out[(long long)mm * N + nn] = acc[j][i];
+            const int mm = i & 1 ? r1 : r0, nn = na + 8 * (i >> 1);
+            if (mm >= 0 && nn < N) out[(long long)mm * N + nn] = acc[j][i];
         }
     }
 }

@@ -50,21 +50,37 @@ def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tens
     """y [m, n] of ``dtype`` = x . W^T for x in 8 bits (``xq``, ``xd``, ``xs`` as ``int8_act``) and W packed by
     ``pack_gguf``; K split over ``splits`` programs (default: enough to fill the GPU), added in order after;
     ``bm`` activation rows a block (default ``block_m(m)``)."""
-    dec = gguf_gemv.DECODERS[qtype]
-    up = dec.upper()
     assert qtype in MMQ_TYPES and k % KB == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
     n_steps = k // KB
     bm = bm or block_m(m)
     assert bm in (16, 32, 64)
     tiles = math.ceil(n / BN) * math.ceil(m / bm)
     s = splits or splits_for(tiles, n_steps, packed.device)
-    group = _GROUP.get(qtype, 32)
-    name = f"mmq_{dec}_{bm}"
-    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=group,
-                                               MMQ_MIN=f"{up}_MIN", MMQ_BM=bm, MMQ_PAD=16 if group == 16 else 32),
-                          packed.device)
     part = torch.empty((s, m, n), dtype=torch.float32, device=packed.device)
-    kern.launch((math.ceil(n / BN), math.ceil(m / bm), s), 128, packed, xq, xd, xs, part,
-                _value_table(packed.device, qtype), n, m, packed.shape[1], _type_args(qtype, k)[1], n_steps,
-                xq.stride(0), xd.stride(0), shared=shared_bytes(qtype, bm))
+    _launch(qtype, bm, False, (math.ceil(n / BN), math.ceil(m / bm), s), packed, xq, xd, xs, part, k, n, m,
+            packed, packed, 1)  # (no pairs, experts)
     return (part[0] if s == 1 else part.sum(0)).to(dtype)
+
+
+def moe(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType,
+        k: int, n: int, routing, x_div: int, dtype: torch.dtype) -> torch.Tensor:
+    """[P, n] of ``dtype``: row p = x[p // x_div] . W_e^T for pair p's expert e (``routing`` as
+    ``triton.moe.align`` makes it, row blocks of 16 or 32 pairs), x in 8 bits, ``stacked`` the experts'
+    ``pack_gguf`` rows (expert e's n rows from e * n on)."""
+    assert qtype in MMQ_TYPES and k % KB == 0 and routing.block_m in (16, 32) and xq.stride(0) % 16 == 0
+    out = torch.empty((routing.num_pairs, n), dtype=torch.float32, device=stacked.device)
+    _launch(qtype, routing.block_m, True, (math.ceil(n / BN), routing.experts.numel(), 1), stacked, xq, xd, xs,
+            out, k, n, routing.num_pairs, routing.pairs, routing.experts, x_div)
+    return out.to(dtype)
+
+
+def _launch(qtype, bm, moe_rows, grid, packed, xq, xd, xs, out, k, n, m, pairs, experts, x_div):
+    dec = gguf_gemv.DECODERS[qtype]
+    up, group = dec.upper(), _GROUP.get(qtype, 32)
+    name = f"mmq_{dec}_{bm}" + ("_moe" if moe_rows else "")
+    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=group,
+                                               MMQ_MIN=f"{up}_MIN", MMQ_BM=bm, MMQ_PAD=16 if group == 16 else 32,
+                                               MMQ_MOE=int(moe_rows)), packed.device)
+    kern.launch(grid, 128, packed, xq, xd, xs, out, _value_table(packed.device, qtype), n, m, packed.shape[1],
+                _type_args(qtype, k)[1], k // KB, xq.stride(0), xd.stride(0), pairs, experts, x_div,
+                shared=shared_bytes(qtype, bm))

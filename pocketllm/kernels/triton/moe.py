@@ -43,6 +43,7 @@ FUSED_MAX_PAIRS_PER_EXPERT = 512
 # Pairs a row block: the tensor cores' smallest tile side for decode steps (a few pairs an
 # expert), larger for prefill, where an expert has many.
 FUSED_BLOCK_M, FUSED_BLOCK_M_PREFILL, PREFILL_TOKENS = 16, 64, 64
+MMQ_MAX_BLOCK_M = 32  # row blocks up to this many pairs take cuda/gguf_mmq.cu where it has the type (16 bits)
 ONE_HOT_MAX = 1 << 22  # align: pairs x experts up to which ranks come from a running count, not a sort
 FUSED_DENSE_CONFIG = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4)
 # GGUF experts: the tile the expert-sorted path was measured with (results/h200-fused-moe-kernels.txt),
@@ -209,6 +210,13 @@ def fused_moe(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationTyp
     from pocketllm.kernels.triton import gguf_mma
 
     x = x.contiguous()
+    if qtype is not None and x.dtype != torch.float32 and routing.block_m <= MMQ_MAX_BLOCK_M:
+        from pocketllm.kernels.cuda import gguf_mmq
+        from pocketllm.kernels.triton.int8_act import attached, quantize_activations
+
+        if gguf_mmq.usable(qtype, x.device, k):  # the integer tensor-core kernel, for its types
+            x8 = attached(x) or quantize_activations(x)
+            return gguf_mmq.moe(*x8, stacked, qtype, k, n, routing, x_div, x.dtype)
     out = torch.empty((routing.num_pairs, n), dtype=x.dtype, device=x.device)
     blocks = routing.experts.numel()
     if qtype is None:
