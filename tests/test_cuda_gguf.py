@@ -198,8 +198,14 @@ def test_mmq_tiles_are_the_dequantized_weights(qtype, host_tiles):
 @pytest.mark.parametrize("qtype", sorted(gguf_mmq.MMQ_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
 def test_mmq_equals_the_dequantized_product(qtype):
     """The integer tensor-core product of several activation rows: every row and weight row (none a multiple
-    of the 64 x 64 tile), K split or not, equal to the dequantized weights times the 8-bit activations."""
-    n, k = 1000, 2048
+    of the 64 x 64 tile), K split or not, equal to the dequantized weights times the 8-bit activations; for
+    the 32-weight types a K that ends a block into a step too."""
+    n, ks = 1000, (2048, 2080) if qtype in gguf_mmq._K32 else (2048,)
+    for k in ks:
+        _mmq_product_case(qtype, n, k)
+
+
+def _mmq_product_case(qtype, n, k):
     rng = np.random.default_rng(qtype.value)
     raw = torch.from_numpy(realistic_blocks(rng, qtype, n, k))
     w = dequantize(raw, qtype, (n, k)).double().cuda()
@@ -245,7 +251,7 @@ def test_mmq_moe_multiplies_each_pair_by_its_expert(qtype, monkeypatch):
     x[p // x_div] . W[ids[p]]^T for the 8-bit activations; fused_moe takes it for 16-bit activations."""
     from pocketllm.kernels.triton import moe
 
-    n, k, experts = 200, 512, 5
+    n, k, experts = 200, 544 if qtype in gguf_mmq._K32 else 512, 5  # (544: a step of one block)
     raw = torch.from_numpy(realistic_blocks(np.random.default_rng(9), qtype, experts * n, k))
     w = dequantize(raw, qtype, (experts * n, k)).double().cuda()
     stacked = kg.pack_gguf(raw.cuda(), qtype, k)

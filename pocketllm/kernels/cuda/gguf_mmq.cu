@@ -45,6 +45,18 @@ DEV void st16(i8* p, W4 v) {  // 16 bytes to a 16-byte aligned place (shared mem
         name##_put(t, r, name##_fetch(row, hdr_start, step, u), u, lut);                                     \
     }
 
+DEV void k4_put_scales(MmqTile& t, int r, W4 h, int p) {  // Q4_K / Q5_K: sub-blocks 2p and 2p + 1's
+    u32 sc, mn;
+    k4_scales(h.y, h.z, h.w, p, sc, mn);
+    const float d = half_to_float(h.x), dmin = half_to_float(h.x >> 16);
+    t.ws[r][2 * p] = d * (float)(sc & 0xFF);
+    t.ws[r][2 * p + 1] = d * (float)(sc >> 8);
+    t.wm[r][2 * p] = dmin * (float)(mn & 0xFF);
+    t.wm[r][2 * p + 1] = dmin * (float)(mn >> 8);
+}
+
+DEV u32 sub_bytes(u32 v, u32 c) { return ((v | 0x80808080u) - c) ^ 0x80808080u; }  // v - c a byte (< 128)
+
 // Q4_K: unit p (0..3): the 32 bytes whose low nibbles are sub-block 2p's codes and high nibbles 2p + 1's.
 #define Q4_K_UNITS 4
 #define Q4_K_G 32
@@ -64,13 +76,7 @@ DEV void q4_k_put(MmqTile& t, int r, const MmqQ4_K& a, int p, const u32* lut) {
     st16(&t.w[r][64 * p + 16], l1);
     st16(&t.w[r][64 * p + 32], h0);
     st16(&t.w[r][64 * p + 48], h1);
-    u32 sc, mn;
-    k4_scales(h.y, h.z, h.w, p, sc, mn);
-    float d = half_to_float(h.x), dmin = half_to_float(h.x >> 16);
-    t.ws[r][2 * p] = d * (float)(sc & 0xFF);
-    t.ws[r][2 * p + 1] = d * (float)(sc >> 8);
-    t.wm[r][2 * p] = dmin * (float)(mn & 0xFF);
-    t.wm[r][2 * p + 1] = dmin * (float)(mn >> 8);
+    k4_put_scales(t, r, h, p);
 }
 MMQ_TILE(q4_k)
 
@@ -90,7 +96,7 @@ DEV MmqQ6_K q6_k_fetch(const u8* row, int hdr_start, int step, int u) {
 }
 DEV void q6_k_put(MmqTile& t, int r, const MmqQ6_K& w, int u, const u32* lut) {
     const int n = u >> 1, i = u & 1;
-    const u32 m = 0x0F0F0F0F, m2 = 0x30303030, off = 0x20202020;
+    const u32 m = 0x0F0F0F0F, m2 = 0x30303030;
     const u32 a[4] = {w.qa.x, w.qa.y, w.qa.z, w.qa.w}, b[4] = {w.qb.x, w.qb.y, w.qb.z, w.qb.w},
               c[4] = {w.qc.x, w.qc.y, w.qc.z, w.qc.w};
     const float d = half_to_float(w.d);
@@ -98,8 +104,7 @@ DEV void q6_k_put(MmqTile& t, int r, const MmqQ6_K& w, int u, const u32* lut) {
         u32 v[4];
         for (int k = 0; k < 4; k++) {
             u32 lo = ((j & 1 ? b[k] : a[k]) >> (j & 2 ? 4 : 0)) & m, hi = ((c[k] >> (2 * j)) << 4) & m2;
-            v[k] = ((lo | hi) | 0x80808080u) - off;  // bytes q - 32 without borrows (bit 7 set first, then cleared)
-            v[k] ^= 0x80808080u;
+            v[k] = sub_bytes(lo | hi, 0x20202020u);  // q - 32
         }
         W4 vv = {v[0], v[1], v[2], v[3]};
         st16(&t.w[r][128 * n + 32 * j + 16 * i], vv);
@@ -152,9 +157,179 @@ DEV void iq2_xxs_put(MmqTile& t, int r, const MmqIQ2_XXS& w, int u, const u32* l
 }
 MMQ_TILE(iq2_xxs)
 
+// The 32-weight types: unit u is block 8 * step + u (a step past K leaves the units after its last block
+// to the kernel: MMQ_K32).
+struct MmqNib { W4 q; u32 h, qh; };  // 16 bytes of nibbles (weight j low in byte j, 16 + j high), header words
+DEV MmqNib nib_fetch(const u8* row, int hdr_start, int blk, int body, int hdr) {  // hdr: the header's bytes
+    const u8* h = row + hdr_start + hdr * blk;
+    MmqNib r = {ld_stream(row + body * blk), 0u, 0u};
+    r.h = hdr == 1 ? ld_field<unsigned char>(h) : hdr == 4 || hdr == 8 ? ld_u32(h) : ld_u16(h);
+    if (hdr == 6) r.qh = ld_u16(h + 2) | (ld_u16(h + 4) << 16);  // Q5_0: qh after d, 2-byte aligned
+    if (hdr == 8) r.qh = ld_u32(h + 4);                          // Q5_1: after d, m
+    return r;
+}
+DEV void put_halves(MmqTile& t, int r, int u, W4 lo, W4 hi) {  // weights 0-15, then 16-31 of unit u
+    st16(&t.w[r][32 * u], lo);
+    st16(&t.w[r][32 * u + 16], hi);
+}
+DEV void nibble_halves(W4 q, W4& lo, W4& hi) {
+    const u32 m = 0x0F0F0F0F;
+    lo = {q.x & m, q.y & m, q.z & m, q.w & m};
+    hi = {(q.x >> 4) & m, (q.y >> 4) & m, (q.z >> 4) & m, (q.w >> 4) & m};
+}
+DEV void fifth_bits(W4& lo, W4& hi, u32 qh) {  // bit j of qh as bit 4 of weight j's code (Q5_0, Q5_1)
+    lo = {lo.x | spread4(qh), lo.y | spread4(qh >> 4), lo.z | spread4(qh >> 8), lo.w | spread4(qh >> 12)};
+    hi = {hi.x | spread4(qh >> 16), hi.y | spread4(qh >> 20), hi.z | spread4(qh >> 24), hi.w | spread4(qh >> 28)};
+}
+DEV W4 sub_w4(W4 v, u32 c) { return {sub_bytes(v.x, c), sub_bytes(v.y, c), sub_bytes(v.z, c), sub_bytes(v.w, c)}; }
+DEV void table_halves(W4 q, u32 t0, u32 t1, u32 t2, u32 t3, W4& lo, W4& hi) {
+    table16(q.x, t0, t1, t2, t3, lo.x, hi.x);
+    table16(q.y, t0, t1, t2, t3, lo.y, hi.y);
+    table16(q.z, t0, t1, t2, t3, lo.z, hi.z);
+    table16(q.w, t0, t1, t2, t3, lo.w, hi.w);
+}
+
+// Q4_0: w = d * (q - 8).
+#define Q4_0_UNITS 8
+#define Q4_0_G 32
+#define Q4_0_MIN 0
+DEV MmqNib q4_0_fetch(const u8* row, int hdr_start, int step, int u) {
+    return nib_fetch(row, hdr_start, 8 * step + u, Q4_0_BODY, Q4_0_HDR);
+}
+DEV void q4_0_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
+    W4 lo, hi;
+    nibble_halves(w.q, lo, hi);
+    put_halves(t, r, u, sub_w4(lo, 0x08080808u), sub_w4(hi, 0x08080808u));
+    t.ws[r][u] = half_to_float(w.h);
+}
+MMQ_TILE(q4_0)
+
+// Q4_1: w = d * q + m (the kernel subtracts its minimum: -m).
+#define Q4_1_UNITS 8
+#define Q4_1_G 32
+#define Q4_1_MIN 1
+DEV MmqNib q4_1_fetch(const u8* row, int hdr_start, int step, int u) {
+    return nib_fetch(row, hdr_start, 8 * step + u, Q4_1_BODY, Q4_1_HDR);
+}
+DEV void q4_1_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
+    W4 lo, hi;
+    nibble_halves(w.q, lo, hi);
+    put_halves(t, r, u, lo, hi);
+    t.ws[r][u] = half_to_float(w.h);
+    t.wm[r][u] = -half_to_float(w.h >> 16);
+}
+MMQ_TILE(q4_1)
+
+// Q5_0: w = d * (q - 16), q's fifth bit from qh.
+#define Q5_0_UNITS 8
+#define Q5_0_G 32
+#define Q5_0_MIN 0
+DEV MmqNib q5_0_fetch(const u8* row, int hdr_start, int step, int u) {
+    return nib_fetch(row, hdr_start, 8 * step + u, Q5_0_BODY, Q5_0_HDR);
+}
+DEV void q5_0_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
+    W4 lo, hi;
+    nibble_halves(w.q, lo, hi);
+    fifth_bits(lo, hi, w.qh);
+    put_halves(t, r, u, sub_w4(lo, 0x10101010u), sub_w4(hi, 0x10101010u));
+    t.ws[r][u] = half_to_float(w.h);
+}
+MMQ_TILE(q5_0)
+
+// Q5_1: w = d * q + m, q's fifth bit from qh.
+#define Q5_1_UNITS 8
+#define Q5_1_G 32
+#define Q5_1_MIN 1
+DEV MmqNib q5_1_fetch(const u8* row, int hdr_start, int step, int u) {
+    return nib_fetch(row, hdr_start, 8 * step + u, Q5_1_BODY, Q5_1_HDR);
+}
+DEV void q5_1_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
+    W4 lo, hi;
+    nibble_halves(w.q, lo, hi);
+    fifth_bits(lo, hi, w.qh);
+    put_halves(t, r, u, lo, hi);
+    t.ws[r][u] = half_to_float(w.h);
+    t.wm[r][u] = -half_to_float(w.h >> 16);
+}
+MMQ_TILE(q5_1)
+
+// IQ4_NL: w = d * table[q].
+#define IQ4_NL_UNITS 8
+#define IQ4_NL_G 32
+#define IQ4_NL_MIN 0
+DEV MmqNib iq4_nl_fetch(const u8* row, int hdr_start, int step, int u) {
+    return nib_fetch(row, hdr_start, 8 * step + u, IQ4_NL_BODY, IQ4_NL_HDR);
+}
+DEV void iq4_nl_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
+    W4 lo, hi;
+    table_halves(w.q, IQ4_TABLE, lo, hi);
+    put_halves(t, r, u, lo, hi);
+    t.ws[r][u] = half_to_float(w.h);
+}
+MMQ_TILE(iq4_nl)
+
+// MXFP4: w = 2^(e - 128) * table[q] (E2M1 values doubled).
+#define MXFP4_UNITS 8
+#define MXFP4_G 32
+#define MXFP4_MIN 0
+DEV MmqNib mxfp4_fetch(const u8* row, int hdr_start, int step, int u) {
+    return nib_fetch(row, hdr_start, 8 * step + u, MXFP4_BODY, MXFP4_HDR);
+}
+DEV void mxfp4_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
+    W4 lo, hi;
+    table_halves(w.q, MXFP4_TABLE, lo, hi);
+    put_halves(t, r, u, lo, hi);
+    t.ws[r][u] = bits_float(w.h < 2 ? 0x00200000u << w.h : (w.h - 1) << 23);
+}
+MMQ_TILE(mxfp4)
+
+// IQ4_XS: unit u is sub-block u (IQ4_NL's 16 bytes); w = d * (ls - 32) * table[q].
+#define IQ4_XS_UNITS 8
+#define IQ4_XS_G 32
+#define IQ4_XS_MIN 0
+struct MmqIQ4_XS { W4 q; u32 h0, h1; };
+DEV MmqIQ4_XS iq4_xs_fetch(const u8* row, int hdr_start, int step, int u) {
+    const u8* hdr = row + hdr_start + IQ4_XS_HDR * step;
+    return {ld_stream(row + IQ4_XS_BODY * step + 16 * u), ld_u32(hdr), ld_u32(hdr + 4)};
+}
+DEV void iq4_xs_put(MmqTile& t, int r, const MmqIQ4_XS& w, int u, const u32* lut) {
+    W4 lo, hi;
+    table_halves(w.q, IQ4_TABLE, lo, hi);
+    put_halves(t, r, u, lo, hi);
+    const int ls = (int)(((w.h1 >> (4 * u)) & 15) | (((w.h0 >> (16 + 2 * u)) & 3) << 4)) - 32;
+    t.ws[r][u] = half_to_float(w.h0) * (float)ls;
+}
+MMQ_TILE(iq4_xs)
+
+// Q5_K: Q4_K's units with their fifth bits (bit s of qh byte j for weight j of sub-block s).
+#define Q5_K_UNITS 4
+#define Q5_K_G 32
+#define Q5_K_MIN 1
+struct MmqQ5_K { W4 q0, q1, h0, h1, h; };
+DEV MmqQ5_K q5_k_fetch(const u8* row, int hdr_start, int step, int p) {
+    const u8 *body = row + Q5_K_BODY * step, *hdr = row + hdr_start + Q5_K_HDR * step;
+    return {ld_stream(body + 32 + 32 * p), ld_stream(body + 48 + 32 * p), ld_stream(body), ld_stream(body + 16),
+            ld16(hdr)};
+}
+DEV W4 with_fifth(W4 v, W4 qh, int s) {
+    return {v.x | fifth(qh.x, s), v.y | fifth(qh.y, s), v.z | fifth(qh.z, s), v.w | fifth(qh.w, s)};
+}
+DEV void q5_k_put(MmqTile& t, int r, const MmqQ5_K& a, int p, const u32* lut) {
+    W4 l0, h0, l1, h1;
+    nibble_halves(a.q0, l0, h0);
+    nibble_halves(a.q1, l1, h1);
+    st16(&t.w[r][64 * p], with_fifth(l0, a.h0, 2 * p));
+    st16(&t.w[r][64 * p + 16], with_fifth(l1, a.h1, 2 * p));
+    st16(&t.w[r][64 * p + 32], with_fifth(h0, a.h0, 2 * p + 1));
+    st16(&t.w[r][64 * p + 48], with_fifth(h1, a.h1, 2 * p + 1));
+    k4_put_scales(t, r, a.h, p);
+}
+MMQ_TILE(q5_k)
+
 // ---- the kernel ------------------------------------------------------------------------------------
 // Once per type (MMQ = the decoder's prefix, MMQ_UNITS its units a step, MMQ_G its group, MMQ_MIN whether it
-// has minimums) and activation rows a block (MMQ_BM: 16, 32 or 64).  A step's loads are issued a step ahead:
+// has minimums, MMQ_K32 whether its blocks are 32 weights: then K is any multiple of 32 and the last step's
+// blocks past k_blocks = K / 32 are zeros) and activation rows a block (MMQ_BM: 16, 32 or 64).  A step's loads are issued a step ahead:
 // the weights' bytes and the activations' scales into registers, the activations' codes by cp.async into
 // the other of two buffers, so global memory's latency hides behind the step's products.
 // Fragments: in a group of 32, thread q's k slots 4q..4q+3 and 16+4q..16+4q+3 of both operands are weights
@@ -205,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
         const u8* __restrict__ w, const i8* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, float* __restrict__ part, const u32* __restrict__ lut, int N, int M,
         int row_bytes, int hdr_start, int n_steps, int stride_xq, int stride_xd,
-        const int* __restrict__ pairs, const int* __restrict__ experts, int x_div) {
+        const int* __restrict__ pairs, const int* __restrict__ experts, int x_div, int k_blocks) {
     extern __shared__ __align__(16) unsigned char smem[];
     MmqTile& t = *(MmqTile*)smem;
     MmqAct* ax = (MmqAct*)(smem + sizeof(MmqTile));
@@ -238,21 +413,29 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
 #pragma unroll
         for (int i = 0; i < PER; i++) {  // rows past N fetch row N - 1 (their outputs are not stored)
             const int u = tid + i * MMQ_THREADS, r = u / MMQ_UNITS;
+#if MMQ_K32
+            if (8 * step + u % MMQ_UNITS >= k_blocks) {  // past K: codes 0 with a scale of 0
+                raw[i] = {};
+                continue;
+            }
+#endif
             raw[i] = CAT(MMQ, _fetch)(w + (long long)min(n0 + r, N - 1) * row_bytes, hdr_start, step, u % MMQ_UNITS);
         }
 #pragma unroll
         for (int i = 0; i < XS; i++) {
-            const int mm = rows_s[i];
-            const long long at = (long long)mm * stride_xd + 8 * step + ((tid + i * MMQ_THREADS) & 7);
-            rd[i] = mm >= 0 ? ldf(xd + at) : 0.0f;
-            rs[i] = MMQ_MIN && mm >= 0 ? ldf(xs + at) : 0.0f;
+            const int blk = 8 * step + ((tid + i * MMQ_THREADS) & 7);
+            const bool ok = rows_s[i] >= 0 && blk < k_blocks;
+            const long long at = (long long)rows_s[i] * stride_xd + blk;
+            rd[i] = ok ? ldf(xd + at) : 0.0f;
+            rs[i] = MMQ_MIN && ok ? ldf(xs + at) : 0.0f;
         }
     };
     auto copy_x = [&](int step, MmqAct& b) {  // the step's activation codes, by cp.async (no row: zeros)
 #pragma unroll
         for (int i = 0; i < XC; i++) {
             const int u = tid + i * MMQ_THREADS, r = u >> 4, c = u & 15, mm = rows_c[i];
-            cp_async16(&b.x[r][16 * c], mm >= 0 ? xq + (long long)mm * stride_xq + KB * step + 16 * c : xq, mm >= 0);
+            const bool ok = mm >= 0 && (KB * step + 16 * c) / 32 < k_blocks;
+            cp_async16(&b.x[r][16 * c], ok ? xq + (long long)mm * stride_xq + KB * step + 16 * c : xq, ok);
         }
         cp_async_commit();
     };

@@ -14,7 +14,9 @@ from . import gguf_gemv, runtime
 
 T = GGMLQuantizationType
 SOURCE = Path(__file__).with_name("gguf_mmq.cu")
-MMQ_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q4_K, T.Q6_K, T.Q8_0, T.IQ2_XXS})  # with a ``<type>_tile``
+MMQ_TYPES: frozenset[GGMLQuantizationType] = frozenset({  # with a ``<type>_tile``
+    T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.IQ2_XXS})
+_K32 = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4})  # blocks of 32: K a multiple of 32
 BN = 64  # weight rows a block (gguf_mmq.cu)
 KB = 256  # weights a step
 WAVES = 2  # K is split until the blocks fill this many programs an SM
@@ -26,8 +28,12 @@ def source() -> str:
     return gguf_gemv.source() + SOURCE.read_text()
 
 
+def k_ok(qtype: GGMLQuantizationType, k: int) -> bool:
+    return k % (32 if qtype in _K32 else KB) == 0
+
+
 def usable(qtype: GGMLQuantizationType, device: torch.device, k: int = 256) -> bool:
-    return qtype in MMQ_TYPES and k % 256 == 0 and device.type == "cuda" and runtime.available()
+    return qtype in MMQ_TYPES and k_ok(qtype, k) and device.type == "cuda" and runtime.available()
 
 
 def splits_for(tiles: int, n_steps: int, device: torch.device) -> int:
@@ -50,8 +56,8 @@ def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tens
     """y [m, n] of ``dtype`` = x . W^T for x in 8 bits (``xq``, ``xd``, ``xs`` as ``int8_act``) and W packed by
     ``pack_gguf``; K split over ``splits`` programs (default: enough to fill the GPU), added in order after;
     ``bm`` activation rows a block (default ``block_m(m)``)."""
-    assert qtype in MMQ_TYPES and k % KB == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
-    n_steps = k // KB
+    assert qtype in MMQ_TYPES and k_ok(qtype, k) and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
+    n_steps = -(-k // KB)
     bm = bm or block_m(m)
     assert bm in (16, 32, 64)
     tiles = math.ceil(n / BN) * math.ceil(m / bm)
@@ -67,7 +73,7 @@ def moe(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, stacked: torch.Ten
     """[P, n] of ``dtype``: row p = x[p // x_div] . W_e^T for pair p's expert e (``routing`` as
     ``triton.moe.align`` makes it, row blocks of 16 or 32 pairs), x in 8 bits, ``stacked`` the experts'
     ``pack_gguf`` rows (expert e's n rows from e * n on)."""
-    assert qtype in MMQ_TYPES and k % KB == 0 and routing.block_m in (16, 32) and xq.stride(0) % 16 == 0
+    assert qtype in MMQ_TYPES and k_ok(qtype, k) and routing.block_m in (16, 32) and xq.stride(0) % 16 == 0
     out = torch.empty((routing.num_pairs, n), dtype=torch.float32, device=stacked.device)
     _launch(qtype, routing.block_m, True, (math.ceil(n / BN), routing.experts.numel(), 1), stacked, xq, xd, xs,
             out, k, n, routing.num_pairs, routing.pairs, routing.experts, x_div)
@@ -80,7 +86,7 @@ def _launch(qtype, bm, moe_rows, grid, packed, xq, xd, xs, out, k, n, m, pairs, 
     name = f"mmq_{dec}_{bm}" + ("_moe" if moe_rows else "")
     kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=group,
                                                MMQ_MIN=f"{up}_MIN", MMQ_BM=bm, MMQ_PAD=16 if group == 16 else 32,
-                                               MMQ_MOE=int(moe_rows)), packed.device)
+                                               MMQ_MOE=int(moe_rows), MMQ_K32=int(qtype in _K32)), packed.device)
     kern.launch(grid, 128, packed, xq, xd, xs, out, _value_table(packed.device, qtype), n, m, packed.shape[1],
-                _type_args(qtype, k)[1], k // KB, xq.stride(0), xd.stride(0), pairs, experts, x_div,
+                _type_args(qtype, k)[1], -(-k // KB), xq.stride(0), xd.stride(0), pairs, experts, x_div, k // 32,
                 shared=shared_bytes(qtype, bm))
