@@ -1004,6 +1004,36 @@ static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-
     return _mm256_set_m128i(_mm_set1_epi16((short)(2 * s_hi + 1)), _mm_set1_epi16((short)(2 * s_lo + 1)));
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SCALES16 1
+/* A super-block's 16 sub-scales (one per 16 weights) as odd factors 2s + 1 in 16-bit lanes, for the types
+ * with two per sub-block of 32: IQ1_M's 3-bit scale i at bits 3(i % 4) of scale word i / 4 (whose top
+ * nibble is part of d), IQ2_XS / IQ2_S's 4-bit scale i in nibble i % 2 of byte i / 2. */
+static inline __m256i sub_scales16(int type, const uint8_t *b) {
+    __m256i s;
+    if (type == IQ1_M) {
+        const __m256i words = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                                       _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 48))));
+        s = _mm256_and_si256(_mm256_srlv_epi16(words, _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9)),
+                             _mm256_set1_epi16(7));
+    } else {
+        const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(b + (type == IQ2_XS ? 66 : 74))));
+        const __m256i pairs = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                                       _mm256_castsi128_si256(bytes));
+        s = _mm256_and_si256(_mm256_srlv_epi16(pairs, _mm256_setr_epi16(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)),
+                             _mm256_set1_epi16(15));
+    }
+    return _mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1));
+}
+/* Sub-block k's pair: lanes 0-7 sub-scale 2k, 8-15 2k + 1 (the super-block's vector is the same for its eight
+ * sub-blocks: built once when the loop unrolls). */
+static inline __m256i scale_pair(__m256i s16, int k) {
+    return _mm256_permutexvar_epi16(_mm256_set_m128i(_mm_set1_epi16((short)(2 * k + 1)), _mm_set1_epi16((short)(2 * k))), s16);
+}
+#else
+#define SCALES16 0
+#endif
+
 /* A grid's unsigned values u and their signs: where the caller takes masked signs (`masked`) u as it is
  * and the 32 sign bits in *neg, else the signed values.  The signs as 32 bits (IQ2_S, IQ3_S) or four
  * 7-bit ksigns indices (IQ2_XXS, IQ2_XS, IQ3_XXS). */
@@ -1055,7 +1085,11 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         *v = with_ksigns(_mm256_set_epi64x((long long)iq2xs_grid[q[3] & 511], (long long)iq2xs_grid[q[2] & 511],
                                            (long long)iq2xs_grid[q[1] & 511], (long long)iq2xs_grid[q[0] & 511]),
                          q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9, masked, neg);
+#if SCALES16
+        *scale = scale_pair(sub_scales16(IQ2_XS, b), k);
+#else
         *scale = odd_scales(b[66 + k] & 0xF, b[66 + k] >> 4);
+#endif
         break;
     }
     case IQ2_S: {
@@ -1068,7 +1102,11 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
                                 q[3] | ((h << 2) & 0x300));
 #endif
         *v = with_signs(u, sb, masked, neg);
+#if SCALES16
+        *scale = scale_pair(sub_scales16(IQ2_S, b), k);
+#else
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
+#endif
         break;
     }
     case IQ1_S: {  /* values 8 * grid + the delta's sign, in [-9, 9]: w = d (2s + 1) / 8 * value */
@@ -1100,7 +1138,12 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
                                                           _mm_set1_epi32(1)), _mm_set1_epi32(1));
         *v = _mm256_add_epi8(g, _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
 #endif
+#if SCALES16
+        (void)sc;
+        *scale = scale_pair(sub_scales16(IQ1_M, b), k);
+#else
         *scale = odd_scales((sc[k / 2] >> (6 * (k % 2))) & 7, (sc[k / 2] >> (6 * (k % 2) + 3)) & 7);
+#endif
         break;
     }
     default: {  /* IQ3_S */
