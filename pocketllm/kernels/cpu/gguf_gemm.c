@@ -1211,6 +1211,12 @@ static inline __attribute__((always_inline)) void lattice_superblock(
  * (Q3_K's high bits the same way measured 0.94-1.01x: it keeps K23_HALF). */
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define K2_512 1
+/* sub-scales e .. e + 3 of sixteen int16 (s), eight lanes each: a 512-bit pair's vpdpwssd operand */
+static inline __m512i scales_of_pair(__m512i s, int e) {
+    return _mm512_permutexvar_epi16(
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(e + 1)), _mm_set1_epi16((short)e))),
+                           _mm256_set_m128i(_mm_set1_epi16((short)(e + 3)), _mm_set1_epi16((short)(e + 2))), 1), s);
+}
 static inline __attribute__((always_inline)) void q2_k_pairs_512(const int R, const uint8_t *restrict codes,
                                                                 __m256i s16, const int8_t *restrict x, int64_t K,
                                                                 isum_t *isum) {
@@ -1221,10 +1227,7 @@ static inline __attribute__((always_inline)) void q2_k_pairs_512(const int R, co
             const __m512i u = _mm512_and_si512(
                 _mm512_srlv_epi16(q, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 2)), 1)),
                 three);
-            const short e = (short)(8 * h + 2 * j);  /* the pair's first sub-block of 16 */
-            const __m512i sc = _mm512_permutexvar_epi16(
-                _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(e + 1), _mm_set1_epi16(e))),
-                                   _mm256_set_m128i(_mm_set1_epi16(e + 3), _mm_set1_epi16(e + 2)), 1), s);
+            const __m512i sc = scales_of_pair(s, 8 * h + 2 * j);
             for (int r = 0; r < R; r++)
                 isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x + r * K + 128 * h + 32 * j)), sc);
         }
@@ -1271,12 +1274,28 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hb = _mm256_loadu_si256((const __m256i *)b);
+#if K2_512  /* the pairs' scales by one vpermw each (the codes as K23_HALF forms them) */
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
+        for (int j = 0; j < 4; j += 2) {
+            const __m256i ulo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j), one), 2));
+            const __m256i uhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j + 1), one), 2));
+            const __m512i u = WIDEN(ulo, uhi), sc = scales_of_pair(s16, 8 * h + 2 * j);
+            for (int r = 0; r < R; r++)
+                isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x + r * K + 128 * h + 32 * j)), sc);
+        }
+    }
+#else
     __m256i dup[2];
     dup_scales(s8, &dup[0], &dup[1]);
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
         K23_HALF(R, q, &hb, h, dup[h], x + 128 * h, isum, three, one);
     }
+#endif
     finish_offset(R, isum, _mm256_cvtepi8_epi16(s8), 2, xb, xd, nsb, d, acc);
 }
 
