@@ -817,6 +817,25 @@ static inline __m256i pair_scale(__m256i dup, int e0, int e1) {
                                                      _mm_set1_epi16((short)(0x0100 + 0x0202 * e0))));
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAIRS_512 1
+/* Sub-scales e .. e + 3 of sixteen int16 (s16), eight lanes each: the vpdpwssd operand of a pair of 32-weight
+ * chunks in 512 bits, one vpermw where pair_scale takes two shuffles and an insert. */
+static inline __m512i scales_of_pair(__m512i s16, int e) {
+    return _mm512_permutexvar_epi16(
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(e + 1)), _mm_set1_epi16((short)e))),
+                           _mm256_set_m128i(_mm_set1_epi16((short)(e + 3)), _mm_set1_epi16((short)(e + 2))), 1), s16);
+}
+#define SUB_BLOCK_PAIR_SC(R, ulo, uhi, x, sc, isum)                                                 \
+    do {                                                                                            \
+        const __m512i u_ = WIDEN(ulo, uhi), sc_ = (sc);                                             \
+        for (int r = 0; r < R; r++)                                                                 \
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, _mm512_loadu_si512((x) + r * K)), sc_); \
+    } while (0)
+#else
+#define PAIRS_512 0
+#endif
+
 /* Sixteen int8 sub-block scales as two vectors of eight int16, each in both halves (pair_scale's). */
 static inline void dup_scales(__m128i s8, __m256i *lo, __m256i *hi) {
     *lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
@@ -905,8 +924,12 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
     const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));  /* int8 scales, one per 16 */
     const float d = h2f(b + 208);
     const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+#if PAIRS_512
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+#else
     __m256i dup[2];
     dup_scales(s8, &dup[0], &dup[1]);
+#endif
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int h = 0; h < 2; h++) {  /* 128 values from 64 bytes of ql and 32 of qh */
@@ -920,8 +943,13 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), two)),
         };
+#if PAIRS_512
+        SUB_BLOCK_PAIR_SC(R, u[0], u[1], x + 128 * h, scales_of_pair(s16, 8 * h), isum);
+        SUB_BLOCK_PAIR_SC(R, u[2], u[3], x + 128 * h + 64, scales_of_pair(s16, 8 * h + 4), isum);
+#else
         SUB_BLOCK_PAIR(R, u[0], u[1], x + 128 * h, pair_scale(dup[h], 0, 1), pair_scale(dup[h], 2, 3), isum);
         SUB_BLOCK_PAIR(R, u[2], u[3], x + 128 * h + 64, pair_scale(dup[h], 4, 5), pair_scale(dup[h], 6, 7), isum);
+#endif
     }
     finish_offset(R, isum, _mm256_cvtepi8_epi16(s8), 5, xb, xd, nsb, d, acc);
 }
@@ -1209,14 +1237,7 @@ static inline __attribute__((always_inline)) void lattice_superblock(
  * the codes' two 2-bit fields by one variable shift of the half's 32 code bytes (in both 256-bit halves), the
  * pair's four sub-scales by one vpermw of all sixteen (s16: int16); the same sums as K23_HALF's pairs
  * (Q3_K's high bits the same way measured 0.94-1.01x: it keeps K23_HALF). */
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define K2_512 1
-/* sub-scales e .. e + 3 of sixteen int16 (s), eight lanes each: a 512-bit pair's vpdpwssd operand */
-static inline __m512i scales_of_pair(__m512i s, int e) {
-    return _mm512_permutexvar_epi16(
-        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(e + 1)), _mm_set1_epi16((short)e))),
-                           _mm256_set_m128i(_mm_set1_epi16((short)(e + 3)), _mm_set1_epi16((short)(e + 2))), 1), s);
-}
+#if PAIRS_512
 static inline __attribute__((always_inline)) void q2_k_pairs_512(const int R, const uint8_t *restrict codes,
                                                                 __m256i s16, const int8_t *restrict x, int64_t K,
                                                                 isum_t *isum) {
@@ -1233,8 +1254,6 @@ static inline __attribute__((always_inline)) void q2_k_pairs_512(const int R, co
         }
     }
 }
-#else
-#define K2_512 0
 #endif
 
 /* Q2_K: 16 sub-blocks of 16 with a 4-bit scale and a 4-bit minimum, codes q in [0, 4). */
@@ -1246,7 +1265,7 @@ static inline __attribute__((always_inline)) void q2_k_superblock(
     const __m128i sm = _mm_loadu_si128((const __m128i *)b), low4 = _mm_set1_epi8(0x0F);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
-#if K2_512
+#if PAIRS_512
     q2_k_pairs_512(R, b + 16, _mm256_cvtepu8_epi16(_mm_and_si128(sm, low4)), x, K, isum);
 #else
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
@@ -1274,7 +1293,7 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hb = _mm256_loadu_si256((const __m256i *)b);
-#if K2_512  /* the pairs' scales by one vpermw each (the codes as K23_HALF forms them) */
+#if PAIRS_512  /* the pairs' scales by one vpermw each (the codes as K23_HALF forms them) */
     const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
@@ -1283,9 +1302,7 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j), one), 2));
             const __m256i uhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three),
                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j + 1), one), 2));
-            const __m512i u = WIDEN(ulo, uhi), sc = scales_of_pair(s16, 8 * h + 2 * j);
-            for (int r = 0; r < R; r++)
-                isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x + r * K + 128 * h + 32 * j)), sc);
+            SUB_BLOCK_PAIR_SC(R, ulo, uhi, x + 128 * h + 32 * j, scales_of_pair(s16, 8 * h + 2 * j), isum);
         }
     }
 #else
