@@ -1,7 +1,9 @@
 """PocketLLM's CPU GGUF matmul against llama.cpp's own dot-product kernels (ggml-cpu's ``vec_dot`` for the
 type, on activations it quantized with its ``from_float``), one thread each, on the same weights: the
 kernels alone, without either engine's graph, threads or other layers, so that a file's decode gap can
-be put on its matmuls or elsewhere. Weights are a GGUF file's tensors (or random blocks); the two are
+be put on its matmuls or elsewhere. PocketLLM's kernel is the one decode runs: the interleaved eight-row
+layout (``x8``) for the types that have it (but the output layer's, ``token_embd`` / ``output``, where
+that reads slower), else the row kernel. Weights are a GGUF file's tensors (or random blocks); the two are
 timed alternately, median over rounds of each one's best call, and their outputs compared.
 
     python benchmarks/cpu_kernels_vs_ggml.py --file model.IQ1_M.gguf --tensors blk.0.ffn_gate.weight,blk.0.ffn_down.weight
@@ -24,6 +26,7 @@ import torch
 
 from pocketllm.bench.report import environment
 from pocketllm.kernels.cpu import gguf_ops
+from pocketllm.quant.linear import _X8_SLOWER_AT_ONE_ROW
 
 _SHIM = r"""
 #include <stddef.h>
@@ -93,7 +96,13 @@ def main() -> None:
             shim.rows_dot(ctypes.c_void_p(tr.vec_dot), k, n, ctypes.c_void_p(raw.data_ptr()),
                           ctypes.c_size_t(row_bytes), y, ctypes.c_void_p(out_g.data_ptr()))
 
+        # the interleaved layout where decode loads it: not for the output layer's types that read slower so
+        output = name in ("output.weight", "token_embd.weight")
+        packed = None if output and qtype in _X8_SLOWER_AT_ONE_ROW else gguf_ops.repack_x8(rows, qtype, k)
+
         def ours():
+            if packed is not None:
+                return gguf_ops.gemm_x8(x, packed, n, qtype)
             return gguf_ops.gemm(x, rows, qtype, int8=1)
 
         theirs()
@@ -105,7 +114,7 @@ def main() -> None:
             times["pocketllm"].append(best_of(ours, args.calls))
             times["llama.cpp"].append(best_of(theirs, args.calls))
         med = {w: sorted(v)[len(v) // 2] for w, v in times.items()}
-        print(f"{name} {qtype.name} {n}x{k}: PocketLLM {med['pocketllm']:.3f} ms, llama.cpp {med['llama.cpp']:.3f} ms"
+        print(f"{name} {qtype.name} {n}x{k}{' (x8)' if packed is not None else ''}: PocketLLM {med['pocketllm']:.3f} ms, llama.cpp {med['llama.cpp']:.3f} ms"
               f" -> {med['llama.cpp'] / med['pocketllm']:.2f}x; outputs differ by {rel:.1e} of the largest; rounds "
               + " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times["pocketllm"], times["llama.cpp"])), flush=True)
 
