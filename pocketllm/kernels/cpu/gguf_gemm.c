@@ -817,6 +817,25 @@ static inline __m256i pair_scale(__m256i dup, int e0, int e1) {
                                                      _mm_set1_epi16((short)(0x0100 + 0x0202 * e0))));
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAIRS_512 1
+/* Sub-scales e .. e + 3 of sixteen int16 (s16), eight lanes each: the vpdpwssd operand of a pair of 32-weight
+ * chunks in 512 bits, one vpermw where pair_scale takes two shuffles and an insert. */
+static inline __m512i scales_of_pair(__m512i s16, int e) {
+    return _mm512_permutexvar_epi16(
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(e + 1)), _mm_set1_epi16((short)e))),
+                           _mm256_set_m128i(_mm_set1_epi16((short)(e + 3)), _mm_set1_epi16((short)(e + 2))), 1), s16);
+}
+#define SUB_BLOCK_PAIR_SC(R, ulo, uhi, x, sc, isum)                                                 \
+    do {                                                                                            \
+        const __m512i u_ = WIDEN(ulo, uhi), sc_ = (sc);                                             \
+        for (int r = 0; r < R; r++)                                                                 \
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, _mm512_loadu_si512((x) + r * K)), sc_); \
+    } while (0)
+#else
+#define PAIRS_512 0
+#endif
+
 /* Sixteen int8 sub-block scales as two vectors of eight int16, each in both halves (pair_scale's). */
 static inline void dup_scales(__m128i s8, __m256i *lo, __m256i *hi) {
     *lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
@@ -905,8 +924,12 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
     const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));  /* int8 scales, one per 16 */
     const float d = h2f(b + 208);
     const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+#if PAIRS_512
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+#else
     __m256i dup[2];
     dup_scales(s8, &dup[0], &dup[1]);
+#endif
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int h = 0; h < 2; h++) {  /* 128 values from 64 bytes of ql and 32 of qh */
@@ -920,8 +943,13 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), two)),
         };
+#if PAIRS_512
+        SUB_BLOCK_PAIR_SC(R, u[0], u[1], x + 128 * h, scales_of_pair(s16, 8 * h), isum);
+        SUB_BLOCK_PAIR_SC(R, u[2], u[3], x + 128 * h + 64, scales_of_pair(s16, 8 * h + 4), isum);
+#else
         SUB_BLOCK_PAIR(R, u[0], u[1], x + 128 * h, pair_scale(dup[h], 0, 1), pair_scale(dup[h], 2, 3), isum);
         SUB_BLOCK_PAIR(R, u[2], u[3], x + 128 * h + 64, pair_scale(dup[h], 4, 5), pair_scale(dup[h], 6, 7), isum);
+#endif
     }
     finish_offset(R, isum, _mm256_cvtepi8_epi16(s8), 5, xb, xd, nsb, d, acc);
 }
@@ -1004,6 +1032,36 @@ static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-
     return _mm256_set_m128i(_mm_set1_epi16((short)(2 * s_hi + 1)), _mm_set1_epi16((short)(2 * s_lo + 1)));
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SCALES16 1
+/* A super-block's 16 sub-scales (one per 16 weights) as odd factors 2s + 1 in 16-bit lanes, for the types
+ * with two per sub-block of 32: IQ1_M's 3-bit scale i at bits 3(i % 4) of scale word i / 4 (whose top
+ * nibble is part of d), IQ2_XS / IQ2_S's 4-bit scale i in nibble i % 2 of byte i / 2. */
+static inline __m256i sub_scales16(int type, const uint8_t *b) {
+    __m256i s;
+    if (type == IQ1_M) {
+        const __m256i words = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                                       _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 48))));
+        s = _mm256_and_si256(_mm256_srlv_epi16(words, _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9)),
+                             _mm256_set1_epi16(7));
+    } else {
+        const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(b + (type == IQ2_XS ? 66 : 74))));
+        const __m256i pairs = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                                       _mm256_castsi128_si256(bytes));
+        s = _mm256_and_si256(_mm256_srlv_epi16(pairs, _mm256_setr_epi16(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)),
+                             _mm256_set1_epi16(15));
+    }
+    return _mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1));
+}
+/* Sub-block k's pair: lanes 0-7 sub-scale 2k, 8-15 2k + 1 (the super-block's vector is the same for its eight
+ * sub-blocks: built once when the loop unrolls). */
+static inline __m256i scale_pair(__m256i s16, int k) {
+    return _mm256_permutexvar_epi16(_mm256_set_m128i(_mm_set1_epi16((short)(2 * k + 1)), _mm_set1_epi16((short)(2 * k))), s16);
+}
+#else
+#define SCALES16 0
+#endif
+
 /* A grid's unsigned values u and their signs: where the caller takes masked signs (`masked`) u as it is
  * and the 32 sign bits in *neg, else the signed values.  The signs as 32 bits (IQ2_S, IQ3_S) or four
  * 7-bit ksigns indices (IQ2_XXS, IQ2_XS, IQ3_XXS). */
@@ -1055,7 +1113,11 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         *v = with_ksigns(_mm256_set_epi64x((long long)iq2xs_grid[q[3] & 511], (long long)iq2xs_grid[q[2] & 511],
                                            (long long)iq2xs_grid[q[1] & 511], (long long)iq2xs_grid[q[0] & 511]),
                          q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9, masked, neg);
+#if SCALES16
+        *scale = scale_pair(sub_scales16(IQ2_XS, b), k);
+#else
         *scale = odd_scales(b[66 + k] & 0xF, b[66 + k] >> 4);
+#endif
         break;
     }
     case IQ2_S: {
@@ -1068,7 +1130,11 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
                                 q[3] | ((h << 2) & 0x300));
 #endif
         *v = with_signs(u, sb, masked, neg);
+#if SCALES16
+        *scale = scale_pair(sub_scales16(IQ2_S, b), k);
+#else
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
+#endif
         break;
     }
     case IQ1_S: {  /* values 8 * grid + the delta's sign, in [-9, 9]: w = d (2s + 1) / 8 * value */
@@ -1100,7 +1166,12 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
                                                           _mm_set1_epi32(1)), _mm_set1_epi32(1));
         *v = _mm256_add_epi8(g, _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
 #endif
+#if SCALES16
+        (void)sc;
+        *scale = scale_pair(sub_scales16(IQ1_M, b), k);
+#else
         *scale = odd_scales((sc[k / 2] >> (6 * (k % 2))) & 7, (sc[k / 2] >> (6 * (k % 2) + 3)) & 7);
+#endif
         break;
     }
     default: {  /* IQ3_S */
@@ -1162,6 +1233,29 @@ static inline __attribute__((always_inline)) void lattice_superblock(
                        pair_scale(dup, 2 * j + 2, 2 * j + 3), isum);                                \
     }
 
+/* Q2_K with AVX-512: each pair of 32-weight chunks (j, j + 1 of half h) in one 512-bit vector from the start:
+ * the codes' two 2-bit fields by one variable shift of the half's 32 code bytes (in both 256-bit halves), the
+ * pair's four sub-scales by one vpermw of all sixteen (s16: int16); the same sums as K23_HALF's pairs
+ * (Q3_K's high bits the same way measured 0.94-1.01x: it keeps K23_HALF). */
+#if PAIRS_512
+static inline __attribute__((always_inline)) void q2_k_pairs_512(const int R, const uint8_t *restrict codes,
+                                                                __m256i s16, const int8_t *restrict x, int64_t K,
+                                                                isum_t *isum) {
+    const __m512i three = _mm512_set1_epi8(3), s = _mm512_castsi256_si512(s16);
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(codes + 32 * h)));
+        for (int j = 0; j < 4; j += 2) {
+            const __m512i u = _mm512_and_si512(
+                _mm512_srlv_epi16(q, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 2)), 1)),
+                three);
+            const __m512i sc = scales_of_pair(s, 8 * h + 2 * j);
+            for (int r = 0; r < R; r++)
+                isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x + r * K + 128 * h + 32 * j)), sc);
+        }
+    }
+}
+#endif
+
 /* Q2_K: 16 sub-blocks of 16 with a 4-bit scale and a 4-bit minimum, codes q in [0, 4). */
 static inline __attribute__((always_inline)) void q2_k_superblock(
     const int R, const uint8_t *restrict b, const int8_t *restrict x, const int16_t *restrict xb,
@@ -1169,15 +1263,19 @@ static inline __attribute__((always_inline)) void q2_k_superblock(
     const int64_t nsb = K / 256;
     const float d = h2f(b + 80), dmin = h2f(b + 82);
     const __m128i sm = _mm_loadu_si128((const __m128i *)b), low4 = _mm_set1_epi8(0x0F);
+    isum_t isum[IRB];
+    for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
+#if PAIRS_512
+    q2_k_pairs_512(R, b + 16, _mm256_cvtepu8_epi16(_mm_and_si128(sm, low4)), x, K, isum);
+#else
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     __m256i dup[2];
     dup_scales(_mm_and_si128(sm, low4), &dup[0], &dup[1]);
-    isum_t isum[IRB];
-    for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
         K23_HALF(R, q, (const __m256i *)0, h, dup[h], x + 128 * h, isum, three, one);
     }
+#endif
     finish_minimums(R, isum, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), low4)), xb, xd, nsb, d, dmin,
                     acc);
 }
@@ -1191,16 +1289,30 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
     q3_k_scale_words(b + 96, w);
     const __m128i s8 = _mm_set_epi32((int)w[3], (int)w[2], (int)w[1], (int)w[0]);
     const float d = h2f(b + 108);
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    const __m256i hb = _mm256_loadu_si256((const __m256i *)b);
-    __m256i dup[2];
-    dup_scales(s8, &dup[0], &dup[1]);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)b);
+#if PAIRS_512  /* the pairs' scales by one vpermw each (the codes as K23_HALF forms them) */
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
+        for (int j = 0; j < 4; j += 2) {
+            const __m256i ulo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j), one), 2));
+            const __m256i uhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j + 1), one), 2));
+            SUB_BLOCK_PAIR_SC(R, ulo, uhi, x + 128 * h + 32 * j, scales_of_pair(s16, 8 * h + 2 * j), isum);
+        }
+    }
+#else
+    __m256i dup[2];
+    dup_scales(s8, &dup[0], &dup[1]);
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
         K23_HALF(R, q, &hb, h, dup[h], x + 128 * h, isum, three, one);
     }
+#endif
     finish_offset(R, isum, _mm256_cvtepi8_epi16(s8), 2, xb, xd, nsb, d, acc);
 }
 

@@ -635,10 +635,10 @@ MMA_MAX_M = 64  # auto: the tensor-core tile kernel (gguf_mma.py) up to this man
 # (results/h200-triton-gguf-mma.txt); Q6_K and Q8_0 won some shapes and lost others, so they stay on request
 MMA_AUTO_TYPES = frozenset({T.Q4_K})
 # auto: the integer tensor-core kernel (cuda/gguf_mmq.cu) for its types, 16-bit activations, up to MMQ_MAX_M
-# rows (MMA_MAX_M for MMQ_WIDE_TYPES).  On the H200 at the 8B shapes (results/h200-cuda-mmq-3.txt) it took
+# rows (MMA_MAX_M for MMQ_WIDE_TYPES).  On the H200 at the 8B shapes (results/h200-cuda-mmq-rows.txt) it took
 # 0.46-0.93x the time of the best other kernel at 4-32 rows for every type; at 64 rows 0.70-1.06x for
 # IQ2_XXS (against dequantize + cuBLAS) but up to 1.4x for the others, and 64-sequence decode of the Q4_K_M
-# file was 6% slower with it (h200-gguf-llama3-8b-*-batch64-{tile,mmq}-c.json)
+# file was 6% slower with it (h200-gguf-llama3-8b-*-batch64-{tile,mmq}-rows.json)
 MMQ_MAX_M = 32
 MMQ_WIDE_TYPES = frozenset({T.IQ2_XXS})
 GEMV_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {  # the wider codes: one row (Q6_K measured)
@@ -857,9 +857,11 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
 
     ``packed``: ``qweight`` came from ``pack_gguf`` (do that once at load: without it, every
     call re-lays the weight out).  ``regime``: ``"auto"`` (by M, see the module docs),
-    ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"``, ``"mma"`` or ``"dequant"``.  ``split_k``: K splits of the gemv/dot kernels
-    (None: enough programs to fill the GPU, see ``_split_k``).  ``x8``: x's 8-bit form
-    (``int8_act.Int8Activations``) where its producer wrote one, for the ``"gemv_q8"`` regime."""
+    ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"``, ``"mma"``,
+    ``"mmq"`` (8-bit activations on integer tensor cores, ``cuda/gguf_mmq.cu``; not exact) or
+    ``"dequant"``.  ``split_k``: K splits of the gemv/dot/mmq kernels (None: enough programs to fill
+    the GPU, see ``_split_k``).  ``x8``: x's 8-bit form (``int8_act.Int8Activations``) where its
+    producer wrote one, for the ``"gemv_q8"`` and ``"mmq"`` regimes."""
     qtype = _check(qweight, qtype, k, packed)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")

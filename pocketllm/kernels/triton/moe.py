@@ -205,7 +205,9 @@ def fused_moe(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationTyp
               routing: Routing, x_div: int = 1) -> torch.Tensor:
     """[P, n] in x's dtype: row p = ``x[p // x_div] @ W_e.T`` for pair p's expert e, every expert's
     pairs one tile of rows.  ``stacked``: the experts' ``pack_gguf`` rows for ``qtype`` (a type of
-    ``gguf_mma.MMA_TYPES``), or for None a dense [E * n, k] stack in x's dtype."""
+    ``gguf_mma.MMA_TYPES``), or for None a dense [E * n, k] stack in x's dtype.  On CUDA, 16-bit
+    activations in row blocks of up to MMQ_MAX_BLOCK_M pairs take the integer tensor-core kernel
+    (``cuda/gguf_mmq.cu``, 8-bit activations) where it has the type."""
     from pocketllm.kernels.triton import gguf as kg
     from pocketllm.kernels.triton import gguf_mma
 
