@@ -826,14 +826,26 @@ static inline __m512i scales_of_pair(__m512i s16, int e) {
         _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(e + 1)), _mm_set1_epi16((short)e))),
                            _mm256_set_m128i(_mm_set1_epi16((short)(e + 3)), _mm_set1_epi16((short)(e + 2))), 1), s16);
 }
-#define SUB_BLOCK_PAIR_SC(R, ulo, uhi, x, sc, isum)                                                 \
+#endif
+
+/* The K types with sixteen sub-blocks of 16 (Q2_K, Q3_K, Q6_K): their int8 scales s8 as `scales` (SIXTEEN_SCALES),
+ * and chunks j, j + 1 of 32 weights of half h (sub-blocks 8h + 2j .. 8h + 2j + 3) against x with them
+ * (SCALED_PAIR): with AVX-512 all sixteen as int16 and one vpermw a pair, else two vectors of eight picked by
+ * shuffles (pair_scale). */
+#if PAIRS_512
+#define SIXTEEN_SCALES(scales, s8) const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8))
+#define SCALED_PAIR(R, ulo, uhi, x, scales, h, j, isum)                                             \
     do {                                                                                            \
-        const __m512i u_ = WIDEN(ulo, uhi), sc_ = (sc);                                             \
+        const __m512i u_ = WIDEN(ulo, uhi), sc_ = scales_of_pair(scales, 8 * (h) + 2 * (j));        \
         for (int r = 0; r < R; r++)                                                                 \
             isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u_, _mm512_loadu_si512((x) + r * K)), sc_); \
     } while (0)
 #else
 #define PAIRS_512 0
+#define SIXTEEN_SCALES(scales, s8) __m256i scales[2]; dup_scales(s8, &scales[0], &scales[1])
+#define SCALED_PAIR(R, ulo, uhi, x, scales, h, j, isum)                                             \
+    SUB_BLOCK_PAIR(R, ulo, uhi, x, pair_scale((scales)[h], 2 * (j), 2 * (j) + 1),                   \
+                   pair_scale((scales)[h], 2 * (j) + 2, 2 * (j) + 3), isum)
 #endif
 
 /* Sixteen int8 sub-block scales as two vectors of eight int16, each in both halves (pair_scale's). */
@@ -924,12 +936,7 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
     const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));  /* int8 scales, one per 16 */
     const float d = h2f(b + 208);
     const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
-#if PAIRS_512
-    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
-#else
-    __m256i dup[2];
-    dup_scales(s8, &dup[0], &dup[1]);
-#endif
+    SIXTEEN_SCALES(scales, s8);
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     for (int h = 0; h < 2; h++) {  /* 128 values from 64 bytes of ql and 32 of qh */
@@ -943,13 +950,8 @@ static inline __attribute__((always_inline)) void q6_k_superblock(
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), two)),
         };
-#if PAIRS_512
-        SUB_BLOCK_PAIR_SC(R, u[0], u[1], x + 128 * h, scales_of_pair(s16, 8 * h), isum);
-        SUB_BLOCK_PAIR_SC(R, u[2], u[3], x + 128 * h + 64, scales_of_pair(s16, 8 * h + 4), isum);
-#else
-        SUB_BLOCK_PAIR(R, u[0], u[1], x + 128 * h, pair_scale(dup[h], 0, 1), pair_scale(dup[h], 2, 3), isum);
-        SUB_BLOCK_PAIR(R, u[2], u[3], x + 128 * h + 64, pair_scale(dup[h], 4, 5), pair_scale(dup[h], 6, 7), isum);
-#endif
+        SCALED_PAIR(R, u[0], u[1], x + 128 * h, scales, h, 0, isum);
+        SCALED_PAIR(R, u[2], u[3], x + 128 * h + 64, scales, h, 2, isum);
     }
     finish_offset(R, isum, _mm256_cvtepi8_epi16(s8), 5, xb, xd, nsb, d, acc);
 }
@@ -1221,7 +1223,7 @@ static inline __attribute__((always_inline)) void lattice_superblock(
 
 /* Q2_K and Q3_K's codes of 128 weights (h) against x: 2-bit field j of the 32 code bytes is the
  * chunk of weights 32j .. 32j + 31, sub-blocks 8h + 2j and 8h + 2j + 1; Q3_K adds its high bit. */
-#define K23_HALF(R, q, hb, h, dup, x, isum, three, one)                                             \
+#define K23_HALF(R, q, hb, h, scales, x, isum, three, one)                                             \
     for (int j = 0; j < 4; j += 2) {                                                                \
         __m256i ulo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);                         \
         __m256i uhi = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three);                     \
@@ -1229,26 +1231,25 @@ static inline __attribute__((always_inline)) void lattice_superblock(
             ulo = _mm256_or_si256(ulo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(*(hb), 4 * (h) + j), one), 2)); \
             uhi = _mm256_or_si256(uhi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(*(hb), 4 * (h) + j + 1), one), 2)); \
         }                                                                                           \
-        SUB_BLOCK_PAIR(R, ulo, uhi, (x) + 32 * j, pair_scale(dup, 2 * j, 2 * j + 1),                \
-                       pair_scale(dup, 2 * j + 2, 2 * j + 3), isum);                                \
+        SCALED_PAIR(R, ulo, uhi, (x) + 32 * j, scales, h, j, isum);                                 \
     }
 
 /* Q2_K with AVX-512: each pair of 32-weight chunks (j, j + 1 of half h) in one 512-bit vector from the start:
  * the codes' two 2-bit fields by one variable shift of the half's 32 code bytes (in both 256-bit halves), the
- * pair's four sub-scales by one vpermw of all sixteen (s16: int16); the same sums as K23_HALF's pairs
+ * pair's four sub-scales by one vpermw of all sixteen; the same sums as K23_HALF's pairs
  * (Q3_K's high bits the same way measured 0.94-1.01x: it keeps K23_HALF). */
 #if PAIRS_512
 static inline __attribute__((always_inline)) void q2_k_pairs_512(const int R, const uint8_t *restrict codes,
-                                                                __m256i s16, const int8_t *restrict x, int64_t K,
+                                                                __m512i scales, const int8_t *restrict x, int64_t K,
                                                                 isum_t *isum) {
-    const __m512i three = _mm512_set1_epi8(3), s = _mm512_castsi256_si512(s16);
+    const __m512i three = _mm512_set1_epi8(3);
     for (int h = 0; h < 2; h++) {
         const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(codes + 32 * h)));
         for (int j = 0; j < 4; j += 2) {
             const __m512i u = _mm512_and_si512(
                 _mm512_srlv_epi16(q, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 2)), 1)),
                 three);
-            const __m512i sc = scales_of_pair(s, 8 * h + 2 * j);
+            const __m512i sc = scales_of_pair(scales, 8 * h + 2 * j);
             for (int r = 0; r < R; r++)
                 isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(x + r * K + 128 * h + 32 * j)), sc);
         }
@@ -1266,14 +1267,14 @@ static inline __attribute__((always_inline)) void q2_k_superblock(
     isum_t isum[IRB];
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
 #if PAIRS_512
-    q2_k_pairs_512(R, b + 16, _mm256_cvtepu8_epi16(_mm_and_si128(sm, low4)), x, K, isum);
+    SIXTEEN_SCALES(scales, _mm_and_si128(sm, low4));
+    q2_k_pairs_512(R, b + 16, scales, x, K, isum);
 #else
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    __m256i dup[2];
-    dup_scales(_mm_and_si128(sm, low4), &dup[0], &dup[1]);
+    SIXTEEN_SCALES(scales, _mm_and_si128(sm, low4));
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
-        K23_HALF(R, q, (const __m256i *)0, h, dup[h], x + 128 * h, isum, three, one);
+        K23_HALF(R, q, (const __m256i *)0, h, scales, x + 128 * h, isum, three, one);
     }
 #endif
     finish_minimums(R, isum, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), low4)), xb, xd, nsb, d, dmin,
@@ -1293,26 +1294,11 @@ static inline __attribute__((always_inline)) void q3_k_superblock(
     for (int r = 0; r < R; r++) isum[r] = ISUM_ZERO();
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hb = _mm256_loadu_si256((const __m256i *)b);
-#if PAIRS_512  /* the pairs' scales by one vpermw each (the codes as K23_HALF forms them) */
-    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+    SIXTEEN_SCALES(scales, s8);
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
-        for (int j = 0; j < 4; j += 2) {
-            const __m256i ulo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j), one), 2));
-            const __m256i uhi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j + 2), three),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 * h + j + 1), one), 2));
-            SUB_BLOCK_PAIR_SC(R, ulo, uhi, x + 128 * h + 32 * j, scales_of_pair(s16, 8 * h + 2 * j), isum);
-        }
+        K23_HALF(R, q, &hb, h, scales, x + 128 * h, isum, three, one);
     }
-#else
-    __m256i dup[2];
-    dup_scales(s8, &dup[0], &dup[1]);
-    for (int h = 0; h < 2; h++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
-        K23_HALF(R, q, &hb, h, dup[h], x + 128 * h, isum, three, one);
-    }
-#endif
     finish_offset(R, isum, _mm256_cvtepi8_epi16(s8), 2, xb, xd, nsb, d, acc);
 }
 
