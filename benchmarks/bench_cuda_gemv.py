@@ -37,6 +37,15 @@ def timed(fn, copies: int) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3 / copies
 
 
+def weight_copies(qtype: T, n: int, k: int) -> tuple[list[torch.Tensor], int]:
+    """Random [n, k] weights of ``qtype`` packed on the GPU, copied past 400 MB (the docstring's reason),
+    and their GGUF bytes."""
+    raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), qtype, (n, k), 0.02))
+    w0 = kg.pack_gguf(raw, qtype, k, "cuda")
+    nbytes = n * row_nbytes(qtype, k)
+    return [w0] + [w0.clone() for _ in range(max(1, min(64, -(-400_000_000 // nbytes))) - 1)], nbytes
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K,Q6_K,Q5_K,Q8_0")
@@ -52,11 +61,8 @@ def main():
         qtype = T[name]
         shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
         for n, k in shapes + ([HEAD] if qtype == T.Q6_K else []):
-            raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), qtype, (n, k), 0.02))
-            w0 = kg.pack_gguf(raw, qtype, k, "cuda")
-            nbytes = n * row_nbytes(qtype, k)
-            copies = max(1, min(64, -(-400_000_000 // nbytes)))
-            ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+            ws, nbytes = weight_copies(qtype, n, k)
+            w0, copies = ws[0], len(ws)
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             x8 = quantize_activations(x)
             os.environ["POCKETLLM_DISABLE_CUDA_C"] = "1"

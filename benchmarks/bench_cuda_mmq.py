@@ -13,20 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import torch
-import triton
+from bench_cuda_gemv import timed, weight_copies
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.kernels.cuda import gguf_mmq
 from pocketllm.kernels.triton import gguf as kg
 from pocketllm.kernels.triton.int8_act import quantize_activations
-from pocketllm.loaders.dummy_gguf import _random_blocks
-from pocketllm.quant.gguf_types import row_nbytes
-
-
-def timed(fn, copies: int) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3 / copies
 
 
 def main():
@@ -41,11 +34,8 @@ def main():
         qtype = T[name]
         for shape in args.shapes.split(","):
             n, k = map(int, shape.split("x"))
-            raw = torch.from_numpy(_random_blocks(np.random.default_rng(0), qtype, (n, k), 0.02))
-            w0 = kg.pack_gguf(raw, qtype, k, "cuda")
-            nbytes = n * row_nbytes(qtype, k)
-            copies = max(1, min(64, -(-400_000_000 // nbytes)))
-            ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+            ws, nbytes = weight_copies(qtype, n, k)
+            w0, copies = ws[0], len(ws)
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = kg.gguf_matmul(x, w0, qtype, k, packed=True, regime="dequant").float()

@@ -45,19 +45,24 @@ extern "C" float host_##name(const u8* row, int hdr_start, int n_blocks, const i
 """
 
 
-@pytest.fixture(scope="module")
-def host_decoders(tmp_path_factory):
+def _host_library(tmp_path_factory, name: str, text: str) -> ctypes.CDLL:
+    """The C++ program ``text`` (the CUDA sources' host-compilable parts) built as a shared library."""
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    d = tmp_path_factory.mktemp("cuda_host")
-    inst = "\n".join(f"ROW_DOT({n}, Act{n.upper()}, Raw{n.upper()}, {n.upper()}_BODY, {n.upper()}_HDR, "
-                     f"{n.upper()}_PIECES)" for n in cg.DECODERS.values())
-    (d / "h.cpp").write_text(_HARNESS.format(src=cg.SOURCE, instances=inst))
+    d = tmp_path_factory.mktemp(name)
+    (d / "h.cpp").write_text(text)
     done = subprocess.run([cxx, "-O1", "-shared", "-fPIC", str(d / "h.cpp"), "-o", str(d / "h.so")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return ctypes.CDLL(str(d / "h.so"))
+
+
+@pytest.fixture(scope="module")
+def host_decoders(tmp_path_factory):
+    inst = "\n".join(f"ROW_DOT({n}, Act{n.upper()}, Raw{n.upper()}, {n.upper()}_BODY, {n.upper()}_HDR, "
+                     f"{n.upper()}_PIECES)" for n in cg.DECODERS.values())
+    return _host_library(tmp_path_factory, "cuda_host", _HARNESS.format(src=cg.SOURCE, instances=inst))
 
 
 def test_geometry_is_the_packed_layout():
@@ -164,17 +169,10 @@ extern "C" void host_tile_##name(const u8* row, int hdr_start, int n_steps, cons
 
 @pytest.fixture(scope="module")
 def host_tiles(tmp_path_factory):
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    d = tmp_path_factory.mktemp("cuda_tiles")
     names = [cg.DECODERS[t] for t in gguf_mmq.MMQ_TYPES]
     inst = "\n".join(f"TILE_ROW({n}, {n.upper()}_UNITS, {n.upper()}_G, {n.upper()}_MIN)" for n in names)
-    (d / "t.cpp").write_text(_TILE_HARNESS.format(gemv=cg.SOURCE, mmq=gguf_mmq.SOURCE, instances=inst))
-    done = subprocess.run([cxx, "-O1", "-shared", "-fPIC", str(d / "t.cpp"), "-o", str(d / "t.so")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return ctypes.CDLL(str(d / "t.so"))
+    return _host_library(tmp_path_factory, "cuda_tiles",
+                         _TILE_HARNESS.format(gemv=cg.SOURCE, mmq=gguf_mmq.SOURCE, instances=inst))
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_mmq.MMQ_TYPES, key=lambda t: t.value), ids=lambda t: t.name)

@@ -1057,7 +1057,7 @@ static inline __m256i sub_scales16(int type, const uint8_t *b) {
 }
 /* Sub-block k's pair: lanes 0-7 sub-scale 2k, 8-15 2k + 1 (the super-block's vector is the same for its eight
  * sub-blocks: built once when the loop unrolls). */
-static inline __m256i scale_pair(__m256i s16, int k) {
+static inline __m256i sub_block_scales(__m256i s16, int k) {
     return _mm256_permutexvar_epi16(_mm256_set_m128i(_mm_set1_epi16((short)(2 * k + 1)), _mm_set1_epi16((short)(2 * k))), s16);
 }
 #else
@@ -1116,7 +1116,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
                                            (long long)iq2xs_grid[q[1] & 511], (long long)iq2xs_grid[q[0] & 511]),
                          q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9, masked, neg);
 #if SCALES16
-        *scale = scale_pair(sub_scales16(IQ2_XS, b), k);
+        *scale = sub_block_scales(sub_scales16(IQ2_XS, b), k);
 #else
         *scale = odd_scales(b[66 + k] & 0xF, b[66 + k] >> 4);
 #endif
@@ -1133,7 +1133,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
 #endif
         *v = with_signs(u, sb, masked, neg);
 #if SCALES16
-        *scale = scale_pair(sub_scales16(IQ2_S, b), k);
+        *scale = sub_block_scales(sub_scales16(IQ2_S, b), k);
 #else
         *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
 #endif
@@ -1154,9 +1154,8 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
     }
     case IQ1_M: {  /* the same, with a 3-bit scale per 16 weights and the delta's sign per 8 */
         const uint8_t *q = b + 4 * k;
-        uint16_t hh, sc[4];
+        uint16_t hh;
         memcpy(&hh, b + 32 + 2 * k, 2);
-        memcpy(sc, b + 48, 8);
         const uint32_t h = hh;
 #ifdef __BMI2__  /* the index bits and the delta signs (bit 3 of each nibble) compacted by pext */
         *v = _mm256_add_epi8(grid4x8(iq1s_grid8, q, _pext_u32(h, 0x7777), 3),
@@ -1169,9 +1168,10 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         *v = _mm256_add_epi8(g, _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
 #endif
 #if SCALES16
-        (void)sc;
-        *scale = scale_pair(sub_scales16(IQ1_M, b), k);
+        *scale = sub_block_scales(sub_scales16(IQ1_M, b), k);
 #else
+        uint16_t sc[4];
+        memcpy(sc, b + 48, 8);
         *scale = odd_scales((sc[k / 2] >> (6 * (k % 2))) & 7, (sc[k / 2] >> (6 * (k % 2) + 3)) & 7);
 #endif
         break;

@@ -7,7 +7,7 @@
 // issued each product as a synchronous wgmma with a barrier, one program an SM, and lost to the bf16
 // tile kernel (NOTES, "integer tensor cores"); here the warps' mma.sync run freely between the tile's
 // two barriers, and a step's loads are in flight during the step before.  Measured on the H200
-// (results/h200-cuda-mmq-rows.txt): 1.5-2.9x the best other kernel at 4-16 rows, 1.1-2.2x at 32; at 64 the
+// (results/h200-cuda-mmq-rows.txt): 1.47-2.92x the best other kernel at 4-16 rows, 1.1-2.2x at 32; at 64 the
 // float work per group, which grows with the rows, makes it 0.69-1.44x (gguf.py's MMQ_MAX_M routes by that).
 //
 // Compiled after gguf_gemv.cu's helpers (the same program text).  The tile decoders (``<type>_tile``)
@@ -502,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
                 y2 = fmaf(-mb, e.x, y2);
                 y3 = fmaf(-mb, e.y, y3);
 #endif
-                const float magic = 12582912.0f;
+                const float magic = bits_float(MAGIC);  // 1.5 * 2^23
                 acc[j][0] = fmaf(sa * d.x, __int_as_float(c[0]) - magic, y0);
                 acc[j][1] = fmaf(sa * d.y, __int_as_float(c[1]) - magic, y1);
                 acc[j][2] = fmaf(sb * d.x, __int_as_float(c[2]) - magic, y2);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from functools import cache
 from pathlib import Path
 
@@ -20,7 +21,6 @@ _K32 = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4})  #
 BN = 64  # weight rows a block (gguf_mmq.cu)
 KB = 256  # weights a step
 WAVES = 2  # K is split until the blocks fill this many programs an SM
-_GROUP = {T.Q6_K: 16}  # weights a scale (32 for the others)
 
 
 @cache
@@ -28,11 +28,17 @@ def source() -> str:
     return gguf_gemv.source() + SOURCE.read_text()
 
 
+@cache
+def group(qtype: GGMLQuantizationType) -> int:
+    """Weights a scale (32 or 16) as the type's tile decoder defines it (``<TYPE>_G``)."""
+    return int(re.search(rf"#define {gguf_gemv.DECODERS[qtype].upper()}_G (\d+)", SOURCE.read_text()).group(1))
+
+
 def k_ok(qtype: GGMLQuantizationType, k: int) -> bool:
     return k % (32 if qtype in _K32 else KB) == 0
 
 
-def usable(qtype: GGMLQuantizationType, device: torch.device, k: int = 256) -> bool:
+def usable(qtype: GGMLQuantizationType, device: torch.device, k: int = KB) -> bool:
     return qtype in MMQ_TYPES and k_ok(qtype, k) and device.type == "cuda" and runtime.available()
 
 
@@ -47,7 +53,7 @@ def block_m(m: int) -> int:
 
 def shared_bytes(qtype: GGMLQuantizationType, bm: int) -> int:
     """gguf_mmq.cu's dynamic shared memory: the weight tile, two activation buffers, the activation scales."""
-    ld = KB + (16 if _GROUP.get(qtype, 32) == 16 else 32)
+    ld = KB + group(qtype)  # (rows padded by a group: gguf_mmq.cu's MMQ_PAD)
     return BN * ld + 2 * BN * 16 * 4 + 2 * bm * ld + 2 * 8 * bm * 4
 
 
@@ -82,10 +88,10 @@ def moe(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, stacked: torch.Ten
 
 def _launch(qtype, bm, moe_rows, grid, packed, xq, xd, xs, out, k, n, m, pairs, experts, x_div):
     dec = gguf_gemv.DECODERS[qtype]
-    up, group = dec.upper(), _GROUP.get(qtype, 32)
+    up = dec.upper()
     name = f"mmq_{dec}_{bm}" + ("_moe" if moe_rows else "")
-    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=group,
-                                               MMQ_MIN=f"{up}_MIN", MMQ_BM=bm, MMQ_PAD=16 if group == 16 else 32,
+    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=group(qtype),
+                                               MMQ_MIN=f"{up}_MIN", MMQ_BM=bm, MMQ_PAD=group(qtype),
                                                MMQ_MOE=int(moe_rows), MMQ_K32=int(qtype in _K32)), packed.device)
     kern.launch(grid, 128, packed, xq, xd, xs, out, _value_table(packed.device, qtype), n, m, packed.shape[1],
                 _type_args(qtype, k)[1], -(-k // KB), xq.stride(0), xd.stride(0), pairs, experts, x_div, k // 32,

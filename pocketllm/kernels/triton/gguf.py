@@ -636,8 +636,8 @@ MMA_MAX_M = 64  # auto: the tensor-core tile kernel (gguf_mma.py) up to this man
 MMA_AUTO_TYPES = frozenset({T.Q4_K})
 # auto: the integer tensor-core kernel (cuda/gguf_mmq.cu) for its types, 16-bit activations, up to MMQ_MAX_M
 # rows (MMA_MAX_M for MMQ_WIDE_TYPES).  On the H200 at the 8B shapes (results/h200-cuda-mmq-rows.txt) it took
-# 0.46-0.93x the time of the best other kernel at 4-32 rows for every type; at 64 rows 0.70-1.06x for
-# IQ2_XXS (against dequantize + cuBLAS) but up to 1.4x for the others, and 64-sequence decode of the Q4_K_M
+# 0.34-0.88x the time of the best other kernel at 4-32 rows for every type; at 64 rows 0.70-1.06x for
+# IQ2_XXS (against dequantize + cuBLAS) but up to 1.45x for the others, and 64-sequence decode of the Q4_K_M
 # file was 6% slower with it (h200-gguf-llama3-8b-*-batch64-{tile,mmq}-rows.json)
 MMQ_MAX_M = 32
 MMQ_WIDE_TYPES = frozenset({T.IQ2_XXS})
