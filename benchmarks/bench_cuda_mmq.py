@@ -5,8 +5,10 @@
     python benchmarks/bench_cuda_mmq.py --rows 16,32,64 --shapes 6144x4096,28672x4096,4096x14336
 
 Each timed call reads its weights from memory (copies rotated past 400 MB, one CUDA graph over them, as
-bench_cuda_gemv.py); the MMQ time includes quantizing the activations to 8 bits.  The relative error is
-the largest difference from dequantize + cuBLAS's output over its largest value.
+bench_cuda_gemv.py); the MMQ time includes quantizing the activations to 8 bits.  For the types its bf16
+variant takes (``x16``: bf16 activations as they are, weights turned into bf16), that too, at 16, 32 and 64
+activation rows a block.  The relative errors are the largest difference from dequantize + cuBLAS's output
+over its largest value.
 """
 from __future__ import annotations
 
@@ -54,11 +56,21 @@ def main():
                 if half >= 16:
                     row[f"mmq_bm{half}_us"] = timed(lambda: [mmq(w, half) for w in ws], copies)
                 best = min(row[f"{r}_us"] for r in regimes)
+                x16 = ""
+                if gguf_mmq.x16_ok(qtype):
+                    y16 = gguf_mmq.mmq_x16(x, w0, qtype, k, n)
+                    row["x16_rel_err"] = float((y16.float() - ref).abs().max() / ref.abs().max())
+                    for bm in (16, 32, 64):
+                        row[f"x16_bm{bm}_us"] = timed(lambda: [gguf_mmq.mmq_x16(x, w, qtype, k, n, bm=bm)
+                                                               for w in ws], copies)
+                    t16 = min(row[f"x16_bm{bm}_us"] for bm in (16, 32, 64))
+                    x16 = (" | x16 bm16/32/64 " + "/".join(f"{row[f'x16_bm{bm}_us']:.1f}" for bm in (16, 32, 64))
+                           + f" ({min(best, row['mmq_us']) / t16:4.2f}x the best) err {row['x16_rel_err']:.1e}")
                 print(f"{name:7s} {n:6d}x{k:<5d} M={m:3d} | " + " | ".join(f"{r} {row[f'{r}_us']:7.1f} us" for r in regimes)
                       + f" | mmq {row['mmq_us']:7.1f} ({best / row['mmq_us']:4.2f}x the best, "
                       f"{nbytes / row['mmq_us'] / 1e3:5.0f} GB/s)"
                       + (f" | mmq bm{half} {row[f'mmq_bm{half}_us']:7.1f}" if half >= 16 else "")
-                      + f" | rel err {err:.1e}", flush=True)
+                      + f" | rel err {err:.1e}" + x16, flush=True)
                 out.append(row)
             del ws, w0
             torch.cuda.empty_cache()

@@ -9,6 +9,7 @@ that are no multiple of its rows a block, and the mixture-of-experts stacks.
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
 
@@ -153,6 +154,15 @@ def test_gemv_q8_takes_the_cuda_kernel_for_its_types(monkeypatch):
 _TILE_HARNESS = """
 #include "{gemv}"
 #include "{mmq}"
+#define TILE_CODES(name, UNITS) \\
+extern "C" void host_codes_##name(const u8* row, int hdr_start, int n_steps, const u32* lut, i8* out) {{ \\
+    MmqTile* t = new MmqTile; \\
+    for (int step = 0; step < n_steps; step++) {{ \\
+        for (int u = 0; u < UNITS; u++) name##_tile(*t, 0, row, hdr_start, step, u, lut); \\
+        for (int i = 0; i < KB; i++) out[KB * step + i] = t->w[0][i]; \\
+    }} \\
+    delete t; \\
+}}
 #define TILE_ROW(name, UNITS, G, MIN) \\
 extern "C" void host_tile_##name(const u8* row, int hdr_start, int n_steps, const u32* lut, float* out) {{ \\
     MmqTile* t = new MmqTile; \\
@@ -170,7 +180,8 @@ extern "C" void host_tile_##name(const u8* row, int hdr_start, int n_steps, cons
 @pytest.fixture(scope="module")
 def host_tiles(tmp_path_factory):
     names = [cg.DECODERS[t] for t in gguf_mmq.MMQ_TYPES]
-    inst = "\n".join(f"TILE_ROW({n}, {n.upper()}_UNITS, {n.upper()}_G, {n.upper()}_MIN)" for n in names)
+    inst = "\n".join(f"TILE_ROW({n}, {n.upper()}_UNITS, {n.upper()}_G, {n.upper()}_MIN)\n"
+                     f"TILE_CODES({n}, {n.upper()}_UNITS)" for n in names)
     return _host_library(tmp_path_factory, "cuda_tiles",
                          _TILE_HARNESS.format(gemv=cg.SOURCE, mmq=gguf_mmq.SOURCE, instances=inst))
 
@@ -218,27 +229,78 @@ def _mmq_product_case(qtype, n, k):
         assert bool((err <= 1e-5 * mag + 1e-30).all()), (m, splits, float((err / mag).max()))
 
 
+_X16_TYPES = sorted((t for t in gguf_mmq.MMQ_TYPES if gguf_mmq.x16_ok(t)), key=lambda t: t.value)
+
+
+@pytest.mark.parametrize("qtype", _X16_TYPES, ids=lambda t: t.name)
+def test_mmq_x16_types_have_7_bit_codes(qtype, host_tiles):
+    """The bf16 variant turns a tile's int8 codes into bf16 through code + <TYPE>_BIAS as a 7-bit byte: every
+    code its decoder writes (gguf_mmq.cu as host C++, realistic blocks) lies in that window."""
+    n, k = 8, 1024
+    raw = torch.from_numpy(realistic_blocks(np.random.default_rng(qtype.value + 1), qtype, n, k))
+    packed = np.ascontiguousarray(kg.pack_gguf(raw, qtype, k).numpy())
+    lut = np.ascontiguousarray(kg._value_table(torch.device("cpu"), qtype).numpy().view(np.uint32))
+    name = cg.DECODERS[qtype]
+    bias = int(re.search(rf"#define {name.upper()}_BIAS (\d+)", gguf_mmq.SOURCE.read_text()).group(1))
+    fn = getattr(host_tiles, f"host_codes_{name}")
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    lo, hi = 127, -128
+    for r in range(n):
+        codes = np.empty(k, np.int8)
+        fn(p(packed[r]), kg._type_args(qtype, k)[1], k // 256, p(lut), p(codes))
+        lo, hi = min(lo, int(codes.min())), max(hi, int(codes.max()))
+    assert 0 <= lo + bias and hi + bias <= 127, (lo, hi, bias)
+
+
+@cuda_only
+@pytest.mark.parametrize("qtype", _X16_TYPES, ids=lambda t: t.name)
+def test_mmq_x16_equals_the_dequantized_product(qtype):
+    """The bf16 variant: every row and weight row (none a multiple of the tile), K split or not (a K that
+    ends a block into a step for the 32-weight types), against the dequantized weights times the bf16
+    activations, to the rounding of the weights to bf16 (their scale and minimum rounded too)."""
+    n = 1000
+    for k in (2048, 2080) if qtype in gguf_mmq._K32 else (2048,):
+        rng = np.random.default_rng(qtype.value)
+        raw = torch.from_numpy(realistic_blocks(rng, qtype, n, k))
+        w = dequantize(raw, qtype, (n, k)).double().cuda()
+        packed = kg.pack_gguf(raw.cuda(), qtype, k)
+        for m, splits, bm in ((3, 1, None), (17, 3, None), (40, None, 16), (64, None, None), (130, 2, 64)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref, mag = x.double() @ w.T, x.double().abs() @ w.abs().T
+            y = gguf_mmq.mmq_x16(x, packed, qtype, k, n, splits=splits, bm=bm)
+            assert y.shape == (m, n) and y.dtype == torch.bfloat16
+            err = (y.double() - ref).abs()
+            assert bool((err <= 2 ** -5 * mag + 1e-30).all()), (k, m, splits, float((err / mag).max()))
+            assert float(err.norm() / ref.norm()) < 2 ** -7, (k, m, float(err.norm() / ref.norm()))
+
+
 @cuda_only
 @pytest.mark.parametrize("qtype", sorted(gguf_mmq.MMQ_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
 def test_auto_takes_mmq_for_its_rows(qtype, monkeypatch):
     """gguf_matmul's auto regime: the integer tensor-core kernel from GEMV_MAX_M + 1 rows to MMQ_MAX_M (to
-    MMA_MAX_M for MMQ_WIDE_TYPES), 16-bit activations only; its output that of dequantize + cuBLAS to the
-    8-bit activations' rounding."""
+    MMA_MAX_M for MMQ_WIDE_TYPES), 16-bit activations only; its bf16 variant, where it takes the type, from
+    MMQ_X16_MIN_M to MMQ_X16_MAX_M rows of bf16 activations; their outputs that of dequantize + cuBLAS to the
+    8-bit activations' or bf16 weights' rounding."""
     n, k = 300, 1024
     raw = torch.from_numpy(realistic_blocks(np.random.default_rng(5), qtype, n, k)).cuda()
     packed = kg.pack_gguf(raw, qtype, k)
-    seen = []
-    real = gguf_mmq.mmq
+    seen, seen16 = [], []
+    real, real16 = gguf_mmq.mmq, gguf_mmq.mmq_x16
     monkeypatch.setattr(gguf_mmq, "mmq", lambda *a, **kw: seen.append(a[7]) or real(*a, **kw))
-    top = kg.MMA_MAX_M if qtype in kg.MMQ_WIDE_TYPES else kg.MMQ_MAX_M
-    rows = (kg.GEMV_MAX_M, kg.GEMV_MAX_M + 1, kg.MMQ_MAX_M, kg.MMQ_MAX_M + 1, kg.MMA_MAX_M, kg.MMA_MAX_M + 1)
+    monkeypatch.setattr(gguf_mmq, "mmq_x16", lambda *a, **kw: seen16.append(a[0].shape[0]) or real16(*a, **kw))
+    x16 = gguf_mmq.x16_ok(qtype)
+    top = kg.MMQ_X16_MIN_M - 1 if x16 else kg.MMA_MAX_M if qtype in kg.MMQ_WIDE_TYPES else kg.MMQ_MAX_M
+    rows = (kg.GEMV_MAX_M, kg.GEMV_MAX_M + 1, kg.MMQ_X16_MIN_M - 1, kg.MMQ_X16_MIN_M, kg.MMQ_MAX_M,
+            kg.MMQ_MAX_M + 1, kg.MMA_MAX_M, kg.MMA_MAX_M + 1, kg.MMQ_X16_MAX_M, kg.MMQ_X16_MAX_M + 1)
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = kg.gguf_matmul(x, packed, qtype, k, packed=True)
         ref = kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dequant").float()
         assert float((y.float() - ref).abs().max()) <= 0.03 * float(ref.abs().max()), m
     kg.gguf_matmul(torch.randn(8, k, device="cuda"), packed, qtype, k, packed=True)  # float32: exact paths
-    assert seen == [m for m in rows if kg.GEMV_MAX_M < m <= top]
+    kg.gguf_matmul(torch.randn(48, k, device="cuda", dtype=torch.float16), packed, qtype, k, packed=True)
+    assert seen == [m for m in rows if kg.GEMV_MAX_M < m <= top] + [48] * (qtype in kg.MMQ_WIDE_TYPES)
+    assert seen16 == [m for m in rows if x16 and kg.MMQ_X16_MIN_M <= m <= kg.MMQ_X16_MAX_M]
 
 
 @cuda_only

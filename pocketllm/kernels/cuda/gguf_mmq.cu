@@ -9,6 +9,9 @@
 // two barriers, and a step's loads are in flight during the step before.  Measured on the H200
 // (results/h200-cuda-mmq-rows.txt): 1.47-2.92x the best other kernel at 4-16 rows, 1.1-2.2x at 32; at 64 the
 // float work per group, which grows with the rows, makes it 0.69-1.44x (gguf.py's MMQ_MAX_M routes by that).
+// Its bf16 variant (MMQ_X16, below the integer kernel's loop) keeps the tiles and the loads and turns each
+// weight into bf16 once a block instead: 0.69-0.96x the time of the best other kernel at 64 rows
+// (results/h200-cuda-mmq-x16.txt; gguf.py's MMQ_X16_MIN_M / MMQ_X16_MAX_M).
 //
 // Compiled after gguf_gemv.cu's helpers (the same program text).  The tile decoders (``<type>_tile``)
 // also compile as host C++: tests/test_cuda_gguf.py checks them against gguf's dequantization.
@@ -38,7 +41,9 @@ DEV void st16(i8* p, W4 v) {  // 16 bytes to a 16-byte aligned place (shared mem
 // ---- tile decoders: unit u of 256-weight step `step` of weight row `row` (packed as pack_gguf) into
 // tile row r: its int8 codes at their weights' places, its groups' scales (and minimums).  Each is a
 // fetch (global memory to registers: the kernel issues it a step ahead) and a put (registers to the tile);
-// <type>_tile is both. -------------------------------------------------------------------------------
+// <type>_tile is both.  <TYPE>_BIAS, where defined, is what makes every code of the type a 7-bit unsigned
+// number (0 or 64): the bf16 variant (MMQ_X16) needs that to turn codes into bf16 by byte permutes.
+// -------------------------------------------------------------------------------------------------------
 
 #define MMQ_TILE(name)                                                                                      \
     DEV void name##_tile(MmqTile& t, int r, const u8* row, int hdr_start, int step, int u, const u32* lut) {  \
@@ -61,6 +66,7 @@ DEV u32 sub_bytes(u32 v, u32 c) { return ((v | 0x80808080u) - c) ^ 0x80808080u; 
 #define Q4_K_UNITS 4
 #define Q4_K_G 32
 #define Q4_K_MIN 1
+#define Q4_K_BIAS 0
 struct MmqQ4_K { W4 q0, q1, h; };
 DEV MmqQ4_K q4_k_fetch(const u8* row, int hdr_start, int step, int p) {
     const u8 *body = row + Q4_K_BODY * step, *hdr = row + hdr_start + Q4_K_HDR * step;
@@ -85,6 +91,7 @@ MMQ_TILE(q4_k)
 #define Q6_K_UNITS 4
 #define Q6_K_G 16
 #define Q6_K_MIN 0
+#define Q6_K_BIAS 64
 struct MmqQ6_K { W4 qa, qb, qc; u32 sc, d; };
 DEV MmqQ6_K q6_k_fetch(const u8* row, int hdr_start, int step, int u) {
     const u8 *body = row + Q6_K_BODY * step, *hdr = row + hdr_start + Q6_K_HDR * step;
@@ -135,6 +142,7 @@ MMQ_TILE(q8_0)
 #define IQ2_XXS_UNITS 8
 #define IQ2_XXS_G 32
 #define IQ2_XXS_MIN 0
+#define IQ2_XXS_BIAS 64
 struct MmqIQ2_XXS { u32 idx, aux, d; };
 DEV MmqIQ2_XXS iq2_xxs_fetch(const u8* row, int hdr_start, int step, int u) {
     const u8* body = row + IQ2_XXS_BODY * step + 8 * u;
@@ -193,6 +201,7 @@ DEV void table_halves(W4 q, u32 t0, u32 t1, u32 t2, u32 t3, W4& lo, W4& hi) {
 #define Q4_0_UNITS 8
 #define Q4_0_G 32
 #define Q4_0_MIN 0
+#define Q4_0_BIAS 64
 DEV MmqNib q4_0_fetch(const u8* row, int hdr_start, int step, int u) {
     return nib_fetch(row, hdr_start, 8 * step + u, Q4_0_BODY, Q4_0_HDR);
 }
@@ -208,6 +217,7 @@ MMQ_TILE(q4_0)
 #define Q4_1_UNITS 8
 #define Q4_1_G 32
 #define Q4_1_MIN 1
+#define Q4_1_BIAS 0
 DEV MmqNib q4_1_fetch(const u8* row, int hdr_start, int step, int u) {
     return nib_fetch(row, hdr_start, 8 * step + u, Q4_1_BODY, Q4_1_HDR);
 }
@@ -224,6 +234,7 @@ MMQ_TILE(q4_1)
 #define Q5_0_UNITS 8
 #define Q5_0_G 32
 #define Q5_0_MIN 0
+#define Q5_0_BIAS 64
 DEV MmqNib q5_0_fetch(const u8* row, int hdr_start, int step, int u) {
     return nib_fetch(row, hdr_start, 8 * step + u, Q5_0_BODY, Q5_0_HDR);
 }
@@ -240,6 +251,7 @@ MMQ_TILE(q5_0)
 #define Q5_1_UNITS 8
 #define Q5_1_G 32
 #define Q5_1_MIN 1
+#define Q5_1_BIAS 0
 DEV MmqNib q5_1_fetch(const u8* row, int hdr_start, int step, int u) {
     return nib_fetch(row, hdr_start, 8 * step + u, Q5_1_BODY, Q5_1_HDR);
 }
@@ -272,6 +284,7 @@ MMQ_TILE(iq4_nl)
 #define MXFP4_UNITS 8
 #define MXFP4_G 32
 #define MXFP4_MIN 0
+#define MXFP4_BIAS 64
 DEV MmqNib mxfp4_fetch(const u8* row, int hdr_start, int step, int u) {
     return nib_fetch(row, hdr_start, 8 * step + u, MXFP4_BODY, MXFP4_HDR);
 }
@@ -305,6 +318,7 @@ MMQ_TILE(iq4_xs)
 #define Q5_K_UNITS 4
 #define Q5_K_G 32
 #define Q5_K_MIN 1
+#define Q5_K_BIAS 0
 struct MmqQ5_K { W4 q0, q1, h0, h1, h; };
 DEV MmqQ5_K q5_k_fetch(const u8* row, int hdr_start, int step, int p) {
     const u8 *body = row + Q5_K_BODY * step, *hdr = row + hdr_start + Q5_K_HDR * step;
@@ -338,6 +352,9 @@ MMQ_TILE(q5_k)
 // at most 32 * 127 * 127) and one subtraction converts it (I2F issues at a quarter of the FP32 rate).
 
 #if defined(__CUDACC__) && defined(MMQ)
+#ifndef MMQ_X16
+#define MMQ_X16 0
+#endif
 #define MMQ_THREADS 128
 #define BM MMQ_BM
 #define MAGIC 0x4B400000
@@ -346,9 +363,15 @@ MMQ_TILE(q5_k)
 #define CAT(a, b) CAT2(a, b)
 #endif
 
+#if MMQ_X16
+#define LDX (KB + 32)  // bf16 activations a row in shared memory: 576 bytes, so that a quarter-warp's 16-byte
+                       // fragment loads (rows g, g + 1, bytes 16q) fall in distinct banks
+struct alignas(16) MmqAct { u16 x[BM][LDX]; };  // a step's bf16 activations
+#else
 struct alignas(16) MmqAct { i8 x[BM][LD]; };                       // a step's activation codes
 struct alignas(16) MmqActScales { float v[8][BM / 2][4]; };  // by group and pair of rows: both rows' scales,
                                                              // then their scaled sums (one 16-byte load)
+#endif
 
 DEV void cp_async16(void* dst, const void* src, bool ok) {  // 16 bytes, or zeros where !ok
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
@@ -370,6 +393,40 @@ DEV void mma_k16(int* c, u32 a0, u32 a1, u32 b0) {
                  : "r"(a0), "r"(a1), "r"(b0));
 }
 
+// MMQ_X16: bf16 activations as they are, and each warp's weight fragments turned into bf16 with their
+// group's scale and minimum applied (w = s * code - min: codes + MMQ_BIAS put under bf16's exponent of 128
+// by byte permutes, the 128 + bias taken off exactly, then one bf16x2 fma), fed to bf16 mma (m16n8k16,
+// float accumulators).  A weight's float work is then done once a block whatever its activation rows,
+// where the integer form's grows with them (per group and activation row: the scale product, conversion,
+// minimum).  Fragments: thread q's k slots 2q, 2q + 1, 2q + 8, 2q + 9 of a group's two halves are weights
+// 8q..8q+7 of both operands (one 8-byte load of codes, one 16-byte load of activations).
+#if MMQ_X16
+DEV u32 bf16x2_of(float a) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+DEV u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+DEV void codes_bf16(u32 c, u32 s2, u32 m2, u32& lo, u32& hi) {  // 4 codes as two bf16 pairs s * code - min
+#if MMQ_BIAS
+    c = (c ^ 0x40404040u) & 0x7F7F7F7Fu;  // code + 64 a byte (codes in -64..63)
+#endif
+    const u32 one = 0x3F803F80u, off = MMQ_BIAS ? 0xC340C340u : 0xC300C300u;  // 1.0; -(128 + bias)
+    lo = fma_bf16x2(fma_bf16x2(__byte_perm(c, 0x43434343u, 0x4140), one, off), s2, m2);
+    hi = fma_bf16x2(fma_bf16x2(__byte_perm(c, 0x43434343u, 0x4342), one, off), s2, m2);
+}
+DEV void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
 // grid (ceil(N / BN), ceil(M / BM), splits of K); 128 threads (4 warps: 16 weight rows each, all BM
 // activation rows); dynamic shared memory: MmqTile, two MmqAct, MmqActScales.  part[z, m, n]: split z's
 // float32 sum (the caller adds the splits in order).
@@ -384,9 +441,16 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
     extern __shared__ __align__(16) unsigned char smem[];
     MmqTile& t = *(MmqTile*)smem;
     MmqAct* ax = (MmqAct*)(smem + sizeof(MmqTile));
+#if MMQ_X16
+    constexpr int XC = BM * 32 / MMQ_THREADS;  // 16-byte pieces of a step's activations a thread
+    const u16* xh = (const u16*)xq;            // (xq: the bf16 activations, stride_xq in elements)
+#else
     MmqActScales& as = *(MmqActScales*)(smem + sizeof(MmqTile) + 2 * sizeof(MmqAct));
-    constexpr int PER = BN * MMQ_UNITS / MMQ_THREADS, XS = BM * 8 / MMQ_THREADS, XC = BM * 16 / MMQ_THREADS;
-    static_assert(PER * MMQ_THREADS == BN * MMQ_UNITS && XS >= 1, "a thread's share of a step");
+    constexpr int XS = BM * 8 / MMQ_THREADS, XC = BM * 16 / MMQ_THREADS;
+    static_assert(XS >= 1, "a thread's share of the activation scales");
+#endif
+    constexpr int PER = BN * MMQ_UNITS / MMQ_THREADS;
+    static_assert(PER * MMQ_THREADS == BN * MMQ_UNITS, "a thread's share of a step");
     const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int s0 = (int)((long long)n_steps * blockIdx.z / gridDim.z);
@@ -401,14 +465,17 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
     auto out_row = [&](int r) { return m0 + r < M ? m0 + r : -1; };
     auto in_row = out_row;
 #endif
-    int rows_s[XS], rows_c[XC];  // the activation rows of this thread's scales and codes (-1: none)
+    int rows_c[XC];  // the activation rows of this thread's codes (-1: none)
+#pragma unroll
+    for (int i = 0; i < XC; i++) rows_c[i] = in_row((tid + i * MMQ_THREADS) / (MMQ_X16 ? 32 : 16));
+#if !MMQ_X16
+    int rows_s[XS];  // and of its scales
 #pragma unroll
     for (int i = 0; i < XS; i++) rows_s[i] = in_row((tid + i * MMQ_THREADS) >> 3);
-#pragma unroll
-    for (int i = 0; i < XC; i++) rows_c[i] = in_row((tid + i * MMQ_THREADS) >> 4);
+    float rd[XS], rs[XS];
+#endif
 
     decltype(CAT(MMQ, _fetch)(w, 0, 0, 0)) raw[PER];
-    float rd[XS], rs[XS];
     auto fetch = [&](int step) {  // the step's weight units and activation scales, to registers
 #pragma unroll
         for (int i = 0; i < PER; i++) {  // rows past N fetch row N - 1 (their outputs are not stored)
@@ -421,6 +488,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
 #endif
             raw[i] = CAT(MMQ, _fetch)(w + (long long)min(n0 + r, N - 1) * row_bytes, hdr_start, step, u % MMQ_UNITS);
         }
+#if !MMQ_X16
 #pragma unroll
         for (int i = 0; i < XS; i++) {
             const int blk = 8 * step + ((tid + i * MMQ_THREADS) & 7);
@@ -429,13 +497,20 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
             rd[i] = ok ? ldf(xd + at) : 0.0f;
             rs[i] = MMQ_MIN && ok ? ldf(xs + at) : 0.0f;
         }
+#endif
     };
-    auto copy_x = [&](int step, MmqAct& b) {  // the step's activation codes, by cp.async (no row: zeros)
+    auto copy_x = [&](int step, MmqAct& b) {  // the step's activations, by cp.async (no row: zeros)
 #pragma unroll
         for (int i = 0; i < XC; i++) {
+#if MMQ_X16  // piece i: row warp + 4i, weights 8 * lane.. (offsets in 32 bits: the caller checks M * stride)
+            const int mm = rows_c[i];
+            const bool ok = mm >= 0 && 8 * step + (lane >> 2) < k_blocks;
+            cp_async16(&b.x[warp + 4 * i][8 * lane], xh + (ok ? (u32)mm * (u32)stride_xq + (u32)(KB * step + 8 * lane) : 0u), ok);
+#else
             const int u = tid + i * MMQ_THREADS, r = u >> 4, c = u & 15, mm = rows_c[i];
             const bool ok = mm >= 0 && (KB * step + 16 * c) / 32 < k_blocks;
             cp_async16(&b.x[r][16 * c], ok ? xq + (long long)mm * stride_xq + KB * step + 16 * c : xq, ok);
+#endif
         }
         cp_async_commit();
     };
@@ -455,6 +530,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
             const int u = tid + i * MMQ_THREADS;
             CAT(MMQ, _put)(t, u / MMQ_UNITS, raw[i], u % MMQ_UNITS, lut);
         }
+#if !MMQ_X16
 #pragma unroll
         for (int i = 0; i < XS; i++) {
             const int u = tid + i * MMQ_THREADS;
@@ -462,6 +538,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
             as.v[u & 7][r >> 1][r & 1] = rd[i];
             as.v[u & 7][r >> 1][2 + (r & 1)] = rs[i];
         }
+#endif
         if (step + 1 < s1) {
             fetch(step + 1);
             copy_x(step + 1, ax[(step + 1 - s0) & 1]);
@@ -470,6 +547,26 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
         }
         cp_async_wait_prior();
         __syncthreads();
+#if MMQ_X16
+#pragma unroll
+        for (int s = 0; s < KB / 32; s++) {  // weights 32s.. of the step: this thread's 8q..8q+7 of them
+            const int gs = MMQ_G == 32 ? s : 2 * s + (q >> 1);  // their group
+            const u32 sa = bf16x2_of(t.ws[ra][gs]), sb = bf16x2_of(t.ws[ra + 8][gs]);
+            const u32 ma = MMQ_MIN ? bf16x2_of(-t.wm[ra][gs]) : 0u, mb = MMQ_MIN ? bf16x2_of(-t.wm[ra + 8][gs]) : 0u;
+            const uint2 ca = *(const uint2*)&t.w[ra][32 * s + 8 * q], cb = *(const uint2*)&t.w[ra + 8][32 * s + 8 * q];
+            u32 a[8];  // rows ra, ra + 8: weights (8q, 8q + 1), (8q + 2, 8q + 3), ...
+            codes_bf16(ca.x, sa, ma, a[0], a[1]);
+            codes_bf16(ca.y, sa, ma, a[2], a[3]);
+            codes_bf16(cb.x, sb, mb, a[4], a[5]);
+            codes_bf16(cb.y, sb, mb, a[6], a[7]);
+#pragma unroll
+            for (int j = 0; j < BM / 8; j++) {
+                const uint4 xb = *(const uint4*)&X.x[8 * j + g][32 * s + 8 * q];
+                mma_bf16(acc[j], a[0], a[4], a[1], a[5], xb.x, xb.y);
+                mma_bf16(acc[j], a[2], a[6], a[3], a[7], xb.z, xb.w);
+            }
+        }
+#else
 #pragma unroll
         for (int s = 0; s < KB / MMQ_G; s++) {  // group s of MMQ_G weights
             const float sa = t.ws[ra][s], sb = t.ws[ra + 8][s];
@@ -509,6 +606,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
                 acc[j][3] = fmaf(sb * d.y, __int_as_float(c[3]) - magic, y3);
             }
         }
+#endif
         __syncthreads();
     }
     float* out = part + (long long)blockIdx.z * M * N;

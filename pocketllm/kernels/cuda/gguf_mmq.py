@@ -1,5 +1,6 @@
-"""GGUF products of several activation rows on integer tensor cores (``gguf_mmq.cu``): the activations in
-8 bits (``int8_act``), the weights decoded tile by tile to int8 codes in shared memory."""
+"""GGUF products of several activation rows on tensor cores (``gguf_mmq.cu``), the weights decoded tile by
+tile to int8 codes in shared memory: ``mmq`` / ``moe`` take the activations in 8 bits (``int8_act``, integer
+products), ``mmq_x16`` / ``moe_x16`` in bf16 as they are (the codes turned into bf16 weights, bf16 products)."""
 from __future__ import annotations
 
 import math
@@ -34,6 +35,12 @@ def group(qtype: GGMLQuantizationType) -> int:
     return int(re.search(rf"#define {gguf_gemv.DECODERS[qtype].upper()}_G (\d+)", SOURCE.read_text()).group(1))
 
 
+@cache
+def x16_ok(qtype: GGMLQuantizationType) -> bool:
+    """Whether the bf16 variant takes the type: its decoder defines ``<TYPE>_BIAS`` (7-bit codes)."""
+    return qtype in MMQ_TYPES and f"#define {gguf_gemv.DECODERS[qtype].upper()}_BIAS " in SOURCE.read_text()
+
+
 def k_ok(qtype: GGMLQuantizationType, k: int) -> bool:
     return k % (32 if qtype in _K32 else KB) == 0
 
@@ -51,10 +58,19 @@ def block_m(m: int) -> int:
     return min(64, max(16, 1 << (m - 1).bit_length()))
 
 
-def shared_bytes(qtype: GGMLQuantizationType, bm: int) -> int:
-    """gguf_mmq.cu's dynamic shared memory: the weight tile, two activation buffers, the activation scales."""
+def x16_block_m(m: int, n: int, device: torch.device) -> int:
+    """The bf16 variant's rows a block: ``block_m``, but 32 where blocks of 64 would not fill the GPU once
+    (results/h200-cuda-mmq-x16.txt, 64 rows: 6144 weight rows 0.91x the time with 32, 28672 1.22x)."""
+    bm = block_m(m)
+    return 32 if bm == 64 and math.ceil(n / BN) * math.ceil(m / 64) < _num_sms(device) else bm
+
+
+def shared_bytes(qtype: GGMLQuantizationType, bm: int, x16: bool = False) -> int:
+    """gguf_mmq.cu's dynamic shared memory: the weight tile, two activation buffers (int8 codes and their
+    scales, or bf16 rows of KB + 32)."""
     ld = KB + group(qtype)  # (rows padded by a group: gguf_mmq.cu's MMQ_PAD)
-    return BN * ld + 2 * BN * 16 * 4 + 2 * bm * ld + 2 * 8 * bm * 4
+    tile = BN * ld + 2 * BN * 16 * 4
+    return tile + (2 * bm * (KB + 32) * 2 if x16 else 2 * bm * ld + 2 * 8 * bm * 4)
 
 
 def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType,
@@ -69,9 +85,31 @@ def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tens
     tiles = math.ceil(n / BN) * math.ceil(m / bm)
     s = splits or splits_for(tiles, n_steps, packed.device)
     part = torch.empty((s, m, n), dtype=torch.float32, device=packed.device)
-    _launch(qtype, bm, False, (math.ceil(n / BN), math.ceil(m / bm), s), packed, xq, xd, xs, part, k, n, m,
-            packed, packed, 1)  # (no pairs, experts)
+    _launch(qtype, bm, False, False, (math.ceil(n / BN), math.ceil(m / bm), s), packed, xq, xd, xs, part, k, n,
+            m, packed, packed, 1)  # (no pairs, experts)
     return (part[0] if s == 1 else part.sum(0)).to(dtype)
+
+
+def mmq_x16(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int,
+            splits: int | None = None, bm: int | None = None) -> torch.Tensor:
+    """y [m, n] bf16 = x . W^T for x bf16 [m, k] as it is (the bf16 variant); ``splits``, ``bm`` as ``mmq``."""
+    m = x.shape[0]
+    _check_x16(x, qtype, k)
+    n_steps = -(-k // KB)
+    bm = bm or x16_block_m(m, n, packed.device)
+    assert bm in (16, 32, 64)
+    tiles = math.ceil(n / BN) * math.ceil(m / bm)
+    s = splits or splits_for(tiles, n_steps, packed.device)
+    part = torch.empty((s, m, n), dtype=torch.float32, device=packed.device)
+    _launch(qtype, bm, False, True, (math.ceil(n / BN), math.ceil(m / bm), s), packed, x, x, x, part, k, n, m,
+            packed, packed, 1)
+    return (part[0] if s == 1 else part.sum(0)).to(x.dtype)
+
+
+def _check_x16(x: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> None:
+    assert x16_ok(qtype) and k_ok(qtype, k) and x.dtype == torch.bfloat16 and x.stride(1) == 1
+    assert x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and x.shape[0] * x.stride(0) < 2 ** 32  # 16-byte
+    # pieces, 32-bit offsets
 
 
 def moe(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType,
@@ -81,18 +119,30 @@ def moe(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, stacked: torch.Ten
     ``pack_gguf`` rows (expert e's n rows from e * n on)."""
     assert qtype in MMQ_TYPES and k_ok(qtype, k) and routing.block_m in (16, 32) and xq.stride(0) % 16 == 0
     out = torch.empty((routing.num_pairs, n), dtype=torch.float32, device=stacked.device)
-    _launch(qtype, routing.block_m, True, (math.ceil(n / BN), routing.experts.numel(), 1), stacked, xq, xd, xs,
-            out, k, n, routing.num_pairs, routing.pairs, routing.experts, x_div)
+    _launch(qtype, routing.block_m, True, False, (math.ceil(n / BN), routing.experts.numel(), 1), stacked, xq, xd,
+            xs, out, k, n, routing.num_pairs, routing.pairs, routing.experts, x_div)
     return out.to(dtype)
 
 
-def _launch(qtype, bm, moe_rows, grid, packed, xq, xd, xs, out, k, n, m, pairs, experts, x_div):
+def moe_x16(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int, routing,
+            x_div: int) -> torch.Tensor:
+    """``moe`` for x bf16 as it is (the bf16 variant): [P, n] bf16."""
+    _check_x16(x, qtype, k)
+    assert routing.block_m in (16, 32, 64)
+    out = torch.empty((routing.num_pairs, n), dtype=torch.float32, device=stacked.device)
+    _launch(qtype, routing.block_m, True, True, (math.ceil(n / BN), routing.experts.numel(), 1), stacked, x, x, x,
+            out, k, n, routing.num_pairs, routing.pairs, routing.experts, x_div)
+    return out.to(x.dtype)
+
+
+def _launch(qtype, bm, moe_rows, x16, grid, packed, xq, xd, xs, out, k, n, m, pairs, experts, x_div):
     dec = gguf_gemv.DECODERS[qtype]
     up = dec.upper()
-    name = f"mmq_{dec}_{bm}" + ("_moe" if moe_rows else "")
-    kern = runtime.kernel(source(), name, dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=group(qtype),
-                                               MMQ_MIN=f"{up}_MIN", MMQ_BM=bm, MMQ_PAD=group(qtype),
-                                               MMQ_MOE=int(moe_rows), MMQ_K32=int(qtype in _K32)), packed.device)
+    name = f"mmq_{dec}_{bm}" + ("_moe" if moe_rows else "") + ("_x16" if x16 else "")
+    defines = dict(KERNEL=name, MMQ=dec, MMQ_UNITS=f"{up}_UNITS", MMQ_G=group(qtype), MMQ_MIN=f"{up}_MIN",
+                   MMQ_BM=bm, MMQ_PAD=group(qtype), MMQ_MOE=int(moe_rows), MMQ_K32=int(qtype in _K32),
+                   MMQ_X16=int(x16), **(dict(MMQ_BIAS=f"{up}_BIAS") if x16 else {}))
+    kern = runtime.kernel(source(), name, defines, packed.device)
     kern.launch(grid, 128, packed, xq, xd, xs, out, _value_table(packed.device, qtype), n, m, packed.shape[1],
                 _type_args(qtype, k)[1], -(-k // KB), xq.stride(0), xd.stride(0), pairs, experts, x_div, k // 32,
-                shared=shared_bytes(qtype, bm))
+                shared=shared_bytes(qtype, bm, x16))

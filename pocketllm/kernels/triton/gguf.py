@@ -641,6 +641,12 @@ MMA_AUTO_TYPES = frozenset({T.Q4_K})
 # file was 6% slower with it (h200-gguf-llama3-8b-*-batch64-{tile,mmq}-rows.json)
 MMQ_MAX_M = 32
 MMQ_WIDE_TYPES = frozenset({T.IQ2_XXS})
+# auto: from MMQ_X16_MIN_M to MMQ_X16_MAX_M rows, the kernel's bf16 variant for bf16 activations and its types.
+# On the H200 at the 8B shapes (results/h200-cuda-mmq-x16.txt) it took 0.78-0.88x the time of the integer form
+# at 32 rows (Q4_K, Q6_K, IQ2_XXS), 0.69-0.96x the best other kernel at 64; at 16 rows Q4_K's and IQ2_XXS's
+# 0.85-0.93x but Q6_K's 1.11-1.23x; at 128 rows 0.89-1.5x dequantize + cuBLAS's
+MMQ_X16_MIN_M = 17
+MMQ_X16_MAX_M = 64
 GEMV_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {  # the wider codes: one row (Q6_K measured)
     t: dict(BLOCK_N=1) for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)}
 DOT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
@@ -858,8 +864,8 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     ``packed``: ``qweight`` came from ``pack_gguf`` (do that once at load: without it, every
     call re-lays the weight out).  ``regime``: ``"auto"`` (by M, see the module docs),
     ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"``, ``"mma"``,
-    ``"mmq"`` (8-bit activations on integer tensor cores, ``cuda/gguf_mmq.cu``; not exact) or
-    ``"dequant"``.  ``split_k``: K splits of the gemv/dot/mmq kernels (None: enough programs to fill
+    ``"mmq"`` (8-bit activations on integer tensor cores, ``cuda/gguf_mmq.cu``; not exact), ``"mmq_x16"``
+    (its bf16 variant: weights rounded to bf16; not exact) or ``"dequant"``.  ``split_k``: K splits of the gemv/dot/mmq kernels (None: enough programs to fill
     the GPU, see ``_split_k``).  ``x8``: x's 8-bit form (``int8_act.Int8Activations``) where its
     producer wrote one, for the ``"gemv_q8"`` and ``"mmq"`` regimes."""
     qtype = _check(qweight, qtype, k, packed)
@@ -877,11 +883,14 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
             regime = "gemv_q8"
         elif regime == "dequant" and m <= MMA_MAX_M and x.dtype != torch.float32 and qtype in MMA_AUTO_TYPES:
             regime = "mma"
-        if regime in ("mma", "dequant") and m <= (MMQ_MAX_M if qtype not in MMQ_WIDE_TYPES else MMA_MAX_M) \
+        if regime in ("mma", "dequant") and MMQ_X16_MIN_M <= m <= MMQ_X16_MAX_M and x.dtype == torch.bfloat16 \
+                and x.data_ptr() % 16 == 0 and _mmq().usable(qtype, x.device, k) and _mmq().x16_ok(qtype):
+            regime = "mmq_x16"
+        elif regime in ("mma", "dequant") and m <= (MMQ_MAX_M if qtype not in MMQ_WIDE_TYPES else MMA_MAX_M) \
                 and x.dtype != torch.float32 and _mmq().usable(qtype, x.device, k):
             regime = "mmq"
-    if regime not in ("gemv", "gemv_q8", "dot", "dequant", "mma", "mmq"):
-        raise ValueError(f"regime must be auto, gemv, gemv_q8, dot, dequant, mma or mmq; got {regime!r}")
+    if regime not in ("gemv", "gemv_q8", "dot", "dequant", "mma", "mmq", "mmq_x16"):
+        raise ValueError(f"regime must be auto, gemv, gemv_q8, dot, dequant, mma, mmq or mmq_x16; got {regime!r}")
     if regime == "mma" and qtype not in _mma().MMA_TYPES:
         raise ValueError(f"no tensor-core tile kernel for {qtype.name}")
     if m == 0 or n == 0:
@@ -893,6 +902,8 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     if regime == "mmq":  # the integer tensor-core kernel of cuda/gguf_mmq.cu
         xq, xd, xs = _q8().quantize_activations(x) if x8 is None else x8
         return _mmq().mmq(xq, xd, xs, qweight, qtype, k, n, m, x.dtype, split_k)
+    if regime == "mmq_x16":  # its bf16 variant
+        return _mmq().mmq_x16(x if x.dtype == torch.bfloat16 else x.bfloat16(), qweight, qtype, k, n, split_k)
 
     if regime == "gemv":
         return _gemv(x, qweight, qtype, k, n, m, split_k)
