@@ -428,8 +428,8 @@ DEV void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #endif
 
 // grid (ceil(N / BN), ceil(M / BM), splits of K); 128 threads (4 warps: 16 weight rows each, all BM
-// activation rows); dynamic shared memory: MmqTile, two MmqAct, MmqActScales.  part[z, m, n]: split z's
-// float32 sum (the caller adds the splits in order).
+// activation rows); dynamic shared memory: MmqTile, two MmqAct, MmqActScales (the integer form's).
+// part[z, m, n]: split z's float32 sum (the caller adds the splits in order).
 // MMQ_MOE (a mixture-of-experts layer, no splits): row block y holds expert experts[y]'s (token, expert) pairs
 // pairs[y * BM ...] (M = the number of pairs P, which pads), w its N rows from expert e * N on; a pair p reads
 // activation row p / x_div and writes part row p.

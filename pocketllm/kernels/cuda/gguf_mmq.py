@@ -1,6 +1,6 @@
 """GGUF products of several activation rows on tensor cores (``gguf_mmq.cu``), the weights decoded tile by
 tile to int8 codes in shared memory: ``mmq`` / ``moe`` take the activations in 8 bits (``int8_act``, integer
-products), ``mmq_x16`` / ``moe_x16`` in bf16 as they are (the codes turned into bf16 weights, bf16 products)."""
+products), ``mmq_x16`` in bf16 as they are (the codes turned into bf16 weights, bf16 products)."""
 from __future__ import annotations
 
 import math
@@ -79,37 +79,29 @@ def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tens
     ``pack_gguf``; K split over ``splits`` programs (default: enough to fill the GPU), added in order after;
     ``bm`` activation rows a block (default ``block_m(m)``)."""
     assert qtype in MMQ_TYPES and k_ok(qtype, k) and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
-    n_steps = -(-k // KB)
-    bm = bm or block_m(m)
-    assert bm in (16, 32, 64)
-    tiles = math.ceil(n / BN) * math.ceil(m / bm)
-    s = splits or splits_for(tiles, n_steps, packed.device)
-    part = torch.empty((s, m, n), dtype=torch.float32, device=packed.device)
-    _launch(qtype, bm, False, False, (math.ceil(n / BN), math.ceil(m / bm), s), packed, xq, xd, xs, part, k, n,
-            m, packed, packed, 1)  # (no pairs, experts)
-    return (part[0] if s == 1 else part.sum(0)).to(dtype)
+    return _rows(qtype, bm or block_m(m), False, packed, xq, xd, xs, k, n, m, splits).to(dtype)
 
 
 def mmq_x16(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int,
             splits: int | None = None, bm: int | None = None) -> torch.Tensor:
     """y [m, n] bf16 = x . W^T for x bf16 [m, k] as it is (the bf16 variant); ``splits``, ``bm`` as ``mmq``."""
     m = x.shape[0]
-    _check_x16(x, qtype, k)
-    n_steps = -(-k // KB)
-    bm = bm or x16_block_m(m, n, packed.device)
+    assert x16_ok(qtype) and k_ok(qtype, k) and x.dtype == torch.bfloat16 and x.stride(1) == 1
+    assert x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and m * x.stride(0) < 2 ** 32  # 16-byte pieces,
+    # 32-bit offsets
+    return _rows(qtype, bm or x16_block_m(m, n, packed.device), True, packed, x, x, x, k, n, m, splits).to(x.dtype)
+
+
+def _rows(qtype, bm, x16, packed, xq, xd, xs, k, n, m, splits) -> torch.Tensor:
+    """The float32 [m, n] product of ``mmq`` / ``mmq_x16``: blocks of ``bm`` rows, K split ``splits`` ways
+    (None: enough programs to fill the GPU) and the splits added in order."""
     assert bm in (16, 32, 64)
     tiles = math.ceil(n / BN) * math.ceil(m / bm)
-    s = splits or splits_for(tiles, n_steps, packed.device)
+    s = splits or splits_for(tiles, -(-k // KB), packed.device)
     part = torch.empty((s, m, n), dtype=torch.float32, device=packed.device)
-    _launch(qtype, bm, False, True, (math.ceil(n / BN), math.ceil(m / bm), s), packed, x, x, x, part, k, n, m,
-            packed, packed, 1)
-    return (part[0] if s == 1 else part.sum(0)).to(x.dtype)
-
-
-def _check_x16(x: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> None:
-    assert x16_ok(qtype) and k_ok(qtype, k) and x.dtype == torch.bfloat16 and x.stride(1) == 1
-    assert x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and x.shape[0] * x.stride(0) < 2 ** 32  # 16-byte
-    # pieces, 32-bit offsets
+    _launch(qtype, bm, False, x16, (math.ceil(n / BN), math.ceil(m / bm), s), packed, xq, xd, xs, part, k, n, m,
+            packed, packed, 1)  # (no pairs, experts)
+    return part[0] if s == 1 else part.sum(0)
 
 
 def moe(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType,
@@ -122,17 +114,6 @@ def moe(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, stacked: torch.Ten
     _launch(qtype, routing.block_m, True, False, (math.ceil(n / BN), routing.experts.numel(), 1), stacked, xq, xd,
             xs, out, k, n, routing.num_pairs, routing.pairs, routing.experts, x_div)
     return out.to(dtype)
-
-
-def moe_x16(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int, routing,
-            x_div: int) -> torch.Tensor:
-    """``moe`` for x bf16 as it is (the bf16 variant): [P, n] bf16."""
-    _check_x16(x, qtype, k)
-    assert routing.block_m in (16, 32, 64)
-    out = torch.empty((routing.num_pairs, n), dtype=torch.float32, device=stacked.device)
-    _launch(qtype, routing.block_m, True, True, (math.ceil(n / BN), routing.experts.numel(), 1), stacked, x, x, x,
-            out, k, n, routing.num_pairs, routing.pairs, routing.experts, x_div)
-    return out.to(x.dtype)
 
 
 def _launch(qtype, bm, moe_rows, x16, grid, packed, xq, xd, xs, out, k, n, m, pairs, experts, x_div):
