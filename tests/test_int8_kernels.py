@@ -34,8 +34,8 @@ if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2
 ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
 # Interleaved eight rows at a time: the 32-element types wherever the fast path is built, Q4_K and
 # Q6_K too with AVX-512 VNNI.
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K]
-X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214}  # a row's super-block there: scales unpacked / a constant added
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K, T.Q2_K]
+X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214, T.Q2_K: 84}  # a row's super-block there: scales unpacked / a constant added / as the file
 
 
 def has_x8(qtype, isa: str = "native") -> bool:
