@@ -436,16 +436,19 @@ def test_file_tensors_are_valid_blocks_of_the_original_weights(q8_files, tiny_mo
                 np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape[0], -1), quantize(want, T.Q8_0))
 
 
-def test_f32_file_loads_back_exactly(tiny_models, tmp_path):
-    """The writer is the loader's exact inverse: names, Q/K permutation, rope_freqs, ties."""
+@pytest.mark.parametrize("ftype", ["F32", "F16", "BF16"])
+def test_float_file_loads_back_exactly(tiny_models, tmp_path, ftype):
+    """The writer is the loader's exact inverse: names, Q/K permutation, rope_freqs, ties; the matrices
+    rounded to the file's float type (numpy reads BF16 as bytes), vectors kept in F32."""
     model, src = tiny_models["llama"]
-    path = write_gguf(src, tmp_path / "llama.F32.gguf", "F32").path
+    path = write_gguf(src, tmp_path / f"llama.{ftype}.gguf", ftype).path
     file = GGUFModelFile(path)
     got = {n: t for n, t in file.iter_weights(torch.float32, "cpu")}
     state = model.state_dict()
     assert set(got) == set(state)
+    stored = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[ftype]
     for n, t in got.items():
-        assert torch.equal(t, state[n].float()), n
+        assert t.dtype == torch.float32 and torch.equal(t, state[n].to(stored if t.dim() > 1 else torch.float32).float()), n
     assert file.model_config().rope_scaling["rope_type"] == "freq_factors"
 
 

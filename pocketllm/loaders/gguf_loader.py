@@ -209,12 +209,16 @@ class GGUFModelFile:
                 yield name, self._tensor(data, t.tensor_type, shape, name, dtype, device)
 
     def _tensor(self, data: np.ndarray, qtype, shape: tuple[int, ...], name: str, dtype, device):
-        if qtype in _DENSE:
-            tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
-            if self.arch == "gemma3" and name.endswith("norm.weight"):
-                tensor = tensor - 1.0  # the converter stored 1 + w; our Gemma norm adds the 1
-            return tensor.to(dtype=dtype, device=device)
-        return QuantizedTensor(_mapped_bytes(data.reshape(shape[0], -1)), qtype, shape)
+        if qtype not in _DENSE:
+            return QuantizedTensor(_mapped_bytes(data.reshape(shape[0], -1)), qtype, shape)
+        if qtype == GGMLQuantizationType.BF16:  # the reader hands BF16 over as its bytes (numpy has no bfloat16)
+            tensor = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16).float()
+        else:
+            tensor = torch.from_numpy(np.array(data, dtype=np.float32))
+        tensor = tensor.reshape(shape)
+        if self.arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor - 1.0  # the converter stored 1 + w; our Gemma norm adds the 1
+        return tensor.to(dtype=dtype, device=device)
 
 
 def _mapped_bytes(a: np.ndarray) -> torch.Tensor:
