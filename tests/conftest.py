@@ -26,9 +26,16 @@ from tiny_models import CONFIGS, make_model
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """kind -> (transformers model, safetensors directory)."""
+    """kind -> (transformers model, safetensors directory), each made when first asked for (a worker makes
+    only the ones its tests use; one that cannot be made fails only those)."""
     root = tmp_path_factory.mktemp("tiny")
-    return {kind: make_model(kind, root) for kind in CONFIGS}
+
+    class Made(dict):
+        def __missing__(self, kind):
+            self[kind] = made = make_model(kind, root)
+            return made
+
+    return Made()
 
 
 @pytest.fixture(params=sorted(CONFIGS))

@@ -58,6 +58,9 @@ def make_model(kind: str, root: Path):
         config.rope_parameters = {"rope_theta": 10000.0, **rope}
     torch.manual_seed(1234)
     model = getattr(transformers, arch)(config).eval()
+    if kind == "gpt_oss":  # a reference that ignores the limit differs from every engine that reads it
+        assert model.model.layers[0].mlp.experts.limit == spec["swiglu_limit"], \
+            f"transformers {transformers.__version__} ignores gpt-oss's swiglu_limit: the tests need >= 5.19"
     with torch.no_grad():  # default init is tiny; scale up so logits are not all near-ties
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # (experts' weights are [experts, out, in])
