@@ -107,6 +107,40 @@ def test_a_decode_rows_bits_do_not_depend_on_its_step_size():
     torch.testing.assert_close(step.cpu(), reference_attention(q, kc, vc, rows, 0.2), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("hq,hkv,window,sinks", [(8, 2, None, False), (4, 4, 8, True), (6, 1, None, True)])
+def test_a_requests_rows_read_their_keys_once_with_the_same_bits(hq, hkv, window, sinks):
+    """Decode rows of one request (its last token and drafts: consecutive positions, each row's table
+    cut to its own blocks) taken in runs by one program (``chain_pos``): every row the same bits as
+    when each row has its own program, runs longer than a program's rows, rows crossing a block, a
+    window and sinks. Table entries past a row's own blocks point at a block of NaN: a run that read
+    its first row's table past that row would fail."""
+    bs = 8
+    runs = [(5, 63), (1, 17), (3, 22), (6, 30), (2, 8)]  # (rows, the first row's length): runs cross blocks
+    spec = [(1, first + i) for n, first in runs for i in range(n)]
+    q, kc, vc, rows, tables, lens, qsl = make_step(spec, hq, hkv, 32, bs=bs, num_blocks=160, seed=7)
+    at = 0
+    for n, first in runs:  # one request's rows share its blocks: each row's table a prefix of its last row's
+        last = rows[at + n - 1][2]
+        for i in range(n):
+            rows[at + i] = (1, first + i, last[:-(-(first + i) // bs)])
+        at += n
+    used = {b for _, _, blocks in rows for b in blocks}
+    nan_block = min(set(range(kc.shape[0])) - used)
+    kc[nan_block] = vc[nan_block] = float("nan")
+    width = max(len(r[2]) for r in rows)
+    tables = torch.tensor([r[2] + [nan_block] * (width - len(r[2])) for r in rows], dtype=torch.int32)
+    chain = torch.tensor([i for n, _ in runs for i in range(n)], dtype=torch.int32)
+    sk = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5][:hq] + [0.0] * max(0, hq - 6)) if sinks else None
+    args = (q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV), 1, 0.1, window)
+    kw = dict(num_splits=1, sinks=None if sk is None else sk.to(DEV))
+    alone = kattn.paged_attention(*args, **kw)
+    runs_out = kattn.paged_attention(*args, **kw, chain_pos=chain.to(DEV))
+    assert torch.equal(runs_out, alone)
+    assert not runs_out.isnan().any()
+    ref = reference_attention(q, kc, vc, rows, 0.1, window, sinks=sk)
+    torch.testing.assert_close(runs_out.cpu(), ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_attention_sinks_match_reference(splits):
     """gpt-oss's sinks, with a window, in prefill tiles and in split decode rows (the sink counted once)."""
@@ -390,4 +424,29 @@ def test_engine_on_kernel_attention_matches_transformers(kind, tiny_models):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 6) for p in prompts]
+    llm.engine.check_no_leaks()
+
+
+def test_speculative_rows_on_kernel_attention_read_keys_in_runs(tiny_models, monkeypatch):
+    """Drafts verified on the kernel path with unsplit decode rows (as at 64 sequences on a GPU): the
+    runner marks each request's rows (``chain_pos``), the kernel takes them in runs, and greedy tokens
+    still equal transformers'."""
+    from conftest import prompts_of
+    from reference import hf_greedy
+
+    from pocketllm import LLM, SamplingParams
+
+    model, path = tiny_models["llama"]
+    prompts = [p * 3 for p in prompts_of([4, 7])]  # repeated: n-gram lookup finds drafts
+    monkeypatch.setattr(kattn, "decode_splits", lambda *a: 1)
+    seen, real = [], kattn.paged_attention
+    monkeypatch.setattr(kattn, "paged_attention", lambda *a, **kw: seen.append(kw.get("chain_pos")) or real(*a, **kw))
+    llm = LLM(str(path), device=DEV, dtype="float32", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    llm.engine.runner.use_kernels = True
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert any(c is not None and int(c.max()) > 0 for c in seen)  # runs of a request's rows
     llm.engine.check_no_leaks()
