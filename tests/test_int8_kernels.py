@@ -32,10 +32,10 @@ if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2
     pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
 ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
-# Interleaved eight rows at a time: the 32-element types wherever the fast path is built, Q4_K and
-# Q6_K too with AVX-512 VNNI.
-X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K]
-X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214}  # a row's super-block there: scales unpacked / a constant added
+# Interleaved eight rows at a time: the 32-element types wherever the fast path is built, Q4_K, and
+# Q6_K, Q2_K and Q3_K too with AVX-512 VNNI.
+X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K]
+X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214, T.Q2_K: 84, T.Q3_K: 118}  # a row's super-block there: scales unpacked / a constant added / as the file
 
 
 def has_x8(qtype, isa: str = "native") -> bool:
@@ -119,7 +119,8 @@ def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(isa, qt
     """Repacked at load (eight rows' blocks side by side): the same products as the per-row
     kernels, over the same bytes (the 32-element types: the file's size; Q4_K: 148 bytes a row
     and super-block for 144, its 6-bit scales and minimums unpacked to bytes; Q6_K: 214 for 210,
-    an integer constant of each row's super-block added)."""
+    an integer constant of each row's super-block added; Q2_K: the file's 84, its scales reordered; Q3_K:
+    118 for 110, its scales unpacked and a constant added)."""
     k = 512 if qtype in SUPER_BLOCK_TYPES else 576
     raw, w = quantized_weights(qtype, 48, k)
     x = activations(batch, k, qtype)

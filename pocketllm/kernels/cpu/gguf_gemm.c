@@ -2043,10 +2043,235 @@ static void q6_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t 
 }
 #endif
 
+/* ---- Q2_K interleaved (AVX-512 VNNI) ---------------------------------------------------------
+ * For each group of 8 rows and each super-block column j, 672 bytes (8 x 84, the file's size):
+ *   d[8], dmin[8] (fp16); the sub-block scales as pairs, byte 32 + 8p + r: row r's scales of
+ *   sub-blocks 2p (low nibble) and 2p + 1 (high); the minimums, byte 96 + 8r + g: row r's of
+ *   sub-blocks g (low) and g + 8 (high); then the codes of each half h (128 weights: byte l holds
+ *   weights 32c + l in its bit pairs c = 0..3) at 160 + 256h, as Q6_K's chunks: rows 0-3's bytes
+ *   0-15, rows 0-3's bytes 16-31, then rows 4-7 likewise.
+ * Chunk s (h = s / 4, c = s % 4) is sub-blocks 2p, 2p + 1 with p = s: its two-bit codes times the
+ * activations summed in pairs (vpmaddubsw), times the rows' scales into int32 (vpdpwssd) over the
+ * super-block; the minimums against the activations' sums per 16, two vpdpwssd for four rows. */
+#define Q2K_X8_BYTES 672
+
+#ifdef X8_512
+static void q2k_x8_move(uint8_t *o, const uint8_t *b, int r) {
+    memcpy(o + 2 * r, b + 80, 2);
+    memcpy(o + 16 + 2 * r, b + 82, 2);
+    for (int p = 0; p < 8; p++) o[32 + 8 * p + r] = (uint8_t)((b[2 * p] & 0xF) | (b[2 * p + 1] & 0xF) << 4);
+    for (int g = 0; g < 8; g++) o[96 + 8 * r + g] = (uint8_t)((b[g] >> 4) | (b[g + 8] & 0xF0));
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 2; i++)
+            memcpy(o + 160 + 256 * h + (r / 4) * 128 + i * 64 + (r % 4) * 16, b + 16 + 32 * h + 16 * i, 16);
+}
+
+/* Row r of a group's super-block column o, dequantized as deq_q2_k does from the file's block. */
+static void q2k_x8_deq(const uint8_t *o, int r, float *w) {
+    uint8_t b[84];
+    memcpy(b + 80, o + 2 * r, 2);
+    memcpy(b + 82, o + 16 + 2 * r, 2);
+    for (int g = 0; g < 16; g++) {
+        const int sc = (o[32 + 8 * (g / 2) + r] >> (4 * (g % 2))) & 0xF;
+        const int m = (o[96 + 8 * r + g % 8] >> (4 * (g / 8))) & 0xF;
+        b[g] = (uint8_t)(sc | m << 4);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 2; i++)
+            memcpy(b + 16 + 32 * h + 16 * i, o + 160 + 256 * h + (r / 4) * 128 + i * 64 + (r % 4) * 16, 16);
+    deq_q2_k(b, w);
+}
+
+/* Rows of group g (nsb super-blocks) against R activation rows: xq [R, K], xd [R, nsb] scales,
+ * x16 [R, K / 16] sums per 16. */
+static inline __attribute__((always_inline)) void q2k_x8_group(
+    const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const int8_t *restrict xq,
+    const float *restrict xd, const int16_t *restrict x16, float *restrict Y, int64_t N) {
+    const __m512i three = _mm512_set1_epi8(3), nib = _mm512_set1_epi16(0xF);
+    const __m512i rows0 = _mm512_loadu_si512(x8_word_row), rows1 = _mm512_loadu_si512(x8_word_row + 32);
+    const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
+    __m512 acc[IRB][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nsb; j++) {
+        const uint8_t *b = g + j * Q2K_X8_BYTES;
+        __m512i isum[IRB][2];
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8")  /* the shift 2 (s % 4) a constant in each copy */
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *q = b + 160 + (s / 4) * 256;
+            __m512i w[4];
+            for (int v = 0; v < 4; v++) {
+                const __m512i c = _mm512_loadu_si512(q + 64 * v);
+                w[v] = _mm512_and_si512(s % 4 ? _mm512_srli_epi16(c, 2 * (s % 4)) : c, three);
+            }
+            /* w[0], w[1]: rows 0-3, weights 0-15 (sub-block 2s) and 16-31 (2s + 1); w[2], w[3]: rows 4-7 */
+            const __m512i sp = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 32 + 8 * s))));
+            const __m512i sa = _mm512_and_si512(sp, nib), sb = _mm512_srli_epi16(sp, 4);
+            const __m512i sa0 = _mm512_permutexvar_epi16(rows0, sa), sa1 = _mm512_permutexvar_epi16(rows1, sa);
+            const __m512i sb0 = _mm512_permutexvar_epi16(rows0, sb), sb1 = _mm512_permutexvar_epi16(rows1, sb);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + r * K + j * 256 + (s / 4) * 128 + (s % 4) * 32;
+                const __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
+                const __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16)));
+                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(w[0], xa), sa0);
+                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(w[1], xb), sb0);
+                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(w[2], xa), sa1);
+                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(w[3], xb), sb1);
+            }
+        }
+        const __m512 dv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
+        const __m512 mv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16))));
+        const __m512 d0 = _mm512_permutexvar_ps(lane0, dv), d1 = _mm512_permutexvar_ps(lane1, dv);
+        const __m512 m0 = _mm512_permutexvar_ps(lane0, mv), m1 = _mm512_permutexvar_ps(lane1, mv);
+        /* lane r: row r's minimums of sub-blocks 0-7 (lo) and 8-15 (hi) */
+        const __m512i mn0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 96)));
+        const __m512i mn1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128)));
+        const __m512i lo0 = _mm512_and_si512(mn0, nib), hi0 = _mm512_srli_epi16(mn0, 4);
+        const __m512i lo1 = _mm512_and_si512(mn1, nib), hi1 = _mm512_srli_epi16(mn1, 4);
+        for (int r = 0; r < R; r++) {
+            const __m512 sx = _mm512_set1_ps(xd[r * nsb + j]);
+            const int16_t *xs = x16 + r * (K / 16) + j * 16;
+            const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xs));
+            const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xs + 8)));
+            const __m512 min0 = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_madd_epi16(lo0, xl), hi0, xh));
+            const __m512 min1 = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_madd_epi16(lo1, xl), hi1, xh));
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(d0, sx), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(d1, sx), acc[r][1]);
+            acc[r][0] = _mm512_fnmadd_ps(min0, _mm512_mul_ps(m0, sx), acc[r][0]);
+            acc[r][1] = _mm512_fnmadd_ps(min1, _mm512_mul_ps(m1, sx), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, x8_row_sums(acc[r]));
+}
+
+#define Q2K_X8_GROUP(R) q2k_x8_group(R, Wp + g * nsb * Q2K_X8_BYTES, nsb, K, xq + b0 * K, xd + b0 * nsb, \
+                                     x16 + b0 * (K / 16), Y + b0 * N + g * 8, N)
+static void q2_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *xq, const float *xd,
+                         const int16_t *x16, int64_t B, float *Y, int nthreads) {
+    const int64_t nsb = K / 256;
+    FOR_GROUPS_AND_BATCH(Q2K_X8_GROUP)
+}
+#endif
+
+/* ---- Q3_K interleaved (AVX-512 VNNI) ---------------------------------------------------------
+ * For each group of 8 rows and each super-block column j, 944 bytes (8 x 118; the file's 8 x 110 with
+ * the scales unpacked and a constant added):
+ *   d[8] (fp16); sc[16 sub-blocks][8 rows] (int8, the scale - 32); c[8] (int32, below); the high bits
+ *   (32 bytes a row: bit s of byte l is weight 128 (s / 4) + 32 (s % 4) + l's) and the codes of each
+ *   half (as Q2_K's) as Q6_K's chunks: rows 0-3's bytes 0-15, rows 0-3's bytes 16-31, then rows 4-7.
+ * Chunk s (sub-blocks 2s, 2s + 1) takes bit pair s % 4 of its half's codes and bit s of the high
+ * bits: codes q - 4 in -4..3, signed, so the activations go in unsigned as Q6_K's do (x + 128) and
+ * c = 128 sum(sc (q - 4)) of each row's super-block comes off. */
+#define Q3K_X8_BYTES 944
+
+#ifdef X8_512
+static inline int q3k_x8_chunk(int r, int i) { return (r / 4) * 128 + i * 64 + (r % 4) * 16; }
+
+static void q3k_x8_move(uint8_t *o, const uint8_t *b, int r) {
+    int8_t sc[16];
+    uint32_t words[4];
+    q3_k_scale_words(b + 96, words);
+    memcpy(sc, words, 16);
+    memcpy(o + 2 * r, b + 108, 2);
+    for (int g = 0; g < 16; g++) o[16 + 8 * g + r] = (uint8_t)sc[g];
+    int32_t c = 0;
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                c += 128 * sc[8 * h + 2 * j + l / 16] * (((b[32 + 32 * h + l] >> (2 * j)) & 3) - ((b[l] >> (4 * h + j)) & 1 ? 0 : 4));
+    memcpy(o + 144 + 4 * r, &c, 4);
+    for (int i = 0; i < 2; i++) {
+        memcpy(o + 176 + q3k_x8_chunk(r, i), b + 16 * i, 16);
+        for (int h = 0; h < 2; h++) memcpy(o + 432 + 256 * h + q3k_x8_chunk(r, i), b + 32 + 32 * h + 16 * i, 16);
+    }
+}
+
+/* Row r of a group's super-block column o, dequantized as deq_q3_k does from the file's block. */
+static void q3k_x8_deq(const uint8_t *o, int r, float *w) {
+    const float d = h2f(o + 2 * r);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int g = 0; g < 2; g++) {
+                const float dl = d * (float)(int8_t)o[16 + 8 * (8 * h + 2 * j + g) + r];
+                for (int l = 16 * g; l < 16 * g + 16; l++) {
+                    const int at = q3k_x8_chunk(r, l / 16) + l % 16;
+                    const int v = ((o[432 + 256 * h + at] >> (2 * j)) & 3) - ((o[176 + at] >> (4 * h + j)) & 1 ? 0 : 4);
+                    w[128 * h + 32 * j + l] = dl * (float)v;
+                }
+            }
+}
+
+/* Rows of group g (nsb super-blocks) against R activation rows: xu [R, K] = x + 128 (uint8), xd
+ * [R, nsb] scales. */
+static inline __attribute__((always_inline)) void q3k_x8_group(
+    const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const uint8_t *restrict xu,
+    const float *restrict xd, float *restrict Y, int64_t N) {
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    const __m512i rows0 = _mm512_loadu_si512(x8_word_row), rows1 = _mm512_loadu_si512(x8_word_row + 32);
+    const __m512i eight = _mm512_set1_epi16(8);
+    const __m512i rows0b = _mm512_add_epi16(rows0, eight), rows1b = _mm512_add_epi16(rows1, eight);
+    const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
+    __m512 acc[IRB][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nsb; j++) {
+        const uint8_t *b = g + j * Q3K_X8_BYTES;
+        __m512i isum[IRB][2];
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8")  /* s a constant in each copy: the shifts below are fixed */
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *q = b + 432 + (s / 4) * 256, *hm = b + 176;
+            __m512i w[4];
+            for (int v = 0; v < 4; v++) {
+                __m512i lo = _mm512_loadu_si512(q + 64 * v), hi = _mm512_loadu_si512(hm + 64 * v);
+                if (s % 4) lo = _mm512_srli_epi16(lo, 2 * (s % 4));
+                /* bit s of the high bits to bit 2 */
+                hi = s >= 2 ? _mm512_srli_epi16(hi, s - 2) : _mm512_slli_epi16(hi, 2 - s);
+                w[v] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(lo, three), _mm512_and_si512(hi, four)), four);
+            }
+            /* w[0], w[1]: rows 0-3, sub-blocks 2s and 2s + 1; w[2], w[3]: rows 4-7 */
+            const __m512i sw = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(b + 16 + 16 * s))));
+            const __m512i sa0 = _mm512_permutexvar_epi16(rows0, sw), sa1 = _mm512_permutexvar_epi16(rows1, sw);
+            const __m512i sb0 = _mm512_permutexvar_epi16(rows0b, sw), sb1 = _mm512_permutexvar_epi16(rows1b, sw);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *x = xu + r * K + j * 256 + (s / 4) * 128 + (s % 4) * 32;
+                const __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
+                const __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16)));
+                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(xa, w[0]), sa0);
+                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(xb, w[1]), sb0);
+                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(xa, w[2]), sa1);
+                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(xb, w[3]), sb1);
+            }
+        }
+        const __m512 dv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
+        const __m512 d0 = _mm512_permutexvar_ps(lane0, dv), d1 = _mm512_permutexvar_ps(lane1, dv);
+        /* c of each row into the first lane of its chunk */
+        const __m512i cv = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 144)));
+        const __m512i c0 = _mm512_maskz_permutexvar_epi32(0x1111, lane0, cv);
+        const __m512i c1 = _mm512_maskz_permutexvar_epi32(0x1111, lane1, cv);
+        for (int r = 0; r < R; r++) {
+            const __m512 sx = _mm512_set1_ps(xd[r * nsb + j]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], c0)), _mm512_mul_ps(d0, sx), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], c1)), _mm512_mul_ps(d1, sx), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, x8_row_sums(acc[r]));
+}
+
+#define Q3K_X8_GROUP(R) q3k_x8_group(R, Wp + g * nsb * Q3K_X8_BYTES, nsb, K, xu + b0 * K, xd + b0 * nsb, \
+                                     Y + b0 * N + g * 8, N)
+static void q3_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t *xu, const float *xd, int64_t B,
+                         float *Y, int nthreads) {
+    const int64_t nsb = K / 256;
+    FOR_GROUPS_AND_BATCH(Q3K_X8_GROUP)
+}
+#endif
+
 static const x8_super *x8_super_layout(int type) {
     static const x8_super layouts[] = {{Q4_K, Q4K_X8_BYTES, 144, q4k_x8_move, q4k_x8_deq},
-#ifdef X8_512  /* Q6_K's kernel takes 512-bit registers */
+#ifdef X8_512  /* Q6_K's, Q2_K's and Q3_K's kernels take 512-bit registers */
                                        {Q6_K, Q6K_X8_BYTES, 210, q6k_x8_move, 0},  /* no Q6_K table is read there */
+                                       {Q2_K, Q2K_X8_BYTES, 84, q2k_x8_move, q2k_x8_deq},
+                                       {Q3_K, Q3K_X8_BYTES, 110, q3k_x8_move, q3k_x8_deq},
 #endif
     };
     for (size_t i = 0; i < sizeof layouts / sizeof *layouts; i++)
@@ -2112,11 +2337,14 @@ static int int8_gemm(int type, const void *W, int interleaved, int64_t N, int64_
     } else
 #endif
 #ifdef X8_512
-    if (interleaved && type == Q6_K) {  /* its signed codes take unsigned activations */
+    if (interleaved && type == Q2_K) {  /* its minimums take the activations' sums per 16 */
+        q2_k_x8_gemm(W, N, K, xq, xd, (const int16_t *)extra, rows, Yall, nthreads);
+    } else if (interleaved && (type == Q6_K || type == Q3_K)) {  /* their signed codes take unsigned activations */
         uint8_t *xu = malloc((size_t)(rows * K));
         if (!xu) { rc = -2; goto done; }
         for (int64_t i = 0; i < rows * K; i++) xu[i] = (uint8_t)(xq[i] ^ 0x80);  /* x + 128 */
-        q6_k_x8_gemm(W, N, K, xu, xd, rows, Yall, nthreads);
+        if (type == Q6_K) q6_k_x8_gemm(W, N, K, xu, xd, rows, Yall, nthreads);
+        else q3_k_x8_gemm(W, N, K, xu, xd, rows, Yall, nthreads);
         free(xu);
     } else
 #endif
