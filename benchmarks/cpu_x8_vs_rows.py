@@ -8,10 +8,10 @@ second the interleaved one reads.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
+from cpu_kernels_vs_ggml import best_of
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.bench.report import environment
@@ -20,15 +20,6 @@ from pocketllm.loaders.dummy_gguf import _random_blocks
 from pocketllm.quant.gguf_types import row_nbytes
 
 SHAPES = [(8960, 1536, 1), (1536, 8960, 1), (8960, 1536, 4), (8960, 1536, 64)]
-
-
-def best_of(fn, calls: int = 10) -> float:
-    best = float("inf")
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main():
@@ -49,9 +40,9 @@ def main():
             x = torch.randn(m, k)
             times = {"rows": [], "x8": []}
             for _ in range(7):  # alternated: the machine's drift falls on both
-                times["rows"].append(best_of(lambda: gguf_ops.gemm(x, rows, qtype, int8=1)))
-                times["x8"].append(best_of(lambda: gguf_ops.gemm_x8(x, packed, n, qtype)))
-            a, b = (float(np.median(times[key])) * 1e3 for key in ("rows", "x8"))
+                times["rows"].append(best_of(lambda: gguf_ops.gemm(x, rows, qtype, int8=1), 10))
+                times["x8"].append(best_of(lambda: gguf_ops.gemm_x8(x, packed, n, qtype), 10))
+            a, b = (float(np.median(times[key])) for key in ("rows", "x8"))  # ms
             print(f"{qtype.name} threads {threads} {n}x{k} rows {m}: row kernel {a:.3f} ms, interleaved {b:.3f} ms "
                   f"-> {a / b:.2f}x ({n * row_nbytes(qtype, k) / b / 1e6:.1f} GB/s)", flush=True)
 

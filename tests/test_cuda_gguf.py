@@ -9,7 +9,6 @@ that are no multiple of its rows a block, and the mixture-of-experts stacks.
 from __future__ import annotations
 
 import ctypes
-import re
 import shutil
 import subprocess
 
@@ -241,7 +240,7 @@ def test_mmq_x16_types_have_7_bit_codes(qtype, host_tiles):
     packed = np.ascontiguousarray(kg.pack_gguf(raw, qtype, k).numpy())
     lut = np.ascontiguousarray(kg._value_table(torch.device("cpu"), qtype).numpy().view(np.uint32))
     name = cg.DECODERS[qtype]
-    bias = int(re.search(rf"#define {name.upper()}_BIAS (\d+)", gguf_mmq.SOURCE.read_text()).group(1))
+    bias = gguf_mmq.define(qtype, "BIAS")
     fn = getattr(host_tiles, f"host_codes_{name}")
     p = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     lo, hi = 127, -128
@@ -301,6 +300,11 @@ def test_auto_takes_mmq_for_its_rows(qtype, monkeypatch):
     kg.gguf_matmul(torch.randn(48, k, device="cuda", dtype=torch.float16), packed, qtype, k, packed=True)
     assert seen == [m for m in rows if kg.GEMV_MAX_M < m <= top] + [48] * (qtype in kg.MMQ_WIDE_TYPES)
     assert seen16 == [m for m in rows if x16 and kg.MMQ_X16_MIN_M <= m <= kg.MMQ_X16_MAX_M]
+    if x16:  # asked for, the bf16 variant rounds other activations to bf16 and answers in their dtype
+        x = torch.randn(20, k, device="cuda")
+        y = kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="mmq_x16")
+        ref = kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dequant")
+        assert y.dtype == torch.float32 and float((y - ref).abs().max()) <= 0.03 * float(ref.abs().max())
 
 
 @cuda_only

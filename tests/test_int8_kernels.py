@@ -35,7 +35,8 @@ ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) !=
 # Interleaved eight rows at a time: the 32-element types wherever the fast path is built, Q4_K, and
 # Q6_K, Q2_K and Q3_K too with AVX-512 VNNI.
 X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K]
-X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214, T.Q2_K: 84, T.Q3_K: 118}  # a row's super-block there: scales unpacked / a constant added / as the file
+# a row's super-block there (the interleaved test's docstring says why)
+X8_SUPER_BYTES = {T.Q4_K: 148, T.Q6_K: 214, T.Q2_K: 84, T.Q3_K: 118}
 
 
 def has_x8(qtype, isa: str = "native") -> bool:

@@ -133,8 +133,10 @@ def test_tensor_core_tile_kernel(qtype, monkeypatch):
     for m in (kg.GEMV_MAX_M, kg.GEMV_MAX_M + 1, kg.MMA_MAX_M, kg.MMA_MAX_M + 1):
         kg.gguf_matmul(torch.randn(m, k).to(DEV, torch.bfloat16), packed, qtype, k, packed=True)
     kg.gguf_matmul(x[:4], packed, qtype, k, packed=True)
-    mmq = kg._mmq().usable(qtype, torch.device(DEV), k)  # the integer tensor-core kernel takes its rows first
-    want = [m for m in (kg.GEMV_MAX_M + 1, kg.MMA_MAX_M) if not (mmq and m <= kg.MMQ_MAX_M)]
+    mmq = kg._mmq().usable(qtype, torch.device(DEV), k)  # the integer tensor-core kernel takes its rows first,
+    x16 = mmq and kg._mmq().x16_ok(qtype)  # its bf16 variant those from MMQ_X16_MIN_M
+    want = [m for m in (kg.GEMV_MAX_M + 1, kg.MMA_MAX_M) if not (mmq and m <= kg.MMQ_MAX_M)
+            and not (x16 and kg.MMQ_X16_MIN_M <= m <= kg.MMQ_X16_MAX_M)]
     assert seen == (want if qtype in kg.MMA_AUTO_TYPES else [])
 
 

@@ -1524,6 +1524,11 @@ static const x8_super *x8_super_layout(int type);
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define X8_512 1  /* 512-bit registers of four rows' blocks; the super-block types' layouts */
 #endif
+#ifdef X8_512
+/* Where row r's bytes 16i..16i+15 of a 32-byte chunk are among its group's 256 (the 512-bit layouts:
+ * rows 0-3's bytes 0-15, rows 0-3's bytes 16-31, then rows 4-7 likewise). */
+static inline int x8_chunk(int r, int i) { return (r / 4) * 128 + i * 64 + (r % 4) * 16; }
+#endif
 int gguf_x8_supported(int type) { int s, b; return x8_super_layout(type) || x8_layout(type, &s, &b); }
 #else
 int gguf_x8_supported(int type) { (void)type; return 0; }
@@ -1547,7 +1552,7 @@ static void x8_move(int type, int sb, uint8_t *o, uint8_t *b, int r, int to_grou
     const int codes = type == Q4_1 ? 4 : 2;  /* where the block's codes start */
 #ifdef X8_512
     if (type == Q8_0) {
-        for (int h = 0; h < 2; h++) X8_MOVE(sb + (r / 4) * 128 + h * 64 + (r % 4) * 16, codes + 16 * h, 16);
+        for (int h = 0; h < 2; h++) X8_MOVE(sb + x8_chunk(r, h), codes + 16 * h, 16);
     } else {
         X8_MOVE(sb + 16 * r, codes, 16);
     }
@@ -1785,7 +1790,7 @@ static inline int q4k_x8_min(int r, int s) {  /* where row r's minimum of sub-bl
 
 static inline int q4k_x8_code(int r, int p, int i) {  /* where row r's code byte i of pair p is */
 #ifdef X8_512
-    return 160 + p * 256 + (r / 4) * 128 + (i / 16) * 64 + (r % 4) * 16 + i % 16;
+    return 160 + p * 256 + x8_chunk(r, i / 16) + i % 16;
 #else
     return 160 + p * 256 + (i / 4) * 32 + 4 * r + i % 4;
 #endif
@@ -1967,80 +1972,11 @@ static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
         }
     memcpy(o + 144 + 4 * r, &c, 4);
     for (int h = 0; h < 2; h++) {
-        for (int ch = 0; ch < 4; ch++)
-            memcpy(o + 176 + ch * 256 + (r / 4) * 128 + h * 64 + (r % 4) * 16, b + 32 * ch + 16 * h, 16);
-        for (int ch = 0; ch < 2; ch++)
-            memcpy(o + 1200 + ch * 256 + (r / 4) * 128 + h * 64 + (r % 4) * 16, b + 128 + 32 * ch + 16 * h, 16);
+        for (int ch = 0; ch < 4; ch++) memcpy(o + 176 + ch * 256 + x8_chunk(r, h), b + 32 * ch + 16 * h, 16);
+        for (int ch = 0; ch < 2; ch++) memcpy(o + 1200 + ch * 256 + x8_chunk(r, h), b + 128 + 32 * ch + 16 * h, 16);
     }
 }
 
-/* Rows of group g (nsb super-blocks) against R activation rows: xu [R, K] = x + 128 (uint8), xd
- * [R, nsb] scales. */
-static inline __attribute__((always_inline)) void q6k_x8_group(
-    const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const uint8_t *restrict xu,
-    const float *restrict xd, float *restrict Y, int64_t N) {
-    const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
-    const __m512i rows0 = _mm512_loadu_si512(x8_word_row), rows1 = _mm512_loadu_si512(x8_word_row + 32);
-    const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
-    __m512 acc[IRB][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nsb; j++) {
-        const uint8_t *b = g + j * Q6K_X8_BYTES;
-        __m512i isum[IRB][2];
-        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
-        _Pragma("GCC unroll 8")  /* k a constant in each copy: the shifts below are fixed */
-        for (int s = 0; s < 8; s++) {
-            const int n = s / 4, k = s % 4;
-            const uint8_t *ql = b + 176 + (2 * n + k % 2) * 256, *qh = b + 1200 + n * 256;
-            __m512i w[4];
-            for (int v = 0; v < 4; v++) {
-                __m512i lo = _mm512_loadu_si512(ql + 64 * v), hi = _mm512_loadu_si512(qh + 64 * v);
-                if (k >= 2) lo = _mm512_srli_epi16(lo, 4);
-                /* bits 2k, 2k + 1 of qh to bits 4, 5 */
-                hi = k == 0 ? _mm512_slli_epi16(hi, 4) : k == 1 ? _mm512_slli_epi16(hi, 2) : k == 3 ? _mm512_srli_epi16(hi, 2) : hi;
-                w[v] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(lo, nib), _mm512_and_si512(hi, two)), off);
-            }
-            /* w[0], w[1]: rows 0-3, values 0-15 and 16-31; w[2], w[3]: rows 4-7 */
-            const __m512i sa = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(b + 16 + 16 * s))));
-            const __m512i sa0 = _mm512_permutexvar_epi16(rows0, sa), sa1 = _mm512_permutexvar_epi16(rows1, sa);
-            /* the 16 bytes hold groups 2s (rows 0-7) and 2s + 1 (rows 0-7): rows 8-15 of the table pick the second */
-            const __m512i eight = _mm512_set1_epi16(8);
-            const __m512i sb0 = _mm512_permutexvar_epi16(_mm512_add_epi16(rows0, eight), sa);
-            const __m512i sb1 = _mm512_permutexvar_epi16(_mm512_add_epi16(rows1, eight), sa);
-            for (int r = 0; r < R; r++) {
-                const uint8_t *x = xu + r * K + j * 256 + s * 32;
-                const __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
-                const __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16)));
-                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(xa, w[0]), sa0);
-                isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(xb, w[1]), sb0);
-                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(xa, w[2]), sa1);
-                isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], _mm512_maddubs_epi16(xb, w[3]), sb1);
-            }
-        }
-        const __m512 dv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
-        const __m512 d0 = _mm512_permutexvar_ps(lane0, dv), d1 = _mm512_permutexvar_ps(lane1, dv);
-        /* c of each row into the first lane of its chunk */
-        const __m512i cv = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 144)));
-        const __m512i c0 = _mm512_maskz_permutexvar_epi32(0x1111, lane0, cv);
-        const __m512i c1 = _mm512_maskz_permutexvar_epi32(0x1111, lane1, cv);
-        for (int r = 0; r < R; r++) {
-            const __m512 sx = _mm512_set1_ps(xd[r * nsb + j]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], c0)), _mm512_mul_ps(d0, sx), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], c1)), _mm512_mul_ps(d1, sx), acc[r][1]);
-        }
-    }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, x8_row_sums(acc[r]));
-}
-#endif
-
-#ifdef X8_512
-#define Q6K_X8_GROUP(R) q6k_x8_group(R, Wp + g * nsb * Q6K_X8_BYTES, nsb, K, xu + b0 * K, xd + b0 * nsb, \
-                                     Y + b0 * N + g * 8, N)
-static void q6_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t *xu, const float *xd, int64_t B,
-                         float *Y, int nthreads) {
-    const int64_t nsb = K / 256;
-    FOR_GROUPS_AND_BATCH(Q6K_X8_GROUP)
-}
 #endif
 
 /* ---- Q2_K interleaved (AVX-512 VNNI) ---------------------------------------------------------
@@ -2062,8 +1998,7 @@ static void q2k_x8_move(uint8_t *o, const uint8_t *b, int r) {
     for (int p = 0; p < 8; p++) o[32 + 8 * p + r] = (uint8_t)((b[2 * p] & 0xF) | (b[2 * p + 1] & 0xF) << 4);
     for (int g = 0; g < 8; g++) o[96 + 8 * r + g] = (uint8_t)((b[g] >> 4) | (b[g + 8] & 0xF0));
     for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 2; i++)
-            memcpy(o + 160 + 256 * h + (r / 4) * 128 + i * 64 + (r % 4) * 16, b + 16 + 32 * h + 16 * i, 16);
+        for (int i = 0; i < 2; i++) memcpy(o + 160 + 256 * h + x8_chunk(r, i), b + 16 + 32 * h + 16 * i, 16);
 }
 
 /* Row r of a group's super-block column o, dequantized as deq_q2_k does from the file's block. */
@@ -2077,8 +2012,7 @@ static void q2k_x8_deq(const uint8_t *o, int r, float *w) {
         b[g] = (uint8_t)(sc | m << 4);
     }
     for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 2; i++)
-            memcpy(b + 16 + 32 * h + 16 * i, o + 160 + 256 * h + (r / 4) * 128 + i * 64 + (r % 4) * 16, 16);
+        for (int i = 0; i < 2; i++) memcpy(b + 16 + 32 * h + 16 * i, o + 160 + 256 * h + x8_chunk(r, i), 16);
     deq_q2_k(b, w);
 }
 
@@ -2165,8 +2099,6 @@ static void q2_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *
 #define Q3K_X8_BYTES 944
 
 #ifdef X8_512
-static inline int q3k_x8_chunk(int r, int i) { return (r / 4) * 128 + i * 64 + (r % 4) * 16; }
-
 static void q3k_x8_move(uint8_t *o, const uint8_t *b, int r) {
     int8_t sc[16];
     uint32_t words[4];
@@ -2181,8 +2113,8 @@ static void q3k_x8_move(uint8_t *o, const uint8_t *b, int r) {
                 c += 128 * sc[8 * h + 2 * j + l / 16] * (((b[32 + 32 * h + l] >> (2 * j)) & 3) - ((b[l] >> (4 * h + j)) & 1 ? 0 : 4));
     memcpy(o + 144 + 4 * r, &c, 4);
     for (int i = 0; i < 2; i++) {
-        memcpy(o + 176 + q3k_x8_chunk(r, i), b + 16 * i, 16);
-        for (int h = 0; h < 2; h++) memcpy(o + 432 + 256 * h + q3k_x8_chunk(r, i), b + 32 + 32 * h + 16 * i, 16);
+        memcpy(o + 176 + x8_chunk(r, i), b + 16 * i, 16);
+        for (int h = 0; h < 2; h++) memcpy(o + 432 + 256 * h + x8_chunk(r, i), b + 32 + 32 * h + 16 * i, 16);
     }
 }
 
@@ -2194,46 +2126,62 @@ static void q3k_x8_deq(const uint8_t *o, int r, float *w) {
             for (int g = 0; g < 2; g++) {
                 const float dl = d * (float)(int8_t)o[16 + 8 * (8 * h + 2 * j + g) + r];
                 for (int l = 16 * g; l < 16 * g + 16; l++) {
-                    const int at = q3k_x8_chunk(r, l / 16) + l % 16;
+                    const int at = x8_chunk(r, l / 16) + l % 16;
                     const int v = ((o[432 + 256 * h + at] >> (2 * j)) & 3) - ((o[176 + at] >> (4 * h + j)) & 1 ? 0 : 4);
                     w[128 * h + 32 * j + l] = dl * (float)v;
                 }
             }
 }
 
-/* Rows of group g (nsb super-blocks) against R activation rows: xu [R, K] = x + 128 (uint8), xd
- * [R, nsb] scales. */
-static inline __attribute__((always_inline)) void q3k_x8_group(
-    const int R, const uint8_t *restrict g, int64_t nsb, int64_t K, const uint8_t *restrict xu,
+/* The codes of Q6_K's and Q3_K's chunk s, minus their offset (signed): v = 0, 1 rows 0-3's weights 0-15
+ * and 16-31, v = 2, 3 rows 4-7's. */
+static inline __attribute__((always_inline)) __m512i q6k_x8_codes(const uint8_t *b, int s, int v) {
+    const int n = s / 4, k = s % 4;  /* ql chunk 2n + k % 2 (high nibbles for k >= 2), qh chunk n's bits 2k, 2k + 1 */
+    __m512i lo = _mm512_loadu_si512(b + 176 + (2 * n + k % 2) * 256 + 64 * v);
+    __m512i hi = _mm512_loadu_si512(b + 1200 + n * 256 + 64 * v);
+    if (k >= 2) lo = _mm512_srli_epi16(lo, 4);
+    /* bits 2k, 2k + 1 of qh to bits 4, 5 */
+    hi = k == 0 ? _mm512_slli_epi16(hi, 4) : k == 1 ? _mm512_slli_epi16(hi, 2) : k == 3 ? _mm512_srli_epi16(hi, 2) : hi;
+    return _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(0x0F)),
+                                           _mm512_and_si512(hi, _mm512_set1_epi8(0x30))), _mm512_set1_epi8(32));
+}
+
+static inline __attribute__((always_inline)) __m512i q3k_x8_codes(const uint8_t *b, int s, int v) {
+    /* bit pair s % 4 of the half's codes, bit s of the high bits as bit 2 */
+    __m512i lo = _mm512_loadu_si512(b + 432 + (s / 4) * 256 + 64 * v), hi = _mm512_loadu_si512(b + 176 + 64 * v);
+    if (s % 4) lo = _mm512_srli_epi16(lo, 2 * (s % 4));
+    hi = s >= 2 ? _mm512_srli_epi16(hi, s - 2) : _mm512_slli_epi16(hi, 2 - s);
+    const __m512i four = _mm512_set1_epi8(4);
+    return _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(3)), _mm512_and_si512(hi, four)), four);
+}
+
+/* Q6_K's or Q3_K's rows of group g (nsb super-blocks) against R activation rows: xu [R, K] = x + 128
+ * (uint8), xd [R, nsb] scales.  Their layouts share d at 0, the scales by sub-block at 16 (groups 2s and
+ * 2s + 1 of chunk s: 16 bytes) and c at 144; only the codes differ. */
+static inline __attribute__((always_inline)) void signed_x8_group(
+    const int R, const int type, const uint8_t *restrict g, int64_t nsb, int64_t K, const uint8_t *restrict xu,
     const float *restrict xd, float *restrict Y, int64_t N) {
-    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
     const __m512i rows0 = _mm512_loadu_si512(x8_word_row), rows1 = _mm512_loadu_si512(x8_word_row + 32);
+    const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
+    /* the 16 bytes of scales hold groups 2s (rows 0-7) and 2s + 1 (rows 0-7): rows 8-15 of the table pick the second */
     const __m512i eight = _mm512_set1_epi16(8);
     const __m512i rows0b = _mm512_add_epi16(rows0, eight), rows1b = _mm512_add_epi16(rows1, eight);
-    const __m512i lane0 = x8_lanes(0), lane1 = x8_lanes(1);
+    const int64_t bytes = type == Q6_K ? Q6K_X8_BYTES : Q3K_X8_BYTES;
     __m512 acc[IRB][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nsb; j++) {
-        const uint8_t *b = g + j * Q3K_X8_BYTES;
+        const uint8_t *b = g + j * bytes;
         __m512i isum[IRB][2];
         for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
-        _Pragma("GCC unroll 8")  /* s a constant in each copy: the shifts below are fixed */
+        _Pragma("GCC unroll 8")  /* s a constant in each copy: the codes' shifts are fixed */
         for (int s = 0; s < 8; s++) {
-            const uint8_t *q = b + 432 + (s / 4) * 256, *hm = b + 176;
-            __m512i w[4];
-            for (int v = 0; v < 4; v++) {
-                __m512i lo = _mm512_loadu_si512(q + 64 * v), hi = _mm512_loadu_si512(hm + 64 * v);
-                if (s % 4) lo = _mm512_srli_epi16(lo, 2 * (s % 4));
-                /* bit s of the high bits to bit 2 */
-                hi = s >= 2 ? _mm512_srli_epi16(hi, s - 2) : _mm512_slli_epi16(hi, 2 - s);
-                w[v] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(lo, three), _mm512_and_si512(hi, four)), four);
-            }
-            /* w[0], w[1]: rows 0-3, sub-blocks 2s and 2s + 1; w[2], w[3]: rows 4-7 */
-            const __m512i sw = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(b + 16 + 16 * s))));
-            const __m512i sa0 = _mm512_permutexvar_epi16(rows0, sw), sa1 = _mm512_permutexvar_epi16(rows1, sw);
-            const __m512i sb0 = _mm512_permutexvar_epi16(rows0b, sw), sb1 = _mm512_permutexvar_epi16(rows1b, sw);
+            __m512i w[4];  /* w[0], w[1]: rows 0-3, values 0-15 and 16-31; w[2], w[3]: rows 4-7 */
+            for (int v = 0; v < 4; v++) w[v] = type == Q6_K ? q6k_x8_codes(b, s, v) : q3k_x8_codes(b, s, v);
+            const __m512i sa = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(b + 16 + 16 * s))));
+            const __m512i sa0 = _mm512_permutexvar_epi16(rows0, sa), sa1 = _mm512_permutexvar_epi16(rows1, sa);
+            const __m512i sb0 = _mm512_permutexvar_epi16(rows0b, sa), sb1 = _mm512_permutexvar_epi16(rows1b, sa);
             for (int r = 0; r < R; r++) {
-                const uint8_t *x = xu + r * K + j * 256 + (s / 4) * 128 + (s % 4) * 32;
+                const uint8_t *x = xu + r * K + j * 256 + s * 32;
                 const __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
                 const __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16)));
                 isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], _mm512_maddubs_epi16(xa, w[0]), sa0);
@@ -2257,13 +2205,17 @@ static inline __attribute__((always_inline)) void q3k_x8_group(
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * N, x8_row_sums(acc[r]));
 }
 
-#define Q3K_X8_GROUP(R) q3k_x8_group(R, Wp + g * nsb * Q3K_X8_BYTES, nsb, K, xu + b0 * K, xd + b0 * nsb, \
-                                     Y + b0 * N + g * 8, N)
-static void q3_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t *xu, const float *xd, int64_t B,
-                         float *Y, int nthreads) {
-    const int64_t nsb = K / 256;
-    FOR_GROUPS_AND_BATCH(Q3K_X8_GROUP)
-}
+#define SIGNED_X8_GROUP(R) signed_x8_group(R, type, Wp + g * nsb * bytes, nsb, K, xu + b0 * K, xd + b0 * nsb, \
+                                           Y + b0 * N + g * 8, N)
+#define SIGNED_X8_GEMM(NAME, TYPE)                                                                        \
+    static void NAME(const uint8_t *Wp, int64_t N, int64_t K, const uint8_t *xu, const float *xd, int64_t B, \
+                     float *Y, int nthreads) {                                                             \
+        const int type = TYPE;                                                                             \
+        const int64_t nsb = K / 256, bytes = TYPE == Q6_K ? Q6K_X8_BYTES : Q3K_X8_BYTES;                  \
+        FOR_GROUPS_AND_BATCH(SIGNED_X8_GROUP)                                                              \
+    }
+SIGNED_X8_GEMM(q6_k_x8_gemm, Q6_K)
+SIGNED_X8_GEMM(q3_k_x8_gemm, Q3_K)
 #endif
 
 static const x8_super *x8_super_layout(int type) {

@@ -197,81 +197,61 @@ DEV void table_halves(W4 q, u32 t0, u32 t1, u32 t2, u32 t3, W4& lo, W4& hi) {
     table16(q.w, t0, t1, t2, t3, lo.w, hi.w);
 }
 
+// The nibble types' units (block 8 * step + u) are fetched alike (NIB_FETCH), and the Q4 / Q5 ones put alike:
+// their codes less `off` a byte (none where the kernel subtracts a minimum, -m), their fifth bits where `fifth`.
+#define NIB_FETCH(name, NAME)                                                           \
+    DEV MmqNib name##_fetch(const u8* row, int hdr_start, int step, int u) {            \
+        return nib_fetch(row, hdr_start, 8 * step + u, NAME##_BODY, NAME##_HDR);       \
+    }
+DEV void q45_put(MmqTile& t, int r, const MmqNib& w, int u, bool fifth, u32 off, bool min) {
+    W4 lo, hi;
+    nibble_halves(w.q, lo, hi);
+    if (fifth) fifth_bits(lo, hi, w.qh);
+    if (off) put_halves(t, r, u, sub_w4(lo, off), sub_w4(hi, off));
+    else put_halves(t, r, u, lo, hi);
+    t.ws[r][u] = half_to_float(w.h);
+    if (min) t.wm[r][u] = -half_to_float(w.h >> 16);
+}
+#define Q45_TILE(name, NAME, fifth, off)                                                \
+    NIB_FETCH(name, NAME)                                                               \
+    DEV void name##_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {     \
+        q45_put(t, r, w, u, fifth, off, NAME##_MIN);                                    \
+    }                                                                                   \
+    MMQ_TILE(name)
+
 // Q4_0: w = d * (q - 8).
 #define Q4_0_UNITS 8
 #define Q4_0_G 32
 #define Q4_0_MIN 0
 #define Q4_0_BIAS 64
-DEV MmqNib q4_0_fetch(const u8* row, int hdr_start, int step, int u) {
-    return nib_fetch(row, hdr_start, 8 * step + u, Q4_0_BODY, Q4_0_HDR);
-}
-DEV void q4_0_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
-    W4 lo, hi;
-    nibble_halves(w.q, lo, hi);
-    put_halves(t, r, u, sub_w4(lo, 0x08080808u), sub_w4(hi, 0x08080808u));
-    t.ws[r][u] = half_to_float(w.h);
-}
-MMQ_TILE(q4_0)
+Q45_TILE(q4_0, Q4_0, false, 0x08080808u)
 
 // Q4_1: w = d * q + m (the kernel subtracts its minimum: -m).
 #define Q4_1_UNITS 8
 #define Q4_1_G 32
 #define Q4_1_MIN 1
 #define Q4_1_BIAS 0
-DEV MmqNib q4_1_fetch(const u8* row, int hdr_start, int step, int u) {
-    return nib_fetch(row, hdr_start, 8 * step + u, Q4_1_BODY, Q4_1_HDR);
-}
-DEV void q4_1_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
-    W4 lo, hi;
-    nibble_halves(w.q, lo, hi);
-    put_halves(t, r, u, lo, hi);
-    t.ws[r][u] = half_to_float(w.h);
-    t.wm[r][u] = -half_to_float(w.h >> 16);
-}
-MMQ_TILE(q4_1)
+Q45_TILE(q4_1, Q4_1, false, 0u)
 
 // Q5_0: w = d * (q - 16), q's fifth bit from qh.
 #define Q5_0_UNITS 8
 #define Q5_0_G 32
 #define Q5_0_MIN 0
 #define Q5_0_BIAS 64
-DEV MmqNib q5_0_fetch(const u8* row, int hdr_start, int step, int u) {
-    return nib_fetch(row, hdr_start, 8 * step + u, Q5_0_BODY, Q5_0_HDR);
-}
-DEV void q5_0_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
-    W4 lo, hi;
-    nibble_halves(w.q, lo, hi);
-    fifth_bits(lo, hi, w.qh);
-    put_halves(t, r, u, sub_w4(lo, 0x10101010u), sub_w4(hi, 0x10101010u));
-    t.ws[r][u] = half_to_float(w.h);
-}
-MMQ_TILE(q5_0)
+Q45_TILE(q5_0, Q5_0, true, 0x10101010u)
 
 // Q5_1: w = d * q + m, q's fifth bit from qh.
 #define Q5_1_UNITS 8
 #define Q5_1_G 32
 #define Q5_1_MIN 1
 #define Q5_1_BIAS 0
-DEV MmqNib q5_1_fetch(const u8* row, int hdr_start, int step, int u) {
-    return nib_fetch(row, hdr_start, 8 * step + u, Q5_1_BODY, Q5_1_HDR);
-}
-DEV void q5_1_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
-    W4 lo, hi;
-    nibble_halves(w.q, lo, hi);
-    fifth_bits(lo, hi, w.qh);
-    put_halves(t, r, u, lo, hi);
-    t.ws[r][u] = half_to_float(w.h);
-    t.wm[r][u] = -half_to_float(w.h >> 16);
-}
-MMQ_TILE(q5_1)
+Q45_TILE(q5_1, Q5_1, true, 0u)
 
 // IQ4_NL: w = d * table[q].
 #define IQ4_NL_UNITS 8
 #define IQ4_NL_G 32
 #define IQ4_NL_MIN 0
-DEV MmqNib iq4_nl_fetch(const u8* row, int hdr_start, int step, int u) {
-    return nib_fetch(row, hdr_start, 8 * step + u, IQ4_NL_BODY, IQ4_NL_HDR);
-}
+NIB_FETCH(iq4_nl, IQ4_NL)
 DEV void iq4_nl_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
     W4 lo, hi;
     table_halves(w.q, IQ4_TABLE, lo, hi);
@@ -285,9 +265,7 @@ MMQ_TILE(iq4_nl)
 #define MXFP4_G 32
 #define MXFP4_MIN 0
 #define MXFP4_BIAS 64
-DEV MmqNib mxfp4_fetch(const u8* row, int hdr_start, int step, int u) {
-    return nib_fetch(row, hdr_start, 8 * step + u, MXFP4_BODY, MXFP4_HDR);
-}
+NIB_FETCH(mxfp4, MXFP4)
 DEV void mxfp4_put(MmqTile& t, int r, const MmqNib& w, int u, const u32* lut) {
     W4 lo, hi;
     table_halves(w.q, MXFP4_TABLE, lo, hi);
@@ -343,9 +321,10 @@ MMQ_TILE(q5_k)
 // ---- the kernel ------------------------------------------------------------------------------------
 // Once per type (MMQ = the decoder's prefix, MMQ_UNITS its units a step, MMQ_G its group, MMQ_MIN whether it
 // has minimums, MMQ_K32 whether its blocks are 32 weights: then K is any multiple of 32 and the last step's
-// blocks past k_blocks = K / 32 are zeros) and activation rows a block (MMQ_BM: 16, 32 or 64).  A step's loads are issued a step ahead:
-// the weights' bytes and the activations' scales into registers, the activations' codes by cp.async into
-// the other of two buffers, so global memory's latency hides behind the step's products.
+// blocks past k_blocks = K / 32 are zeros) and activation rows a block (MMQ_BM: 16, 32 or 64).  A step's
+// loads are issued a step ahead: the weights' bytes and the activations' scales into registers, the
+// activations' codes by cp.async into the other of two buffers, so global memory's latency hides behind the
+// step's products.
 // Fragments: in a group of 32, thread q's k slots 4q..4q+3 and 16+4q..16+4q+3 of both operands are weights
 // 8q..8q+7 (one 8-byte load each; a product may take its k in any order that both operands share).
 // A group's int32 product starts at MAGIC, so it reads as the float 1.5 * 2^23 + product (|product| < 2^22:
@@ -465,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
     auto out_row = [&](int r) { return m0 + r < M ? m0 + r : -1; };
     auto in_row = out_row;
 #endif
-    int rows_c[XC];  // the activation rows of this thread's codes (-1: none)
+    int rows_c[XC];  // the activation rows of this thread's 16-byte pieces (-1: none)
 #pragma unroll
     for (int i = 0; i < XC; i++) rows_c[i] = in_row((tid + i * MMQ_THREADS) / (MMQ_X16 ? 32 : 16));
 #if !MMQ_X16
@@ -505,7 +484,8 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) KERNEL(
 #if MMQ_X16  // piece i: row warp + 4i, weights 8 * lane.. (offsets in 32 bits: the caller checks M * stride)
             const int mm = rows_c[i];
             const bool ok = mm >= 0 && 8 * step + (lane >> 2) < k_blocks;
-            cp_async16(&b.x[warp + 4 * i][8 * lane], xh + (ok ? (u32)mm * (u32)stride_xq + (u32)(KB * step + 8 * lane) : 0u), ok);
+            const u32 at = ok ? (u32)mm * (u32)stride_xq + (u32)(KB * step + 8 * lane) : 0u;
+            cp_async16(&b.x[warp + 4 * i][8 * lane], xh + at, ok);
 #else
             const int u = tid + i * MMQ_THREADS, r = u >> 4, c = u & 15, mm = rows_c[i];
             const bool ok = mm >= 0 && (KB * step + 16 * c) / 32 < k_blocks;

@@ -30,15 +30,20 @@ def source() -> str:
 
 
 @cache
+def define(qtype: GGMLQuantizationType, key: str) -> int | None:
+    """The number the type's tile decoder defines as ``<TYPE>_<key>`` (None: it defines none)."""
+    found = re.search(rf"#define {gguf_gemv.DECODERS[qtype].upper()}_{key} (\d+)", SOURCE.read_text())
+    return None if found is None else int(found.group(1))
+
+
 def group(qtype: GGMLQuantizationType) -> int:
-    """Weights a scale (32 or 16) as the type's tile decoder defines it (``<TYPE>_G``)."""
-    return int(re.search(rf"#define {gguf_gemv.DECODERS[qtype].upper()}_G (\d+)", SOURCE.read_text()).group(1))
+    """Weights a scale (32 or 16): the decoder's ``<TYPE>_G``."""
+    return define(qtype, "G")
 
 
-@cache
 def x16_ok(qtype: GGMLQuantizationType) -> bool:
     """Whether the bf16 variant takes the type: its decoder defines ``<TYPE>_BIAS`` (7-bit codes)."""
-    return qtype in MMQ_TYPES and f"#define {gguf_gemv.DECODERS[qtype].upper()}_BIAS " in SOURCE.read_text()
+    return qtype in MMQ_TYPES and define(qtype, "BIAS") is not None
 
 
 def k_ok(qtype: GGMLQuantizationType, k: int) -> bool:
