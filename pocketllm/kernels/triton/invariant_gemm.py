@@ -25,7 +25,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # its tl.
 
 @triton.jit(do_not_specialize=["M"])
 def _kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, stride_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, WIDEN: tl.constexpr):
+            BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
     """part[z, m, n] = x[m, zC:(z+1)C] . w[n, zC:(z+1)C] (C = CHUNK, float32)."""
     pn, pm, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -40,7 +40,7 @@ def _kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, stride_w, BLOCK_M: tl.con
                     mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         if WIDEN:  # (the interpreter: the same values in float32)
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     out = part_ptr + (z.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -71,7 +71,8 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     cfg = CONFIG
     _kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), splits)](
         x, w, part, m, n, k, x.stride(0), w.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], CHUNK=SPLIT_K, WIDEN=_INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=cfg["BLOCK_K"], CHUNK=SPLIT_K, WIDEN=_INTERPRET,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     block = 1024
     _sum_kernel[(triton.cdiv(m * n, block),)](part, y if bias is None else bias, y, m * n, n, S=splits, BLOCK=block,
                                              HAS_BIAS=bias is not None)
