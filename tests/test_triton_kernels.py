@@ -453,3 +453,34 @@ def test_speculative_rows_on_kernel_attention_read_keys_in_runs(tiny_models, mon
     assert llm.engine.spec_stats.num_draft_tokens > 0
     assert any(c is not None and int(c.max()) > 0 for c in seen)  # runs of a request's rows
     llm.engine.check_no_leaks()
+
+
+def test_invariant_linear_gives_a_row_the_same_bits_at_any_row_count():
+    """The row-invariant GEMM: x . w^T + bias to float32 rounding (K split in two, N and K not multiples of
+    its tiles), and each row's bits the same computed among 1, 3, 49 or 130 rows."""
+    from pocketllm.kernels.triton.invariant_gemm import SPLIT_K, invariant_linear
+
+    g = torch.Generator().manual_seed(11)
+    k, n = SPLIT_K + 160, 100
+    for dtype in (torch.float32, torch.bfloat16):
+        w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        x = torch.randn(130, k, generator=g).to(dtype)
+        ref = x.double() @ w.double().T + b.double()
+        y = invariant_linear(x.to(DEV), w.to(DEV), b.to(DEV)).cpu()
+        assert y.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 2 ** -7
+        assert float((y.double() - ref).abs().max()) <= tol * float(ref.abs().max())
+        for m in (1, 3, 49):
+            assert torch.equal(invariant_linear(x[-m:].to(DEV), w.to(DEV), b.to(DEV)).cpu(), y[-m:]), (dtype, m)
+
+
+def test_speculative_decoding_marks_the_row_parallel_projections(tiny_models):
+    """use_row_invariant_gemms: o and down of every layer (the row-parallel dense projections), nothing else."""
+    from pocketllm import LLM
+    from pocketllm.layers.linear import Linear, use_row_invariant_gemms
+
+    model = LLM(str(tiny_models["llama"][1]), max_model_len=64, num_kv_blocks=16).engine.runner.model
+    assert use_row_invariant_gemms(model) == 2 * model.cfg.num_layers
+    marked = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+              if isinstance(m, Linear) and m.invariant_rows is not None}
+    assert marked == {"o_proj", "down_proj"}
