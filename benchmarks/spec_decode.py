@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None,
                     help="also time a draft model's drafting (a path, or a shape with --load-format dummy), "
                          "every step drafting num_speculative_tokens: its cost per drafted token")
+    ap.add_argument("--workloads", default="copy,chat", help="comma list of the workloads run (copy, chat)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -163,7 +164,8 @@ def main() -> None:
     tok = plain.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []
-    for name, texts in workloads().items():
+    chosen = {name: texts for name, texts in workloads().items() if name in args.workloads.split(",")}
+    for name, texts in chosen.items():
         if tok is not None and tok.chat_template:
             prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]),
                                                        add_special_tokens=False)} for t in texts]
@@ -222,7 +224,7 @@ def main() -> None:
                                 if oracle else {}), **draft_cost})
                 print(json.dumps(rows[-1]), flush=True)
     summary = {}
-    for name in workloads():
+    for name in chosen:
         for conc in map(int, args.concurrency.split(",")):
             sel = [r for r in rows if r["workload"] == name and r["concurrency"] == conc]
             summary[f"{name}@{conc}"] = {"min_speedup": min(r["speedup"] for r in sel),
