@@ -448,7 +448,8 @@ def test_float_file_loads_back_exactly(tiny_models, tmp_path, ftype):
     assert set(got) == set(state)
     stored = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[ftype]
     for n, t in got.items():
-        assert t.dtype == torch.float32 and torch.equal(t, state[n].to(stored if t.dim() > 1 else torch.float32).float()), n
+        want = state[n].to(stored if t.dim() > 1 else torch.float32).float()
+        assert t.dtype == torch.float32 and torch.equal(t, want), n
     assert file.model_config().rope_scaling["rope_type"] == "freq_factors"
 
 

@@ -54,7 +54,7 @@ class StepInputs:
     # the next prompt token of each scored position)
     prompt_scores: list[tuple] = field(default_factory=list)
     # per decode row, its index among its request's rows (0, 1, .. for a token and its drafts): the
-    # attention kernel reads a run's keys once (empty: every row its own)
+    # attention kernel reads a run's keys once (empty: every request has one row, or TP ranks' copies)
     chain_pos: list[int] = field(default_factory=list)
 
 
@@ -203,7 +203,7 @@ class ModelRunner:
                     prompt_scores.append((req, first, len(input_ids) - ctx + first,
                                           req.prompt_token_ids[first + 1:last + 1]))
         step = StepInputs(input_ids, positions, [slots], rows, [tables], num_decode_rows, logits_rows, sampling,
-                          pending, prompt_scores, chain_pos)
+                          pending, prompt_scores, chain_pos if len(chain_pos) > out.num_decodes else [])
         if len(self.windows) > 1:
             self._other_groups(row_requests, step)
         return step

@@ -865,9 +865,10 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     call re-lays the weight out).  ``regime``: ``"auto"`` (by M, see the module docs),
     ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"``, ``"mma"``,
     ``"mmq"`` (8-bit activations on integer tensor cores, ``cuda/gguf_mmq.cu``; not exact), ``"mmq_x16"``
-    (its bf16 variant: bf16 activations, weights rounded to bf16; not exact) or ``"dequant"``.  ``split_k``: K
-    splits of the gemv/dot/mmq kernels (None: enough programs to fill the GPU, see ``_split_k``).  ``x8``: x's 8-bit form (``int8_act.Int8Activations``) where its
-    producer wrote one, for the ``"gemv_q8"`` and ``"mmq"`` regimes."""
+    (its bf16 variant: bf16 activations, weights rounded to bf16; not exact) or ``"dequant"``.
+    ``split_k``: K splits of the gemv/dot/mmq kernels (None: enough programs to fill the GPU, see
+    ``_split_k``).  ``x8``: x's 8-bit form (``int8_act.Int8Activations``) where its producer wrote one,
+    for the ``"gemv_q8"`` and ``"mmq"`` regimes."""
     qtype = _check(qweight, qtype, k, packed)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
