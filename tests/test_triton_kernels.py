@@ -107,6 +107,43 @@ def test_a_decode_rows_bits_do_not_depend_on_its_step_size():
     torch.testing.assert_close(step.cpu(), reference_attention(q, kc, vc, rows, 0.2), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEV == "cpu", reason="bfloat16 dot products need a GPU (the interpreter runs fp32)"))], ids=str)
+@pytest.mark.parametrize("hq,hkv,window,sinks", [(8, 2, None, False), (4, 4, 8, True), (6, 1, None, True)])
+def test_a_requests_rows_read_their_keys_once_with_the_same_bits(hq, hkv, window, sinks, dtype):
+    """Decode rows of one request (its last token and drafts: consecutive positions, each row's table
+    cut to its own blocks) taken in runs by one program (``chain_pos``): every row the same bits as
+    when each row has its own program, runs longer than a program's rows, rows crossing a block, a
+    window and sinks. Table entries past a row's own blocks point at a block of NaN: a run that read
+    its first row's table past that row would fail."""
+    bs = 8
+    runs = [(5, 63), (1, 17), (3, 22), (6, 30), (2, 8)]  # (rows, the first row's length): runs cross blocks
+    spec = [(1, first + i) for n, first in runs for i in range(n)]
+    q, kc, vc, rows, tables, lens, qsl = make_step(spec, hq, hkv, 32, bs=bs, num_blocks=160, dtype=dtype, seed=7)
+    at = 0
+    for n, first in runs:  # one request's rows share its blocks: each row's table a prefix of its last row's
+        last = rows[at + n - 1][2]
+        for i in range(n):
+            rows[at + i] = (1, first + i, last[:-(-(first + i) // bs)])
+        at += n
+    used = {b for _, _, blocks in rows for b in blocks}
+    nan_block = min(set(range(kc.shape[0])) - used)
+    kc[nan_block] = vc[nan_block] = float("nan")
+    width = max(len(r[2]) for r in rows)
+    tables = torch.tensor([r[2] + [nan_block] * (width - len(r[2])) for r in rows], dtype=torch.int32)
+    chain = torch.tensor([i for n, _ in runs for i in range(n)], dtype=torch.int32)
+    sk = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5][:hq] + [0.0] * max(0, hq - 6)) if sinks else None
+    args = (q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV), 1, 0.1, window)
+    kw = dict(num_splits=1, sinks=None if sk is None else sk.to(DEV))
+    alone = kattn.paged_attention(*args, **kw)
+    runs_out = kattn.paged_attention(*args, **kw, chain_pos=chain.to(DEV))
+    assert torch.equal(runs_out, alone)
+    assert not runs_out.isnan().any()
+    ref = reference_attention(q, kc, vc, rows, 0.1, window, sinks=sk)
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(runs_out.cpu().float(), ref, **tol)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_attention_sinks_match_reference(splits):
     """gpt-oss's sinks, with a window, in prefill tiles and in split decode rows (the sink counted once)."""
@@ -391,3 +428,59 @@ def test_engine_on_kernel_attention_matches_transformers(kind, tiny_models):
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 6) for p in prompts]
     llm.engine.check_no_leaks()
+
+
+def test_speculative_rows_on_kernel_attention_read_keys_in_runs(tiny_models, monkeypatch):
+    """Drafts verified on the kernel path with unsplit decode rows (as at 64 sequences on a GPU): the
+    runner marks each request's rows (``chain_pos``), the kernel takes them in runs, and greedy tokens
+    still equal transformers'."""
+    from conftest import prompts_of
+    from reference import hf_greedy
+
+    from pocketllm import LLM, SamplingParams
+
+    model, path = tiny_models["llama"]
+    prompts = [p * 3 for p in prompts_of([4, 7])]  # repeated: n-gram lookup finds drafts
+    monkeypatch.setattr(kattn, "decode_splits", lambda *a: 1)
+    seen, real = [], kattn.paged_attention
+    monkeypatch.setattr(kattn, "paged_attention", lambda *a, **kw: seen.append(kw.get("chain_pos")) or real(*a, **kw))
+    llm = LLM(str(path), device=DEV, dtype="float32", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    llm.engine.runner.use_kernels = True
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert any(c is not None and int(c.max()) > 0 for c in seen)  # runs of a request's rows
+    llm.engine.check_no_leaks()
+
+
+def test_invariant_linear_gives_a_row_the_same_bits_at_any_row_count():
+    """The row-invariant GEMM: x . w^T + bias to float32 rounding (K split in two, N and K not multiples of
+    its tiles), and each row's bits the same computed among 1, 3, 49 or 130 rows."""
+    from pocketllm.kernels.triton.invariant_gemm import SPLIT_K, invariant_linear
+
+    g = torch.Generator().manual_seed(11)
+    k, n = SPLIT_K + 160, 100
+    for dtype in (torch.float32, torch.bfloat16):
+        w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        x = torch.randn(130, k, generator=g).to(dtype)
+        ref = x.double() @ w.double().T + b.double()
+        y = invariant_linear(x.to(DEV), w.to(DEV), b.to(DEV)).cpu()
+        assert y.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 2 ** -7
+        assert float((y.double() - ref).abs().max()) <= tol * float(ref.abs().max())
+        for m in (1, 3, 49):
+            assert torch.equal(invariant_linear(x[-m:].to(DEV), w.to(DEV), b.to(DEV)).cpu(), y[-m:]), (dtype, m)
+
+
+def test_speculative_decoding_marks_the_row_parallel_projections(tiny_models):
+    """use_row_invariant_gemms: o and down of every layer (the row-parallel dense projections), nothing else."""
+    from pocketllm import LLM
+    from pocketllm.layers.linear import Linear, use_row_invariant_gemms
+
+    model = LLM(str(tiny_models["llama"][1]), max_model_len=64, num_kv_blocks=16).engine.runner.model
+    assert use_row_invariant_gemms(model) == 2 * model.cfg.num_layers
+    marked = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+              if isinstance(m, Linear) and m.invariant_rows is not None}
+    assert marked == {"o_proj", "down_proj"}

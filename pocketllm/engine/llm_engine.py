@@ -259,6 +259,10 @@ class LLMEngine:
             self._fit_max_model_len(num_blocks, per_block)
         if self.ranks is not None:
             self.ranks.share_num_blocks(num_blocks)
+        if spec is not None and self.device.type == "cuda":
+            from pocketllm.layers.linear import use_row_invariant_gemms
+
+            log.info("speculative decoding: %d projections on the row-invariant GEMM", use_row_invariant_gemms(model))
         # each sequence's drafts are decode rows of their own: the graphs hold them all
         self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
                                   max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),

@@ -47,6 +47,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # [R] int32, tokens including this step's
     query_start_loc: torch.Tensor | None = None  # [R + 1] int32
     max_query_len: int = 0
+    # decode steps: each row's index among its request's consecutive rows (drafts: 0, 1, ..), which the
+    # kernel reads keys once for
+    chain_pos: torch.Tensor | None = None  # [R] int32
     groups: list[AttentionMetadata] | None = None  # per KV group (this one first), if several
     # Sliding-window layers of a full group read a narrower mask, made from the same metadata on first use.
     _window_masks: dict | None = None
@@ -99,7 +102,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, scale, window, softcap,
-                                       sinks=sinks, int8_rows=int8_rows)
+                                       sinks=sinks, int8_rows=int8_rows, chain_pos=meta.chain_pos)
     n = meta.num_decodes
     if cpu_kernels:
         from pocketllm.kernels.cpu import layer_ops

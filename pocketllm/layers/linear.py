@@ -91,6 +91,9 @@ class Linear(torch.nn.Module):
         self.dequantize_at_load = False
         self.int8_activations = 0  # CPU fast path: passes of 8-bit activations (see GGUFLinear)
         self.int8_rows = 0  # GPU: up to this many rows the product takes 8-bit activations (GGUFLinear)
+        self.parallel = parallel
+        # CUDA, dense weights: from this many rows the row-invariant GEMM (kernels/triton/invariant_gemm.py)
+        self.invariant_rows: int | None = None
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         lo = sum(self.out_sizes[:shard])
@@ -134,11 +137,29 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             y = self.quantized(x).to(x.dtype)  # CPU paths compute in float32, CUDA ones in x's dtype
+        elif self.invariant_rows is not None and x.is_cuda and x.numel() >= self.invariant_rows * self.in_features:
+            from pocketllm.kernels.triton.invariant_gemm import invariant_linear
+
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            y = invariant_linear(x2, self.weight, self.bias).reshape(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.weight, self.bias)
         if self.reduce:
             return self.tp.all_reduce(y)
         return self.tp.all_gather(y) if self.gather else y
+
+
+def use_row_invariant_gemms(model: torch.nn.Module) -> int:
+    """Speculative decoding on CUDA: the row-parallel projections (o, down) with dense weights take the
+    row-invariant GEMM from ``invariant_gemm.FROM_ROWS`` rows, so that a sequence's row computes the same
+    bits in a step of its drafts and other sequences' as in a plain step (cuBLAS changes its kernel there:
+    invariant_gemm's docs).  The layers changed."""
+    from pocketllm.kernels.triton.invariant_gemm import FROM_ROWS
+
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.parallel == "row" and m.quantized is None]
+    for m in layers:
+        m.invariant_rows = FROM_ROWS
+    return len(layers)
 
 
 class ConcatLinear(torch.nn.Module):

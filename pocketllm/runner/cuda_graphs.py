@@ -39,6 +39,7 @@ class DecodeGraphs:
         self.ids, self.ids_h = buffers(torch.long, n)
         self.pos, self.pos_h = buffers(torch.long, n)
         self.seq_lens, self.seq_lens_h = buffers(torch.int32, n)
+        self.chain_pos, self.chain_pos_h = buffers(torch.int32, n)  # (StepInputs.chain_pos; padding rows 0)
         # per KV group: slots [n] and block tables [n, max_blocks]
         self.slots, self.slots_h = zip(*(buffers(torch.long, n) for _ in range(num_groups)))
         self.tables, self.tables_h = zip(*(buffers(torch.int32, n, max_blocks) for _ in range(num_groups)))
@@ -56,7 +57,7 @@ class DecodeGraphs:
     def _meta(self, b: int) -> AttentionMetadata:
         metas = [AttentionMetadata(slot_mapping=slots[:b], num_decodes=b, block_tables=tables[:b],
                                    seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
-                                   max_query_len=1)
+                                   max_query_len=1, chain_pos=self.chain_pos[:b])
                  for slots, tables in zip(self.slots, self.tables)]
         if len(metas) > 1:
             metas[0].groups = metas
@@ -90,7 +91,11 @@ class DecodeGraphs:
         lens = self.seq_lens_h.numpy()
         lens[:n] = [ctx for _, ctx in step.rows]
         lens[n:b] = 1
-        for dst, src in ((self.ids, self.ids_h), (self.pos, self.pos_h), (self.seq_lens, self.seq_lens_h)):
+        chain = self.chain_pos_h.numpy()
+        chain[:n] = step.chain_pos or 0
+        chain[n:b] = 0
+        for dst, src in ((self.ids, self.ids_h), (self.pos, self.pos_h), (self.seq_lens, self.seq_lens_h),
+                         (self.chain_pos, self.chain_pos_h)):
             dst[:b].copy_(src[:b], non_blocking=True)
         for g, rows in enumerate(step.tables):
             self.slots_h[g][:n] = torch.as_tensor(step.slots[g])

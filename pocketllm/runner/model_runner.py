@@ -53,6 +53,9 @@ class StepInputs:
     # prompt logprobs to score: (request, its first scored position, that position's token row,
     # the next prompt token of each scored position)
     prompt_scores: list[tuple] = field(default_factory=list)
+    # per decode row, its index among its request's rows (0, 1, .. for a token and its drafts): the
+    # attention kernel reads a run's keys once (empty: every request has one row, or TP ranks' copies)
+    chain_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +145,7 @@ class ModelRunner:
         pending: list[tuple[int, int]] = []
         prompt_scores: list[tuple] = []
         row_requests = []
+        chain_pos: list[int] = []
         prev_rows = None
         # Decode rows come first; they are most of a busy step, so they get a lean loop. A request
         # with drafts makes a decode row of its last token and of each draft, each attending up to
@@ -165,6 +169,7 @@ class ModelRunner:
                 sampling += [DraftPosition(req, drafts, i) for i in range(1, len(drafts) + 1)]
             elif sr.samples:
                 sampling.append(req)
+            chain_pos += range(sr.num_tokens)
             for q in range(p, p + sr.num_tokens):
                 positions.append(q)
                 slots.append(blocks[q // bs] * bs + q % bs)
@@ -198,7 +203,7 @@ class ModelRunner:
                     prompt_scores.append((req, first, len(input_ids) - ctx + first,
                                           req.prompt_token_ids[first + 1:last + 1]))
         step = StepInputs(input_ids, positions, [slots], rows, [tables], num_decode_rows, logits_rows, sampling,
-                          pending, prompt_scores)
+                          pending, prompt_scores, chain_pos if len(chain_pos) > out.num_decodes else [])
         if len(self.windows) > 1:
             self._other_groups(row_requests, step)
         return step
@@ -279,6 +284,9 @@ class ModelRunner:
             "seq_lens": torch.tensor([ctx for _, ctx in step.rows], dtype=torch.int32),
             "query_start_loc": torch.from_numpy(np.concatenate(([0], np.cumsum(qlens))).astype(np.int32)),
         }
+        chains = step.num_decodes == len(step.rows) and len(step.chain_pos) == len(step.rows)
+        if chains:
+            host["chain_pos"] = torch.tensor(step.chain_pos, dtype=torch.int32)
         for g, group_tables in enumerate(step.tables):
             width = max(len(b) for b in group_tables)
             tables = np.zeros((len(step.rows), width), dtype=np.int32)
@@ -291,7 +299,8 @@ class ModelRunner:
         dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
         metas = [AttentionMetadata(slot_mapping=dev[f"slot_mapping{g}"], num_decodes=step.num_decodes,
                                    block_tables=dev[f"block_tables{g}"], seq_lens=dev["seq_lens"],
-                                   query_start_loc=dev["query_start_loc"], max_query_len=int(qlens.max()))
+                                   query_start_loc=dev["query_start_loc"], max_query_len=int(qlens.max()),
+                                   chain_pos=dev.get("chain_pos"))
                  for g in range(len(self.windows))]
         if len(metas) > 1:
             metas[0].groups = metas

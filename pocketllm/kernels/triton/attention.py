@@ -11,6 +11,9 @@ one KV head (GQA packing: the tile has BLOCK_Q * GROUP rows, so K/V are read onc
 Programs find their request by binary search over query_start_loc, so the grid depends only
 on (num_tokens, num_seqs): the decode launch is CUDA-graph capturable.
 
+In decode steps whose keys are not split, the rows of one request (its last token and its drafts:
+consecutive positions) are taken in runs of BLOCK_Q by one program, which reads their keys once.
+
 Decode batches too small to fill the GPU (num_seqs * Hkv programs) split each sequence's keys
 into NUM_SPLITS ranges (flash-decoding): each program writes its unnormalised partial result
 with its running max and sum, and a second kernel merges the splits. The number of splits is
@@ -45,13 +48,13 @@ def _find_seq(query_start_loc, qb, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, seq_lens, query_start_loc, sinks,
-        scale, softcap, window, num_seqs, num_q_heads,
+        chain_pos, scale, softcap, window, num_seqs, num_q_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, PRECISION: tl.constexpr,
-        NUM_SPLITS: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, CHAINS: tl.constexpr):
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,6 +66,16 @@ def _paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens + seq)
     context = seq_len - q_len  # tokens before this step's chunk
+    table_row = seq
+    if CHAINS:  # decode rows, one a request: a run of one request's rows (chain_pos 0, 1, ..) in one program
+        first = tl.load(chain_pos + seq)
+        if first % BLOCK_Q != 0:
+            return  # (its run's first row takes it)
+        nxt = seq + tl.arange(0, BLOCK_Q)
+        q_len = tl.sum((tl.load(chain_pos + nxt, mask=nxt < num_seqs, other=-1)
+                        == first + tl.arange(0, BLOCK_Q)).to(tl.int32), 0)
+        table_row = seq + q_len - 1  # the last row's table covers every key of the run
+        seq_len = context + q_len
 
     offs_m = tl.arange(0, BLOCK_M)
     q_tok = local_qb * BLOCK_Q + offs_m // GROUP
@@ -101,7 +114,7 @@ def _paged_attention_kernel(
         n_ok = k_pos < kv_end
         if USE_WINDOW:
             n_ok = n_ok & (k_pos >= kv_lo)
-        phys = tl.load(block_tables + seq * stride_bt + k_pos // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        phys = tl.load(block_tables + table_row * stride_bt + k_pos // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
         slot_in = k_pos % KV_BLOCK
         k = tl.load(k_cache + phys[:, None] * stride_kb + slot_in[:, None] * stride_ks + kvh * stride_kh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -180,11 +193,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int, scale: float, window: int | None = None,
                     softcap: float | None = None, out: torch.Tensor | None = None,
                     num_splits: int | None = None, sinks: torch.Tensor | None = None,
-                    int8_rows: int = 0) -> torch.Tensor:
+                    int8_rows: int = 0, chain_pos: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (any row/head strides, unit last stride) -> out [T, Hq, D]. ``sinks`` [Hq]
     float32: a logit per head in every row's softmax denominator (gpt-oss). Up to ``int8_rows``
     rows, decode steps whose key splits are merged also give the output's 8-bit form
-    (``int8_act``: for the output projection's GEMV).
+    (``int8_act``: for the output projection's GEMV). ``chain_pos`` [R] int32, decode steps: each row's
+    index among its request's consecutive rows (a request with drafts has several); where the keys are
+    not split, a program takes a run of one request's rows and reads their keys once (each row the same
+    bits as alone: the keys past a row's own are masked out of its softmax, whole tiles of them adding
+    exact zeros).
 
     block_tables [R, W] int32, seq_lens [R] int32, query_start_loc [R + 1] int32; the step's
     K/V must already be in the cache. With a window, entries for blocks wholly before each tile's
@@ -206,6 +223,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert tile_n % kv_block == 0
     if num_splits is None:
         num_splits = decode_splits(num_seqs, hkv, q.device) if max_query_len == 1 else 1
+    chains = chain_pos is not None and num_splits == 1 and max_query_len == 1
     part_acc = part_ml = out  # unused without splits
     if num_splits > 1:
         part_acc = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
@@ -213,7 +231,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (t // block_q + num_seqs, hkv, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
-        out if sinks is None else sinks, scale, softcap or 0.0, window or 0, num_seqs, hq,
+        out if sinks is None else sinks, chain_pos if chains else seq_lens, scale, softcap or 0.0, window or 0,
+        num_seqs, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -221,7 +240,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         KV_BLOCK=kv_block, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no TF32
-        NUM_SPLITS=num_splits)
+        NUM_SPLITS=num_splits, CHAINS=chains)
     if num_splits > 1:
         x8 = None
         if d % 32 == 0 and d == triton.next_power_of_2(d) and out.is_contiguous():
