@@ -365,20 +365,22 @@ def test_split_merge_writes_the_8_bit_form(monkeypatch):
 def test_top_k_route_is_torchs_routing(experts, k, renormalize, softmax_of_top_k):
     """The one-launch router: the experts torch.topk picks, largest first, and the weights of
     SparseMoE.route's torch ops (softmax then top k, renormalized or not; or top k then softmax),
-    from float32 and bfloat16 logits."""
+    from float32 and bfloat16 logits, with and without a router bias (gpt-oss's, added in float32)."""
     from pocketllm.kernels.triton.moe import top_k_route
 
     g = torch.Generator().manual_seed(experts + k)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, bias in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.randn(experts, generator=g)),
+                        (torch.bfloat16, torch.randn(experts, generator=g).to(torch.bfloat16))):
         logits = torch.randn(9, experts, generator=g).to(dtype)
+        full = logits.float() if bias is None else logits.float() + bias.float()
         if softmax_of_top_k:
-            top, ref_ids = torch.topk(logits.float(), k, dim=-1)
+            top, ref_ids = torch.topk(full, k, dim=-1)
             ref_w = torch.softmax(top, dim=-1)
         else:
-            ref_w, ref_ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+            ref_w, ref_ids = torch.topk(torch.softmax(full, dim=-1), k, dim=-1)
             if renormalize:
                 ref_w = ref_w / ref_w.sum(-1, keepdim=True)
-        w, ids = top_k_route(logits.to(DEV), k, renormalize, softmax_of_top_k)
+        w, ids = top_k_route(logits.to(DEV), k, renormalize, softmax_of_top_k, None if bias is None else bias.to(DEV))
         assert ids.dtype == torch.int64
         # equal logits (bfloat16 has ties) may come in another order than torch's: compare by expert
         ids, order = ids.cpu().sort(-1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from pocketllm.distributed.parallel_state import get_tp
 from pocketllm.layers.linear import ConcatLinear, Linear
@@ -185,7 +186,14 @@ class SparseMoE(torch.nn.Module):
         if x.is_cuda:  # softmax, top k and renormalization in one launch
             from pocketllm.kernels.triton.moe import top_k_route
 
-            return top_k_route(self.gate(x), self.top_k, self.renormalize, self.softmax_of_top_k)
+            gate = self.gate
+            if gate.bias is not None and gate.quantized is None:
+                # cuBLAS adds a bias with another kernel at one row than at several (gpt-oss's [E, hidden]
+                # router): a row's bits would depend on its step's rows, and drafts verified in a step of
+                # several rows would see other experts than plain decoding. The routing kernel adds it.
+                return top_k_route(F.linear(x, gate.weight), self.top_k, self.renormalize, self.softmax_of_top_k,
+                                   gate.bias)
+            return top_k_route(gate(x), self.top_k, self.renormalize, self.softmax_of_top_k)
         if self.softmax_of_top_k:
             logits, ids = torch.topk(self.gate(x).float(), self.top_k, dim=-1)
             return torch.softmax(logits, dim=-1), ids

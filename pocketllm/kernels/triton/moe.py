@@ -87,14 +87,17 @@ def grouped_dense_gemv(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torc
 
 
 @triton.jit
-def _top_k_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, SOFTMAX_OF_TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Token t's k experts and their weights from its router logits, largest first (the lowest
-    index first among equal ones): softmax over all experts then the top k (renormalized to sum
-    to 1 when RENORMALIZE), or SOFTMAX_OF_TOP_K the top k logits then their softmax."""
+def _top_k_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, SOFTMAX_OF_TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+    """Token t's k experts and their weights from its router logits (+ the router's bias, in float32),
+    largest first (the lowest index first among equal ones): softmax over all experts then the top k
+    (renormalized to sum to 1 when RENORMALIZE), or SOFTMAX_OF_TOP_K the top k logits then their softmax."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     v = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    if HAS_BIAS:
+        v += tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)
     if not SOFTMAX_OF_TOP_K:
         p = tl.exp(v - tl.max(v, 0))
         v = p / tl.sum(p, 0)
@@ -115,17 +118,19 @@ def _top_k_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, BLOC
     tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
 
 
-def top_k_route(logits: torch.Tensor, k: int, renormalize: bool, softmax_of_top_k: bool) -> tuple[torch.Tensor,
-                                                                                                   torch.Tensor]:
-    """(weights float32 [T, k], expert ids int64 [T, k]) from router logits [T, E], one launch:
-    what ``layers.moe.SparseMoE.route`` computes with torch's softmax and topk."""
+def top_k_route(logits: torch.Tensor, k: int, renormalize: bool, softmax_of_top_k: bool,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], expert ids int64 [T, k]) from router logits [T, E] (+ ``bias`` [E],
+    added in float32), one launch: what ``layers.moe.SparseMoE.route`` computes with torch's softmax and topk."""
     t, n = logits.shape
+    assert bias is None or bias.shape == (n,), (bias.shape, n)
     w = torch.empty((t, k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
     if t:
-        _top_k_kernel[(t,)](logits, w, ids, n, logits.stride(0), K=k, BLOCK_K=triton.next_power_of_2(k),
-                            BLOCK_E=triton.next_power_of_2(n), SOFTMAX_OF_TOP_K=softmax_of_top_k,
-                            RENORMALIZE=renormalize, num_warps=1)
+        _top_k_kernel[(t,)](logits, logits if bias is None else bias, w, ids, n, logits.stride(0), K=k,
+                            BLOCK_K=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(n),
+                            SOFTMAX_OF_TOP_K=softmax_of_top_k, RENORMALIZE=renormalize, HAS_BIAS=bias is not None,
+                            num_warps=1)
     return w, ids
 
 
