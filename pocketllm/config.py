@@ -123,16 +123,23 @@ class SpeculativeConfig:
       sequence's last n tokens, for the largest n in [prompt_lookup_min, prompt_lookup_max],
       earlier in its prompt and output, and copying what followed them.
     - "draft_model" (given by `model`): a smaller model of the same vocabulary (a lower-bit GGUF
-      of the target itself, say) proposes its greedy continuation."""
+      of the target itself, say) proposes its greedy continuation.
+
+    `row_invariant` (CUDA, off by default): a row computes the same bits at any number of rows in its
+    step, so that drafts are verified with the bits plain decoding computes however many rows the
+    steps hold (cuBLAS changes kernel for `o` and `down` from 64 rows: these take a row-invariant GEMM
+    from 49 rows, 1.5-2.2x cuBLAS's time). For bit-exact comparisons in bf16 (a random-weight model's
+    near-tied logits); a real model's tokens seldom depend on those last bits."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     model: str | None = None
+    row_invariant: bool = False
 
-    KEYS = {"ngram": {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
-            "draft_model": {"num_speculative_tokens", "model"}}
+    KEYS = {"ngram": {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "row_invariant"},
+            "draft_model": {"num_speculative_tokens", "model", "row_invariant"}}
 
     @classmethod
     def parse(cls, raw: "str | dict") -> "SpeculativeConfig":
@@ -166,7 +173,10 @@ class SpeculativeConfig:
         if method == "draft_model" and not isinstance(model, str):
             raise ConfigurationError(f"{where}: a draft model needs \"model\": a model directory, a .gguf file "
                                      "or (with load_format dummy) a shape name")
-        return cls(method, k, lo, hi, model)
+        row_invariant = raw.get("row_invariant", False)
+        if not isinstance(row_invariant, bool):
+            raise ConfigurationError(f"{where}: row_invariant must be true or false; got {row_invariant!r}")
+        return cls(method, k, lo, hi, model, row_invariant)
 
 
 @dataclass

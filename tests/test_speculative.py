@@ -41,6 +41,7 @@ def draft_of(path) -> dict:
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys ['k']"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "row_invariant": 1}, "row_invariant must be true or false"),
 ])
 def test_bad_configs_fail_before_loading(raw, words):
     with pytest.raises(ConfigurationError) as e:
@@ -58,6 +59,15 @@ def test_config_from_the_command_line():
     ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
                                                     '"prompt_lookup_max": 3}'])
     assert engine_args_from(ns).speculative == SpeculativeConfig("ngram", 4, 3, 3)  # vLLM: one bound sets both
+    ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                                                    '"row_invariant": true}'])
+    assert engine_args_from(ns).speculative == SpeculativeConfig("ngram", 2, 5, 5, None, True)
+
+
+def test_row_invariant_verification_is_refused_off_cuda(tiny_models):
+    """A CUDA option (cuBLAS's kernel choice): asked for on the CPU, refused before any weight loads."""
+    with pytest.raises(ConfigurationError, match="row_invariant is for CUDA devices"):
+        LLM(str(tiny_models["llama"][1]), device="cpu", speculative_config={**NGRAM, "row_invariant": True})
 
 
 def reference_lookup(tokens, k, lo, hi):

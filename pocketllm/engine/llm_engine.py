@@ -153,6 +153,9 @@ class LLMEngine:
         kv_dtype = self.dtype
         self.tokenizer = self.source.tokenizer(args.tokenizer)
         spec = args.speculative
+        if spec is not None and spec.row_invariant and self.device.type != "cuda":
+            raise ConfigurationError("speculative_config: row_invariant is for CUDA devices (cuBLAS's kernel "
+                                     f"choice), not {self.device.type}")
         self.drafter = None
         if spec is not None and spec.method == "draft_model":  # checked against this model before any weight
             from pocketllm.speculative.draft_model import DraftModel
@@ -259,7 +262,7 @@ class LLMEngine:
             self._fit_max_model_len(num_blocks, per_block)
         if self.ranks is not None:
             self.ranks.share_num_blocks(num_blocks)
-        if spec is not None and self.device.type == "cuda":
+        if spec is not None and spec.row_invariant:
             from pocketllm.layers.linear import use_row_invariant_gemms
 
             log.info("speculative decoding: %d projections on the row-invariant GEMM", use_row_invariant_gemms(model))
