@@ -486,3 +486,23 @@ def test_speculative_decoding_marks_the_row_parallel_projections(tiny_models):
     marked = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
               if isinstance(m, Linear) and m.invariant_rows is not None}
     assert marked == {"o_proj", "down_proj"}
+
+
+def test_split_sums_are_added_in_order_cast_and_biased():
+    """A K-split product's partial sums: split 0 + split 1 + ... in float32, in that order, then the bias,
+    then the cast (the bits of the same torch ops), for one split and several, bf16 and float32 out."""
+    from pocketllm.kernels.triton.split_sum import sum_splits
+
+    g = torch.Generator().manual_seed(11)
+    for s, m, n in ((1, 3, 70), (3, 5, 1100), (4, 1, 33)):
+        part = torch.randn(s, m, n, generator=g) * torch.logspace(-3, 3, n)  # sums whose order shows in the bits
+        bias = torch.randn(n, generator=g).to(torch.bfloat16)
+        want = part[0].clone()
+        for i in range(1, s):
+            want += part[i]
+        for dtype, b in ((torch.bfloat16, None), (torch.float32, bias), (torch.bfloat16, bias)):
+            ref = want if b is None else want + b.float()
+            if dtype == torch.bfloat16 and DEV == "cpu":  # the interpreter truncates float32 -> bfloat16
+                ref = (ref.view(torch.int32) & -65536).view(torch.float32)
+            got = sum_splits(part.to(DEV), dtype, None if b is None else b.to(DEV)).cpu()
+            assert got.dtype == dtype and torch.equal(got, ref.to(dtype)), (s, m, n, dtype)

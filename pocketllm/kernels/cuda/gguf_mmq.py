@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..triton.gguf import _num_sms, _type_args, _value_table
+from ..triton.split_sum import sum_splits
 from . import gguf_gemv, runtime
 
 T = GGMLQuantizationType
@@ -84,7 +85,7 @@ def mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Tens
     ``pack_gguf``; K split over ``splits`` programs (default: enough to fill the GPU), added in order after;
     ``bm`` activation rows a block (default ``block_m(m)``)."""
     assert qtype in MMQ_TYPES and k_ok(qtype, k) and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0
-    return _rows(qtype, bm or block_m(m), False, packed, xq, xd, xs, k, n, m, splits).to(dtype)
+    return _rows(qtype, bm or block_m(m), False, packed, xq, xd, xs, k, n, m, splits, dtype)
 
 
 def mmq_x16(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int,
@@ -94,19 +95,19 @@ def mmq_x16(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, 
     assert x16_ok(qtype) and k_ok(qtype, k) and x.dtype == torch.bfloat16 and x.stride(1) == 1
     assert x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and m * x.stride(0) < 2 ** 32  # 16-byte pieces,
     # 32-bit offsets
-    return _rows(qtype, bm or x16_block_m(m, n, packed.device), True, packed, x, x, x, k, n, m, splits).to(x.dtype)
+    return _rows(qtype, bm or x16_block_m(m, n, packed.device), True, packed, x, x, x, k, n, m, splits, x.dtype)
 
 
-def _rows(qtype, bm, x16, packed, xq, xd, xs, k, n, m, splits) -> torch.Tensor:
-    """The float32 [m, n] product of ``mmq`` / ``mmq_x16``: blocks of ``bm`` rows, K split ``splits`` ways
-    (None: enough programs to fill the GPU) and the splits added in order."""
+def _rows(qtype, bm, x16, packed, xq, xd, xs, k, n, m, splits, dtype) -> torch.Tensor:
+    """The [m, n] product of ``mmq`` / ``mmq_x16`` in ``dtype``: blocks of ``bm`` rows, K split ``splits`` ways
+    (None: enough programs to fill the GPU), the splits' float32 sums added in order."""
     assert bm in (16, 32, 64)
     tiles = math.ceil(n / BN) * math.ceil(m / bm)
     s = splits or splits_for(tiles, -(-k // KB), packed.device)
     part = torch.empty((s, m, n), dtype=torch.float32, device=packed.device)
     _launch(qtype, bm, False, x16, (math.ceil(n / BN), math.ceil(m / bm), s), packed, xq, xd, xs, part, k, n, m,
             packed, packed, 1)  # (no pairs, experts)
-    return part[0] if s == 1 else part.sum(0)
+    return sum_splits(part, dtype)
 
 
 def moe(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType,

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .split_sum import sum_splits
+
 # cuBLAS's classes agree to 48 rows (results/h200-cublas-row-invariance.json): from 49 the layers that
 # take this GEMM (the row-parallel ones, o and down, under speculative decoding) leave cuBLAS
 FROM_ROWS = 49
@@ -45,19 +47,6 @@ def _kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, stride_w, BLOCK_M: tl.con
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["MN"])
-def _sum_kernel(part_ptr, bias_ptr, y_ptr, MN, N, S: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = sum of the S splits in order (+ bias), in y's dtype."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < MN
-    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
-    for s in tl.static_range(1, S):
-        acc += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
 def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] . w [N, K]^T (+ bias) in x's dtype, row m the same bits at any M (see the module docs)."""
     m, k = x.shape
@@ -65,15 +54,11 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype
     splits = triton.cdiv(k, SPLIT_K)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = CONFIG
     _kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), splits)](
         x, w, part, m, n, k, x.stride(0), w.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], CHUNK=SPLIT_K, WIDEN=_INTERPRET,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    block = 1024
-    _sum_kernel[(triton.cdiv(m * n, block),)](part, y if bias is None else bias, y, m * n, n, S=splits, BLOCK=block,
-                                             HAS_BIAS=bias is not None)
-    return y
+    return sum_splits(part, x.dtype, bias)
