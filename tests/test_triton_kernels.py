@@ -293,6 +293,33 @@ def test_rotary_with_head_norms(offset):
         assert torch.equal(xd[:, hq + hkv:].cpu(), qkv[:, hq + hkv:])  # v untouched
 
 
+@pytest.mark.parametrize("hq, hkv, with_norms", [(6, 2, True), (28, 4, False), (32, 8, True)])
+def test_rotary_writes_the_cache_as_write_kv_does(hq, hkv, with_norms):
+    """The rotary kernel with ``kv``: the queries and keys rotated as without it, and the cache holding what
+    rotary_ then write_kv leave there, bit for bit (keys of heads in every head block of the grid; a slot of
+    -1, a captured batch's padding row, written nowhere)."""
+    d, nb, bs = 64, 6, 16
+    g = torch.Generator().manual_seed(hq)
+    freqs = torch.outer(torch.arange(128, dtype=torch.float32), inv_frequencies(d, 10000.0, None))
+    cos, sin = freqs.cos().to(DEV), freqs.sin().to(DEV)
+    pos = torch.tensor([0, 5, 63, 127, 9]).to(DEV)
+    slots = torch.tensor([3, 17, 40, -1, 95]).to(DEV)
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(5, hq + 2 * hkv, d, generator=g).to(dtype)
+        norms = None
+        if with_norms:
+            norms = (torch.randn(d, generator=g).to(dtype).to(DEV), torch.randn(d, generator=g).to(dtype).to(DEV),
+                     hq, 1e-6, 0.0)
+        cache = torch.randn(2, nb, bs, hkv, d, generator=g).to(dtype)
+        caches = [cache.to(DEV), cache.clone().to(DEV)]
+        want, got = qkv.clone().to(DEV), qkv.clone().to(DEV)
+        fused.rotary_(want[:, :hq + hkv], pos, cos, sin, norms)
+        kattn.write_kv(caches[0][0], caches[0][1], want[:, hq:hq + hkv], want[:, hq + hkv:], slots)
+        fused.rotary_(got[:, :hq + hkv], pos, cos, sin, norms, (got[:, hq + hkv:], caches[1][0], caches[1][1], slots))
+        assert torch.equal(got.cpu(), want.cpu()), dtype
+        assert torch.equal(caches[1].cpu(), caches[0].cpu()), dtype
+
+
 def _clamped_swiglu(gate, up, alpha=1.702, limit=0.3):  # transformers' GptOssExperts, as gpt_oss.py has it
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

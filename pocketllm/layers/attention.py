@@ -91,15 +91,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None = None, softcap: float | None = None,
                     cpu_kernels: bool = False, sinks: torch.Tensor | None = None,
-                    int8_rows: int = 0) -> torch.Tensor:
+                    int8_rows: int = 0, kv_written: bool = False) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]. `cpu_kernels`:
     the CPU fast path writes the cache and attends the decode rows in C (layer_ops). `sinks`
     [Hq] float32: a logit per head that joins every row's softmax and attends to nothing (gpt-oss).
-    `int8_rows`: the kernels' (see kernels.triton.attention.paged_attention)."""
+    `int8_rows`: the kernels' (see kernels.triton.attention.paged_attention). `kv_written`: the
+    kernels' path, k and v already in the cache (the rotary kernel wrote them)."""
     if meta.block_tables is not None:
         from pocketllm.kernels.triton import attention as kernels
 
-        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if not kv_written:
+            kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, scale, window, softcap,
                                        sinks=sinks, int8_rows=int8_rows, chain_pos=meta.chain_pos)

@@ -86,14 +86,16 @@ class RotaryEmbedding(torch.nn.Module):
         self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.cpu_kernels = False  # the CPU fast path: rotated in place by one kernel call
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, norms: tuple | None = None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, norms: tuple | None = None,
+                kv: tuple | None = None) -> torch.Tensor:
         """x [T, H, D]: queries and keys of all heads at once. On CUDA and on the CPU fast path x
         is rotated in place; on CUDA ``norms`` (see ``kernels.triton.fused.rotary_``) RMS-normalizes
-        each head first."""
-        if x.is_cuda:
+        each head first. ``kv`` (the attention kernels' path): the rotary kernel also writes the keys
+        and values to the cache (``rotary_``'s)."""
+        if x.is_cuda or kv is not None:
             from pocketllm.kernels.triton.fused import rotary_
 
-            return rotary_(x, positions, self.cos, self.sin, norms)
+            return rotary_(x, positions, self.cos, self.sin, norms, kv)
         assert norms is None, "q/k norms in the rotary kernel: CUDA only"
         if self.cpu_kernels:
             from pocketllm.kernels.cpu import layer_ops

@@ -80,10 +80,13 @@ class Attention(torch.nn.Module):
                                                  meta.decode_block_tables, meta.decode_lens, self.scale,
                                                  self.window, self.softcap, (positions, rot.cos, rot.sin), sinks)
             return self.o_proj(o.reshape(t, -1))
-        qk = self.rotary(positions, qk, norms)  # queries and keys rotate in one pass
+        kv = None  # on the attention kernels' path the rotary kernel writes the cache too: one launch less
+        if meta.block_tables is not None and self.k_cache.dtype == qkv.dtype:
+            kv = (v, self.k_cache, self.v_cache, meta.slot_mapping)
+        qk = self.rotary(positions, qk, norms, kv)  # queries and keys rotate in one pass
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap,
-                            fast, sinks, self.o_proj.int8_rows)
+                            fast, sinks, self.o_proj.int8_rows, kv_written=kv is not None)
         if o.is_cuda:  # the 8-bit form attention's split merge wrote goes along (int8_act)
             from pocketllm.kernels.triton.int8_act import flattened
 

@@ -57,9 +57,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_t, stride_h, stride_cos, num_heads,
-                   num_q_heads, eps, offset, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
-                   NORM: tl.constexpr):
+def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                   stride_t, stride_h, stride_cos, stride_vt, stride_kcs, stride_vcs, num_heads, num_q_heads, eps,
+                   offset, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                   WRITE_KV: tl.constexpr, V_ROW: tl.constexpr, BLOCK_V: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     i = tl.arange(0, BLOCK)
@@ -79,22 +80,49 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_t, s
                       tl.load(kw_ptr + HALF + i, mask=i < HALF, other=0.0)[None, :]).to(tl.float32) + offset
         x1 = (x1 * inv * w1).to(x_ptr.dtype.element_ty).to(tl.float32)
         x2 = (x2 * inv * w2).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(base, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=ok)
-    tl.store(base + HALF, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=ok)
+    y1 = (x1 * c - x2 * s).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * c + x1 * s).to(x_ptr.dtype.element_ty)
+    tl.store(base, y1, mask=ok)
+    tl.store(base + HALF, y2, mask=ok)
+    if WRITE_KV:  # the step's keys (rotated) and values into the cache, as write_kv would
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:  # (-1: a padding row of a captured batch)
+            is_k = ok & (h[:, None] >= num_q_heads)
+            kb = kc_ptr + slot * stride_kcs + (h[:, None] - num_q_heads) * (2 * HALF) + i[None, :]
+            tl.store(kb, y1, mask=is_k)
+            tl.store(kb + HALF, y2, mask=is_k)
+            if tl.program_id(1) == 0:  # the row's values, once
+                j = tl.arange(0, BLOCK_V)
+                tl.store(vc_ptr + slot * stride_vcs + j, tl.load(v_ptr + t * stride_vt + j, mask=j < V_ROW),
+                         mask=j < V_ROW)
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            norms: tuple[torch.Tensor, torch.Tensor, int, float, float] | None = None) -> torch.Tensor:
+            norms: tuple[torch.Tensor, torch.Tensor, int, float, float] | None = None,
+            kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rotate x [T, H, D] (rotate-half layout) in place; cos/sin [max_len, D/2] float32 tables.
     ``norms`` = (q weight, k weight, query heads, eps, offset): each head RMS-normalized first
-    (Qwen3's and Gemma 3's q/k norms: the first heads by the q weight, the rest by the k one)."""
+    (Qwen3's and Gemma 3's q/k norms: the first heads by the q weight, the rest by the k one).
+    ``kv`` = (v [T, Hkv, D], k_cache, v_cache, slot_mapping [T]): x's last Hkv heads are the keys, and
+    the kernel also writes them (rotated) and v to each row's cache slot, as ``attention.write_kv``
+    does, saving its launch (slot -1 is skipped)."""
     t, h, d = x.shape
     assert x.stride(2) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_h = min(triton.next_power_of_2(h), 16)
     qw, kw, hq, eps, offset = norms if norms is not None else (cos, cos, h, 0.0, 0.0)
-    _rotary_kernel[(t, triton.cdiv(h, block_h))](x, positions, cos, sin, qw, kw, x.stride(0), x.stride(1),
-                                                 cos.stride(0), h, hq, eps, offset, HALF=d // 2, BLOCK_H=block_h,
-                                                 BLOCK=triton.next_power_of_2(d // 2), NORM=norms is not None)
+    v, k_cache, v_cache, slots = kv if kv is not None else (x, x, x, positions)
+    v_row = v.shape[1] * d if kv is not None else 1
+    if kv is not None:
+        hkv = v.shape[1]
+        hq = h - hkv if norms is None else hq
+        assert hq == h - hkv and k_cache.shape[2:] == v_cache.shape[2:] == (hkv, d), (h, hkv, k_cache.shape)
+        assert v.stride(1) == d and v.stride(2) == 1 and k_cache.dtype == v_cache.dtype == x.dtype == v.dtype
+        assert k_cache.stride(2) == d and k_cache.stride(3) == 1 and v_cache.stride(2) == d and v_cache.stride(3) == 1
+    _rotary_kernel[(t, triton.cdiv(h, block_h))](
+        x, positions, cos, sin, qw, kw, v, k_cache, v_cache, slots, x.stride(0), x.stride(1), cos.stride(0),
+        v.stride(0), k_cache.stride(1), v_cache.stride(1), h, hq, eps, offset, HALF=d // 2, BLOCK_H=block_h,
+        BLOCK=triton.next_power_of_2(d // 2), NORM=norms is not None, WRITE_KV=kv is not None, V_ROW=v_row,
+        BLOCK_V=triton.next_power_of_2(v_row))
     return x
 
 
