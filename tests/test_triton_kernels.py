@@ -369,8 +369,8 @@ def test_top_k_route_is_torchs_routing(experts, k, renormalize, softmax_of_top_k
     from pocketllm.kernels.triton.moe import top_k_route
 
     g = torch.Generator().manual_seed(experts + k)
-    for dtype, bias in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.randn(experts, generator=g)),
-                        (torch.bfloat16, torch.randn(experts, generator=g).to(torch.bfloat16))):
+    biases = (None, None, torch.randn(experts, generator=g), torch.randn(experts, generator=g).to(torch.bfloat16))
+    for dtype, bias in zip((torch.float32, torch.bfloat16) * 2, biases):
         logits = torch.randn(9, experts, generator=g).to(dtype)
         full = logits.float() if bias is None else logits.float() + bias.float()
         if softmax_of_top_k:
