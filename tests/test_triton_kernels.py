@@ -482,6 +482,7 @@ def test_speculative_decoding_marks_the_row_parallel_projections(tiny_models):
     from pocketllm.layers.linear import Linear, use_row_invariant_gemms
 
     model = LLM(str(tiny_models["llama"][1]), max_model_len=64, num_kv_blocks=16).engine.runner.model
+    assert not any(isinstance(m, Linear) and m.invariant_rows is not None for m in model.modules())  # opt-in
     assert use_row_invariant_gemms(model) == 2 * model.cfg.num_layers
     marked = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
               if isinstance(m, Linear) and m.invariant_rows is not None}

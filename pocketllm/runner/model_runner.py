@@ -284,8 +284,7 @@ class ModelRunner:
             "seq_lens": torch.tensor([ctx for _, ctx in step.rows], dtype=torch.int32),
             "query_start_loc": torch.from_numpy(np.concatenate(([0], np.cumsum(qlens))).astype(np.int32)),
         }
-        chains = step.num_decodes == len(step.rows) and len(step.chain_pos) == len(step.rows)
-        if chains:
+        if step.chain_pos and step.num_decodes == len(step.rows):  # (the kernel runs decode-only steps in chains)
             host["chain_pos"] = torch.tensor(step.chain_pos, dtype=torch.int32)
         for g, group_tables in enumerate(step.tables):
             width = max(len(b) for b in group_tables)

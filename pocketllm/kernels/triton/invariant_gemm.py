@@ -52,10 +52,10 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     m, k = x.shape
     n = w.shape[0]
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype
-    splits = triton.cdiv(k, SPLIT_K)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     if m == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    splits = triton.cdiv(k, SPLIT_K)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     cfg = CONFIG
     _kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), splits)](
         x, w, part, m, n, k, x.stride(0), w.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
