@@ -3,9 +3,10 @@ same engine settings in the same process: copying workloads (the reply repeats i
 edit) and ordinary chat prompts, greedy. `same_tokens` says whether both produced the same tokens
 (on the CPU they must, and for one stream on CUDA; at 64 sequences bf16 steps of other row counts
 compute other bits, unless the speculative config sets "row_invariant", which --oracle needs there:
-the random weights' near-tied logits turn on those bits); the figure is output tokens per second over the whole request, after a warm-up
-run of each prompt in each engine (so both find the prompt in their prefix cache: the figures are
-decoding's), the best of --reps runs of each, the two engines' runs alternated.
+the random weights' near-tied logits turn on those bits); the figure is output tokens per second over
+the whole request, after a warm-up run of each prompt in each engine (so both find the prompt in their
+prefix cache: the figures are decoding's), the best of --reps runs of each, the two engines' runs
+alternated.
 
     python benchmarks/spec_decode.py --out benchmarks/results/cpu-spec-decode.json
     python benchmarks/spec_decode.py --model llama3-8b --load-format dummy --device cuda --concurrency 1,64 \\

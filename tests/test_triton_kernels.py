@@ -396,8 +396,8 @@ def test_top_k_route_is_torchs_routing(experts, k, renormalize, softmax_of_top_k
     from pocketllm.kernels.triton.moe import top_k_route
 
     g = torch.Generator().manual_seed(experts + k)
-    for dtype, bias in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.randn(experts, generator=g)),
-                        (torch.bfloat16, torch.randn(experts, generator=g).to(torch.bfloat16))):
+    biases = (None, None, torch.randn(experts, generator=g), torch.randn(experts, generator=g).to(torch.bfloat16))
+    for dtype, bias in zip((torch.float32, torch.bfloat16) * 2, biases):
         logits = torch.randn(9, experts, generator=g).to(dtype)
         full = logits.float() if bias is None else logits.float() + bias.float()
         if softmax_of_top_k:
@@ -509,6 +509,7 @@ def test_speculative_decoding_marks_the_row_parallel_projections(tiny_models):
     from pocketllm.layers.linear import Linear, use_row_invariant_gemms
 
     model = LLM(str(tiny_models["llama"][1]), max_model_len=64, num_kv_blocks=16).engine.runner.model
+    assert not any(isinstance(m, Linear) and m.invariant_rows is not None for m in model.modules())  # opt-in
     assert use_row_invariant_gemms(model) == 2 * model.cfg.num_layers
     marked = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
               if isinstance(m, Linear) and m.invariant_rows is not None}

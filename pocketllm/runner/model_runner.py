@@ -145,7 +145,6 @@ class ModelRunner:
         pending: list[tuple[int, int]] = []
         prompt_scores: list[tuple] = []
         row_requests = []
-        chain_pos: list[int] = []
         prev_rows = None
         # Decode rows come first; they are most of a busy step, so they get a lean loop. A request
         # with drafts makes a decode row of its last token and of each draft, each attending up to
@@ -169,7 +168,6 @@ class ModelRunner:
                 sampling += [DraftPosition(req, drafts, i) for i in range(1, len(drafts) + 1)]
             elif sr.samples:
                 sampling.append(req)
-            chain_pos += range(sr.num_tokens)
             for q in range(p, p + sr.num_tokens):
                 positions.append(q)
                 slots.append(blocks[q // bs] * bs + q % bs)
@@ -203,7 +201,9 @@ class ModelRunner:
                     prompt_scores.append((req, first, len(input_ids) - ctx + first,
                                           req.prompt_token_ids[first + 1:last + 1]))
         step = StepInputs(input_ids, positions, [slots], rows, [tables], num_decode_rows, logits_rows, sampling,
-                          pending, prompt_scores, chain_pos if len(chain_pos) > out.num_decodes else [])
+                          pending, prompt_scores)
+        if num_decode_rows > out.num_decodes:  # a request with drafts: each decode row's index in its request
+            step.chain_pos = [i for sr in out.scheduled[:out.num_decodes] for i in range(sr.num_tokens)]
         if len(self.windows) > 1:
             self._other_groups(row_requests, step)
         return step
@@ -284,8 +284,7 @@ class ModelRunner:
             "seq_lens": torch.tensor([ctx for _, ctx in step.rows], dtype=torch.int32),
             "query_start_loc": torch.from_numpy(np.concatenate(([0], np.cumsum(qlens))).astype(np.int32)),
         }
-        chains = step.num_decodes == len(step.rows) and len(step.chain_pos) == len(step.rows)
-        if chains:
+        if step.chain_pos and step.num_decodes == len(step.rows):  # (the kernel runs decode-only steps in chains)
             host["chain_pos"] = torch.tensor(step.chain_pos, dtype=torch.int32)
         for g, group_tables in enumerate(step.tables):
             width = max(len(b) for b in group_tables)

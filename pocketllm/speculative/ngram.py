@@ -19,8 +19,10 @@ class NgramIndex:
         """Index the n-grams that end before the last token (each has a continuation)."""
         end = len(tokens) - 1
         for n, table in self.tables.items():
-            for e in range(max(self.indexed, n), end + 1):  # n-gram tokens[e - n:e], continuation at e
-                table[tuple(tokens[e - n:e])] = e
+            lo = max(self.indexed, n)
+            if lo <= end:  # n-gram tokens[e - n:e] -> e (its continuation), e = lo..end, the later ones last;
+                # the tuples made by zip, in C (1.17x the loop's speed: results/cpu-ngram-index.json)
+                table.update(zip(zip(*(tokens[lo - n + i:end - n + i + 1] for i in range(n))), range(lo, end + 1)))
         self.indexed = max(self.indexed, end + 1)
 
 

@@ -33,7 +33,7 @@ def source() -> str:
 @cache
 def define(qtype: GGMLQuantizationType, key: str) -> int | None:
     """The number the type's tile decoder defines as ``<TYPE>_<key>`` (None: it defines none)."""
-    found = re.search(rf"#define {gguf_gemv.DECODERS[qtype].upper()}_{key} (\d+)", SOURCE.read_text())
+    found = re.search(rf"#define {gguf_gemv.DECODERS[qtype].upper()}_{key} (\d+)", source())
     return None if found is None else int(found.group(1))
 
 

@@ -52,13 +52,14 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     m, k = x.shape
     n = w.shape[0]
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype
-    splits = triton.cdiv(k, SPLIT_K)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     if m == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    splits = triton.cdiv(k, SPLIT_K)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     cfg = CONFIG
     _kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), splits)](
         x, w, part, m, n, k, x.stride(0), w.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], CHUNK=SPLIT_K, WIDEN=_INTERPRET,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return sum_splits(part, x.dtype, bias)
