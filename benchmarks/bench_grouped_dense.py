@@ -26,8 +26,8 @@ def main() -> None:
     x8 = torch.randn(TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
 
     def run():
-        moe.grouped_dense_gemv(x1, gate_up, 2 * INTER, ids, TOP_K)
-        moe.grouped_dense_gemv(x8, down, HIDDEN, ids, 1)
+        moe.grouped_dense_gemv_triton(x1, gate_up, 2 * INTER, ids, TOP_K)
+        moe.grouped_dense_gemv_triton(x8, down, HIDDEN, ids, 1)
 
     before = dict(moe.DENSE_CONFIG)
     weight_bytes = TOP_K * (2 * INTER * HIDDEN + HIDDEN * INTER) * 2

@@ -72,11 +72,25 @@ def _grouped_dense_kernel(x_ptr, w_ptr, ids_ptr, y_ptr, N, K, x_div, stride_xm, 
 def grouped_dense_gemv(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torch.Tensor,
                        x_div: int = 1) -> torch.Tensor:
     """[P, n] in x's dtype: row p = ``x[p // x_div] @ stacked[ids[p] * n : (ids[p] + 1) * n].T``
-    for a dense stack [E * n, K]; ``ids`` (P of them) not checked."""
+    for a dense stack [E * n, K]; ``ids`` (P of them) not checked. On CUDA in bf16 / fp16 the CUDA C GEMV
+    (``kernels/cuda/dense_gemv.cu``, which streams the weights faster), else the Triton kernel."""
     k = stacked.shape[1]
     assert stacked.shape[0] % n == 0 and x.shape[1] == k and stacked.is_contiguous(), (stacked.shape, n, x.shape)
     ids = ids.reshape(-1).contiguous()
     x = x.contiguous()
+    if x.is_cuda and x.dtype != torch.float32:
+        from pocketllm.kernels.cuda import dense_gemv
+
+        out = dense_gemv.grouped(x, stacked, n, ids, x_div) if dense_gemv.usable(x, stacked) else None
+        if out is not None:
+            return out
+    return grouped_dense_gemv_triton(x, stacked, n, ids, x_div)
+
+
+def grouped_dense_gemv_triton(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torch.Tensor,
+                          x_div: int = 1) -> torch.Tensor:
+    k = stacked.shape[1]
+    ids = ids.reshape(-1).contiguous()
     out = torch.empty((ids.numel(), n), dtype=x.dtype, device=x.device)
     if ids.numel():
         cfg = DENSE_CONFIG

@@ -1,0 +1,91 @@
+"""bf16 / fp16 GEMV in CUDA C (``dense_gemv.cu``): a mixture of experts' grouped pairs in decode steps
+(``triton.moe.grouped_dense_gemv``: each pair one activation row against its expert's rows), and products
+of up to ``MAX_ROWS`` activation rows (``linear``). Each output row's bits depend only on its activation row
+and the weights, not on how many rows or pairs the launch has.
+
+Dense projections (``Linear``) stay on cuBLAS: this kernel streams one row's weights faster (Qwen3-30B-A3B's
+o projection 5.7 against 8.7 us), but at five rows it is 1.6-2x slower (results/h200-dense-gemv.txt), and
+one row on it with several on cuBLAS would give a speculative step's rows other bits than plain decoding's.
+"""
+from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from ..triton.gguf import _num_sms
+from . import runtime
+
+log = logging.getLogger("pocketllm")
+SOURCE = Path(__file__).with_name("dense_gemv.cu")
+MAX_ROWS = 8  # activation rows a launch: each a float accumulator a weight row and thread
+DTYPES = (torch.bfloat16, torch.float16)
+_failed: set[torch.dtype] = set()  # dtypes whose kernel NVRTC could not build here
+
+
+@cache
+def source() -> str:
+    return SOURCE.read_text()
+
+
+def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x [M, K] . w [N, K]^T`` can run here: CUDA, bf16 / fp16 alike, K a multiple of 8, rows on
+    16-byte boundaries."""
+    k = w.shape[-1]
+    return (x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype and x.dtype not in _failed and k % 8 == 0
+            and w.is_contiguous() and w.data_ptr() % 16 == 0 and x.stride(-1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and runtime.available())
+
+
+def tile(n: int, k: int, blocks_y: int, device: torch.device) -> tuple[int, int]:
+    """(R weight rows a block, NT threads): a block's threads cover a row's pieces (K / 8) in as few
+    passes as 128 threads allow, and R shrinks until the blocks fill the GPU twice over."""
+    nt = min(128, -(-(k // 8) // 32) * 32)
+    r = 4
+    while r > 1 and -(-n // r) * blocks_y < 2 * 4 * _num_sms(device):
+        r //= 2
+    return r, nt
+
+
+@cache
+def _kernel(dtype: torch.dtype, grouped: bool, r: int, nt: int, max_m: int, device: torch.device):
+    name = f"dense_gemv_r{r}_t{nt}_m{max_m}_{str(dtype).split('.')[-1]}{'_grouped' if grouped else ''}"
+    defines = dict(KERNEL=name, R=r, NT=nt, MAXM=max_m, GROUPED=int(grouped), HALF=int(dtype == torch.float16))
+    return runtime.kernel(source(), name, defines, device)
+
+
+def _launch(x, w, n, k, bias, ids, x_div, rows_out, blocks_y, m, max_m) -> torch.Tensor | None:
+    r, nt = tile(n, k, blocks_y, w.device)
+    try:
+        kern = _kernel(x.dtype, ids is not None, r, nt, max_m, w.device)
+    except RuntimeError as e:
+        log.warning("the CUDA C dense GEMV is unavailable here, using cuBLAS / Triton: %s", e)
+        _failed.add(x.dtype)
+        return None
+    y = torch.empty((rows_out, n), dtype=x.dtype, device=x.device)
+    if rows_out:
+        kern.launch((-(-n // r), blocks_y, 1), nt, w, x, y, w if bias is None else bias, y if ids is None else ids,
+                    n, k, m, x_div, x.stride(0), y.stride(0), int(bias is not None))
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] (M <= MAX_ROWS) . w [N, K]^T (+ bias [N]) in x's dtype, float32 sums; None where NVRTC
+    cannot build the kernel (the caller falls back)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert 0 < m <= MAX_ROWS and w.shape[1] == k and usable(x, w), (x.shape, w.shape)
+    assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == (n,))
+    max_m = 1 << (m - 1).bit_length()  # a kernel for 1, 2, 4 or 8 rows
+    return _launch(x, w, n, k, bias, None, 1, m, 1, m, max_m)
+
+
+def grouped(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torch.Tensor, x_div: int = 1) -> torch.Tensor | None:
+    """[P, n]: row p = x[p // x_div] . stacked[ids[p] * n : (ids[p] + 1) * n]^T (``triton.moe.grouped_dense_gemv``'s
+    product); None where NVRTC cannot build the kernel."""
+    k = stacked.shape[1]
+    ids = ids.reshape(-1).contiguous()
+    assert ids.dtype == torch.int64 and usable(x, stacked) and stacked.shape[0] % n == 0
+    return _launch(x, stacked, n, k, None, ids, x_div, ids.numel(), ids.numel(), 1, 1)
