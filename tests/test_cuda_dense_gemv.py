@@ -23,18 +23,18 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_rows_against_float64_and_alike_at_any_row_count(dtype, n, k):
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = torch.randn(n, k, device="cuda", generator=g).to(dtype)
-    x = torch.randn(8, k, device="cuda", generator=g).to(dtype)
+    x = torch.randn(20, k, device="cuda", generator=g).to(dtype)
     bias = torch.randn(n, device="cuda", generator=g).to(dtype)
     want = x.double() @ w.double().T
-    alone = [dense_gemv.linear(x[i:i + 1], w) for i in range(8)]
+    alone = [dense_gemv.linear(x[i:i + 1], w) for i in range(20)]
     for i, y in enumerate(alone):
         assert y.dtype == dtype and y.shape == (1, n)
         _close(y[0], want[i])
-    for m in range(2, 9):
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 13, 20):  # past 8 rows, blocks of 8
         y = dense_gemv.linear(x[:m], w)
         for i in range(m):
             assert torch.equal(y[i], alone[i][0]), (m, i)  # a row's bits whatever the rows beside it
-    _close(dense_gemv.linear(x[:3], w, bias), want[:3] + bias.double())
+    _close(dense_gemv.linear(x[:13], w, bias), want[:13] + bias.double())
 
 
 @pytest.mark.parametrize("x_div", [1, 4])

@@ -143,6 +143,19 @@ class _PartStack:
         return y
 
 
+def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] . weight [E, hidden]^T on CUDA: the CUDA C GEMV in bf16 / fp16, else cuBLAS (float32)."""
+    if x.dtype != torch.float32:
+        from pocketllm.kernels.cuda import dense_gemv
+
+        x2 = x.reshape(-1, x.shape[-1])
+        if dense_gemv.usable(x2, weight):
+            y = dense_gemv.linear(x2, weight)
+            if y is not None:
+                return y
+    return F.linear(x, weight)
+
+
 class SparseMoE(torch.nn.Module):
     """``gate``: the router, a [num_experts, hidden] projection. Routing as transformers computes
     it: Qwen3-MoE and Mixtral take a softmax over all experts in float32, then the top k
@@ -187,13 +200,16 @@ class SparseMoE(torch.nn.Module):
             from pocketllm.kernels.triton.moe import top_k_route
 
             gate = self.gate
-            if gate.bias is not None and gate.quantized is None:
-                # cuBLAS adds a bias with another kernel at one row than at several (gpt-oss's [E, hidden]
-                # router): a row's bits would depend on its step's rows, and drafts verified in a step of
-                # several rows would see other experts than plain decoding. The routing kernel adds it.
-                return top_k_route(F.linear(x, gate.weight), self.top_k, self.renormalize, self.softmax_of_top_k,
-                                   gate.bias)
-            return top_k_route(gate(x), self.top_k, self.renormalize, self.softmax_of_top_k)
+            if gate.quantized is not None:
+                return top_k_route(gate(x), self.top_k, self.renormalize, self.softmax_of_top_k)
+            # A token's experts must not depend on its step's rows (drafts verified in a step of several rows
+            # see the experts plain decoding sees; a prompt's tail after a prefix-cache hit those its first
+            # prefill saw): cuBLAS picks other kernels by row count, and adds a bias with another at one row
+            # than at several (gpt-oss). So the logits come from the CUDA C GEMV, whose rows keep their bits
+            # at any row count (and at one row takes 2.0 us where cuBLAS takes 5.3, Qwen3-30B-A3B's router,
+            # results/h200-dense-gemv.txt), and the routing kernel adds the bias.
+            return top_k_route(_router_logits(x, gate.weight), self.top_k, self.renormalize, self.softmax_of_top_k,
+                               gate.bias)
         if self.softmax_of_top_k:
             logits, ids = torch.topk(self.gate(x).float(), self.top_k, dim=-1)
             return torch.softmax(logits, dim=-1), ids

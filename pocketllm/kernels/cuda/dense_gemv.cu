@@ -9,6 +9,7 @@
 //     every activation row once (L1-cached) and reuses it for the R rows;
 //   - per thread one float accumulator a row and activation row, reduced by warp shuffles and shared
 //     memory at the end, in an order fixed by K, R and NT alone: a row's bits do not depend on M.
+// Otherwise block row blockIdx.y takes activation rows blockIdx.y * MAXM onwards (M rows in all).
 // GROUPED: block row blockIdx.y is a (token, expert) pair p: weights of matrix ids[p] of a stack of N-row
 // matrices, activation row p / x_div (mixture-of-experts pairs), output row p.
 
@@ -82,6 +83,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL(
     xm = blockIdx.y / x_div;
     ym = blockIdx.y;
     M = 1;
+#else
+    xm = ym = blockIdx.y * MAXM;  // block row blockIdx.y: activation rows xm .. xm + MAXM - 1
+    M = min(M - xm, MAXM);
 #endif
     const u16* rows[R];
 #pragma unroll

@@ -1,7 +1,8 @@
 """bf16 / fp16 GEMV in CUDA C (``dense_gemv.cu``): a mixture of experts' grouped pairs in decode steps
 (``triton.moe.grouped_dense_gemv``: each pair one activation row against its expert's rows), and products
-of up to ``MAX_ROWS`` activation rows (``linear``). Each output row's bits depend only on its activation row
-and the weights, not on how many rows or pairs the launch has.
+of any number of activation rows, ``MAX_ROWS`` a block (``linear``: the routers of ``layers.moe``). Each
+output row's bits depend only on its activation row and the weights, not on how many rows or pairs the
+launch has.
 
 Dense projections (``Linear``) stay on cuBLAS: this kernel streams one row's weights faster (Qwen3-30B-A3B's
 o projection 5.7 against 8.7 us), but at five rows it is 1.6-2x slower (results/h200-dense-gemv.txt), and
@@ -20,7 +21,7 @@ from . import runtime
 
 log = logging.getLogger("pocketllm")
 SOURCE = Path(__file__).with_name("dense_gemv.cu")
-MAX_ROWS = 8  # activation rows a launch: each a float accumulator a weight row and thread
+MAX_ROWS = 8  # activation rows a block: each a float accumulator a weight row and thread
 DTYPES = (torch.bfloat16, torch.float16)
 _failed: set[torch.dtype] = set()  # dtypes whose kernel NVRTC could not build here
 
@@ -72,14 +73,14 @@ def _launch(x, w, n, k, bias, ids, x_div, rows_out, blocks_y, m, max_m) -> torch
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [M, K] (M <= MAX_ROWS) . w [N, K]^T (+ bias [N]) in x's dtype, float32 sums; None where NVRTC
-    cannot build the kernel (the caller falls back)."""
+    """x [M, K] . w [N, K]^T (+ bias [N]) in x's dtype, float32 sums, any M (``MAX_ROWS`` rows a block row);
+    None where NVRTC cannot build the kernel (the caller falls back)."""
     m, k = x.shape
     n = w.shape[0]
-    assert 0 < m <= MAX_ROWS and w.shape[1] == k and usable(x, w), (x.shape, w.shape)
+    assert w.shape[1] == k and usable(x, w), (x.shape, w.shape)
     assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == (n,))
-    max_m = 1 << (m - 1).bit_length()  # a kernel for 1, 2, 4 or 8 rows
-    return _launch(x, w, n, k, bias, None, 1, m, 1, m, max_m)
+    max_m = min(MAX_ROWS, 1 << (max(m, 1) - 1).bit_length())  # a kernel for 1, 2, 4 or 8 rows a block
+    return _launch(x, w, n, k, bias, None, 1, m, -(-m // max_m), m, max_m)
 
 
 def grouped(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torch.Tensor, x_div: int = 1) -> torch.Tensor | None:
