@@ -22,6 +22,7 @@ import torch
 import triton
 from gguf import GGMLQuantizationType as T
 
+from pocketllm.bench.report import environment
 from pocketllm.kernels.cuda import gguf_gemv as cg
 from pocketllm.kernels.triton import gguf as kg
 from pocketllm.kernels.triton.int8_act import quantize_activations
@@ -35,6 +36,13 @@ HEAD = (128256, 4096)
 
 def timed(fn, copies: int) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3 / copies
+
+
+def write_rows(path: str | None, rows: list[dict]) -> None:
+    """A kernel benchmark's rows as JSON, with the machine, commit and command (``bench.report``)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(**environment(), rows=rows), f, indent=1)
 
 
 def weight_copies(qtype: T, n: int, k: int) -> tuple[list[torch.Tensor], int]:
@@ -90,9 +98,7 @@ def main():
             rows.append(row)
             del ws, w0
             torch.cuda.empty_cache()
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    write_rows(args.output_json, rows)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,9 @@ over its largest value.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-from bench_cuda_gemv import timed, weight_copies
+from bench_cuda_gemv import timed, weight_copies, write_rows
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.kernels.cuda import gguf_mmq
@@ -74,9 +73,7 @@ def main():
                 out.append(row)
             del ws, w0
             torch.cuda.empty_cache()
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=out), f, indent=1)
+    write_rows(args.output_json, out)
 
 
 if __name__ == "__main__":

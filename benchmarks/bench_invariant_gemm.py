@@ -12,7 +12,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from bench_cuda_gemv import timed
+from bench_cuda_gemv import timed, write_rows
 
 from pocketllm.kernels.triton.invariant_gemm import invariant_linear
 
@@ -44,9 +44,7 @@ def main():
             out.append(row)
         del ws, w0
         torch.cuda.empty_cache()
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=out), f, indent=1)
+    write_rows(args.output_json, out)
 
 
 if __name__ == "__main__":

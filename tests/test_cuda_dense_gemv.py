@@ -53,4 +53,3 @@ def test_grouped_pairs_take_their_experts_rows(x_div):
                         for p, e in enumerate(ids.tolist())])
     _close(got, want)
     torch.testing.assert_close(got, grouped_dense_gemv_triton(x, stacked, n, ids, x_div), atol=1e-2, rtol=2 ** -7)
-

@@ -78,7 +78,7 @@ def grouped_dense_gemv(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torc
     assert stacked.shape[0] % n == 0 and x.shape[1] == k and stacked.is_contiguous(), (stacked.shape, n, x.shape)
     ids = ids.reshape(-1).contiguous()
     x = x.contiguous()
-    if x.is_cuda and x.dtype != torch.float32:
+    if x.is_cuda:
         from pocketllm.kernels.cuda import dense_gemv
 
         out = dense_gemv.grouped(x, stacked, n, ids, x_div) if dense_gemv.usable(x, stacked) else None
@@ -88,7 +88,8 @@ def grouped_dense_gemv(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torc
 
 
 def grouped_dense_gemv_triton(x: torch.Tensor, stacked: torch.Tensor, n: int, ids: torch.Tensor,
-                          x_div: int = 1) -> torch.Tensor:
+                               x_div: int = 1) -> torch.Tensor:
+    """``grouped_dense_gemv``'s product on the Triton kernel (x contiguous)."""
     k = stacked.shape[1]
     ids = ids.reshape(-1).contiguous()
     out = torch.empty((ids.numel(), n), dtype=x.dtype, device=x.device)
