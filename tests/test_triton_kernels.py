@@ -86,12 +86,14 @@ def test_paged_attention_matches_reference(rows_spec, hq, hkv, d):
 
 @pytest.mark.parametrize("splits", [2, 8])
 def test_split_key_decode_matches_reference(splits):
-    """Flash-decoding: decode rows split over their keys and merged; a split may be empty."""
+    """Flash-decoding: decode rows split over their keys and merged by the last split to finish; a split
+    may be empty."""
     q, kc, vc, rows, tables, lens, qsl = make_step([(1, 1), (1, 17), (1, 70), (1, 33)], 8, 2, 64, seed=3)
     ref = reference_attention(q, kc, vc, rows, 0.125)
     out = kattn.paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), tables.to(DEV), lens.to(DEV), qsl.to(DEV),
                                 1, 0.125, num_splits=splits)
     torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
+    assert not kattn._tickets(out.device).any()  # the last split of each merged resets its ticket: replays start at 0
     assert kattn.decode_splits(1, 8, torch.device("cpu")) == 16 and kattn.decode_splits(64, 8, torch.device("cpu")) == 1
 
 
@@ -380,7 +382,9 @@ def test_split_merge_writes_the_8_bit_form(monkeypatch):
     got, want = int8_act.attached(flat), int8_act.quantize_activations(flat)
     assert got is not None and all(torch.equal(a, b) for a, b in zip(got, want))
     assert int8_act.attached(int8_act.flattened(out[:, :4])) is None  # a copy of part of it: not the form
-    assert int8_act.attached(int8_act.flattened(kattn.paged_attention(*args, num_splits=4, int8_rows=1))) is None
+    merged_in_place = kattn.paged_attention(*args, num_splits=4, int8_rows=1)  # no 8-bit form: the last split merges
+    assert int8_act.attached(int8_act.flattened(merged_in_place)) is None
+    assert torch.equal(merged_in_place, out)  # either way a row's bits are the same
 
 
 @pytest.mark.parametrize("experts,k,renormalize,softmax_of_top_k", [

@@ -16,7 +16,8 @@ consecutive positions) are taken in runs of BLOCK_Q by one program, which reads 
 
 Decode batches too small to fill the GPU (num_seqs * Hkv programs) split each sequence's keys
 into NUM_SPLITS ranges (flash-decoding): each program writes its unnormalised partial result
-with its running max and sum, and a second kernel merges the splits. The number of splits is
+with its running max and sum, and the last program of a (query block, KV head) to finish merges
+its splits (a ticket counter; a second kernel where the output's 8-bit form is wanted too). The number of splits is
 DECODE_SPLITS for every such batch, not a function of its size, so a row's keys are cut by its
 own length alone and its output has the same bits in a step of 1 row as in any other step that
 splits (what speculative verification needs: a request's drafts are rows of one step).
@@ -47,14 +48,14 @@ def _find_seq(query_start_loc, qb, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, seq_lens, query_start_loc, sinks,
+        q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, tickets, block_tables, seq_lens, query_start_loc, sinks,
         chain_pos, scale, softcap, window, num_seqs, num_q_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, PRECISION: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, CHAINS: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, CHAINS: tl.constexpr, MERGE: tl.constexpr):
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,25 +145,54 @@ def _paged_attention_kernel(
         tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml + part * 2, m_i, mask=row_ok)
         tl.store(part_ml + part * 2 + 1, l_i, mask=row_ok)
+        if MERGE:  # the last of the splits to finish merges them (no second launch)
+            tl.debug_barrier()  # every thread's partials stored before the ticket (a release at GPU scope)
+            ticket = tickets + qb * tl.num_programs(1) + kvh
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                first = part - split
+                o = _merge(part_acc, part_ml, first, row_ok, offs_d, d_ok, HEAD_DIM, BLOCK_M, BLOCK_D, NUM_SPLITS)
+                tl.store(out_ptr + (q_start + q_tok)[:, None] * stride_ot + head[:, None] * stride_oh
+                         + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                tl.atomic_xchg(ticket, 0)  # ready for the next launch (and graph replay)
+
+
+@triton.jit
+def _merge(part_acc, part_ml, first, row_ok, offs_d, d_ok, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The rows' output from their NUM_SPLITS partials (``first``: each row's split 0), splits added in
+    order; read past L1 (other programs wrote them)."""
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(part_ml + (first + s) * 2, mask=row_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_ml + (first + s) * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml + (first + s) * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+        w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_ref))
+        total += l_s * w
+        acc = tl.load(part_acc + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        o += acc * w[:, None]
+    return o / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
 def _merge_splits_kernel(part_acc, part_ml, out_ptr, xq_ptr, xd_ptr, xs_ptr, stride_q, stride_d, stride_ot,
                          stride_oh, num_q_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, INT8: tl.constexpr):
+    """One row's head: its splits merged as the attention kernel's last split merges them (the same bits),
+    and its 8-bit form."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    part = (t * num_q_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml + part * 2)
-    l_s = tl.load(part_ml + part * 2 + 1)
-    m_max = tl.max(m, 0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
-    total = tl.sum(l_s * w, 0)
     offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.load(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    o = o.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o, mask=offs_d < HEAD_DIM)
+    d_ok = offs_d < HEAD_DIM
+    first = (t * num_q_heads + h) * NUM_SPLITS + tl.zeros([1], tl.int64)
+    o = _merge(part_acc, part_ml, first, first >= 0, offs_d, d_ok, HEAD_DIM, 1, BLOCK_D, NUM_SPLITS)
+    o = tl.reshape(o, [BLOCK_D]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o, mask=d_ok)
     if INT8:  # the head's groups of the row's 8-bit form (HEAD_DIM a multiple of 32, BLOCK_D = HEAD_DIM)
         store_groups(o.to(tl.float32), xq_ptr, xd_ptr, xs_ptr, t, h * HEAD_DIM, num_q_heads * HEAD_DIM, stride_q,
                      stride_d, BLOCK_D)
@@ -180,6 +210,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 DECODE_SPLITS = 16
+_TICKETS: dict = {}  # device: int32 zeros, one a (query block, KV head) of a split launch (each reset after use)
+MAX_TICKETS = 1 << 16
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    if device not in _TICKETS:  # made once, before any graph captures it
+        _TICKETS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
+    return _TICKETS[device]
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -225,12 +263,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits = decode_splits(num_seqs, hkv, q.device) if max_query_len == 1 else 1
     chains = chain_pos is not None and num_splits == 1 and max_query_len == 1
     part_acc = part_ml = out  # unused without splits
+    grid = (t // block_q + num_seqs, hkv, num_splits)
+    x8 = None
     if num_splits > 1:
         part_acc = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((t, hq, num_splits, 2), dtype=torch.float32, device=q.device)
-    grid = (t // block_q + num_seqs, hkv, num_splits)
+        if d % 32 == 0 and d == triton.next_power_of_2(d) and out.is_contiguous():
+            x8 = buffers_for(out.view(t, hq * d), int8_rows)
+    # The splits merged by the last to finish, unless the output's 8-bit form is wanted too (the merge
+    # kernel writes it). Which path a step takes depends on its shape alone: the same rows, the same bits.
+    merge = num_splits > 1 and x8 is None
+    assert not merge or grid[0] * hkv <= MAX_TICKETS, grid
+    tickets = _tickets(q.device) if merge else seq_lens
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, part_acc, part_ml, tickets, block_tables, seq_lens, query_start_loc,
         out if sinks is None else sinks, chain_pos if chains else seq_lens, scale, softcap or 0.0, window or 0,
         num_seqs, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -240,11 +286,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         KV_BLOCK=kv_block, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no TF32
-        NUM_SPLITS=num_splits, CHAINS=chains)
-    if num_splits > 1:
-        x8 = None
-        if d % 32 == 0 and d == triton.next_power_of_2(d) and out.is_contiguous():
-            x8 = buffers_for(out.view(t, hq * d), int8_rows)
+        NUM_SPLITS=num_splits, CHAINS=chains, MERGE=merge)
+    if num_splits > 1 and not merge:
         _merge_splits_kernel[(t, hq)](part_acc, part_ml, out, *kernel_args(x8, out), out.stride(0), out.stride(1),
                                       hq, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
                                       INT8=x8 is not None)
