@@ -144,7 +144,8 @@ class _PartStack:
 
 
 def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, hidden] . weight [E, hidden]^T on CUDA: the CUDA C GEMV in bf16 / fp16, else cuBLAS (float32)."""
+    """x [T, hidden] . weight [E, hidden]^T on CUDA: the CUDA C GEMV in bf16 / fp16 (a row's bits at any row
+    count), else ``F.linear`` (float32, or where NVRTC cannot build the kernel)."""
     if x.dtype != torch.float32:
         from pocketllm.kernels.cuda import dense_gemv
 
