@@ -57,7 +57,7 @@ def main() -> None:
     print(json.dumps(row))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({**environment(), "command": "python " + " ".join(sys.argv), "rows": [row]}, f, indent=1)
+            json.dump({**environment(), "rows": [row]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,6 @@ def main() -> int:
     result = environment()
     result["machine"]["xgrammar"] = version("xgrammar")
     result.update({
-        "command": " ".join(["python", *sys.argv]),
         "rows": args.rows, "tokens_per_row": args.tokens, "rounds": rounds,
         "free_tok_s": round(tokens / free_s, 1), "constrained_tok_s": round(tokens / cons_s, 1),
         "median_throughput_ratio": round(statistics.median(r["ratio"] for r in rounds), 3),

@@ -57,7 +57,7 @@ def main() -> None:
     exact, fast = prompt_logits(model, ids, True), prompt_logits(model, ids, False)
     agree = (exact.argmax(-1) == fast.argmax(-1)).double().mean().item()
     kl = (exact.exp() * (exact - fast)).sum(-1)
-    print(json.dumps({**environment(), "command": " ".join(["python", *sys.argv]), "model": model,
+    print(json.dumps({**environment(), "model": model,
                       "text": "README.md + Python's LICENSE.txt", "tokens_scored": exact.shape[0],
                       "top1_agreement": agree, "mean_kl_nats": kl.mean().item(),
                       "p99_kl_nats": kl.quantile(0.99).item(), "max_kl_nats": kl.max().item(),

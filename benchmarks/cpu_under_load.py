@@ -57,7 +57,7 @@ def main() -> None:
     path = args.model or model_file("Q4_1", Path(tempfile.gettempdir()), bin_dir())  # the default model
     cores = len(os.sched_getaffinity(0))
     have_peer = (bin_dir() / "llama-bench").exists()
-    report = {**environment(), "command": " ".join(["python", *sys.argv]), "model": path.name, "cores": cores,
+    report = {**environment(), "model": path.name, "cores": cores,
               "rows": []}
 
     def measure(load: str) -> dict:

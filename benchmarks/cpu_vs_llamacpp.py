@@ -143,7 +143,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     bins = llamacpp_bin(args.threads)
     figures = tuple(f for f in FIGURES if f in args.figures.split(","))
-    report = {**environment(), "threads": args.threads, "isa": cpu_isa(), "command": " ".join(["python", *sys.argv]),
+    report = {**environment(), "threads": args.threads, "isa": cpu_isa(),
               "paths": args.paths, "figures": figures, "files": []}
     for qtype in args.types:
         path = model_file(qtype, args.workdir, bins, args.shape)

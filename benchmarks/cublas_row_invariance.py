@@ -54,8 +54,7 @@ def main() -> None:
         print(f"{name:8s} {n}x{k}: " + "  ".join(f"[{g[0]}..{g[-1]}]" if g == list(range(g[0], g[-1] + 1))
                                                  else str(g) for g in result[name]), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({**environment(), "command": "python " + " ".join(sys.argv),
-                                              "rows_compared": ROWS, "classes": result}, indent=1))
+        Path(args.out).write_text(json.dumps({**environment(), "rows_compared": ROWS, "classes": result}, indent=1))
 
 
 if __name__ == "__main__":

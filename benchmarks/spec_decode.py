@@ -236,7 +236,7 @@ def main() -> None:
                                          "mean_speedup": round(sum(r["speedup"] for r in sel) / len(sel), 3)}
     print(json.dumps(summary, indent=1))
     if args.out:
-        payload = {**environment(), "command": "python " + " ".join(sys.argv), "engine": engine,
+        payload = {**environment(), "engine": engine,
                    "speculative_config": json.loads(args.speculative_config), "summary": summary, "rows": rows}
         Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
 

@@ -10,6 +10,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
+def _command() -> str:
+    """How this process was started: the CLI as ``pocketllm ...``, a benchmark script as ``python ...``."""
+    started = Path(sys.argv[0])
+    if started.name == "pocketllm" or started.parts[-2:] == ("cli", "main.py"):
+        return " ".join(["pocketllm"] + sys.argv[1:])
+    return " ".join(["python", *sys.argv])
+
+
 def environment() -> dict:
     import torch
 
@@ -26,7 +34,7 @@ def environment() -> dict:
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": commit, "dirty": dirty,
-        "command": " ".join(["pocketllm"] + sys.argv[1:]),
+        "command": _command(),
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "python": platform.python_version(), "torch": torch.__version__},

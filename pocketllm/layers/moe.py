@@ -146,15 +146,11 @@ class _PartStack:
 def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, hidden] . weight [E, hidden]^T on CUDA: the CUDA C GEMV in bf16 / fp16 (a row's bits at any row
     count), else ``F.linear`` (float32, or where NVRTC cannot build the kernel)."""
-    if x.dtype != torch.float32:
-        from pocketllm.kernels.cuda import dense_gemv
+    from pocketllm.kernels.cuda import dense_gemv
 
-        x2 = x.reshape(-1, x.shape[-1])
-        if dense_gemv.usable(x2, weight):
-            y = dense_gemv.linear(x2, weight)
-            if y is not None:
-                return y
-    return F.linear(x, weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = dense_gemv.linear(x2, weight) if dense_gemv.usable(x2, weight) else None
+    return F.linear(x, weight) if y is None else y
 
 
 class SparseMoE(torch.nn.Module):
