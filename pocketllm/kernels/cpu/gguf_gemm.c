@@ -2155,15 +2155,13 @@ static inline __attribute__((always_inline)) __m512i q3k_x8_codes(const uint8_t 
     return _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(3)), _mm512_and_si512(hi, four)), four);
 }
 
-#ifndef X8_AHEAD
-#define X8_AHEAD 3424
-#endif
-/* A block's bytes X8_AHEAD (two Q6_K blocks) further on, on their way to L1. At one activation row the
- * interleaved Q6_K kernel does enough work a byte that the hardware prefetchers alone leave it waiting on
- * memory: ~20 GB/s from memory where it reads ~60 from cache, 1.10-1.21x with this (results/cpu-x8-prefetch.txt;
- * the other types' kernels measured no gain or a loss). */
+/* The block four Q6_K blocks further on, on its way to L2. At one activation row the interleaved Q6_K kernel
+ * does enough work a byte that the hardware prefetchers alone leave it waiting on memory (~20 GB/s from memory
+ * where it reads ~60 from cache). Two blocks ahead into L1: 1.10-1.34x; four into L2: 1.2-1.5x over that, three
+ * to five alike, alignment of its codes to cache lines no help (results/cpu-x8-prefetch.txt). The other types'
+ * interleaved kernels measured no gain or a loss either way. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *b, int64_t bytes) {
-    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(b + X8_AHEAD + l), _MM_HINT_T0);
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(b + 4 * bytes + l), _MM_HINT_T1);
 }
 
 /* Q6_K's or Q3_K's rows of group g (nsb super-blocks) against R activation rows: xu [R, K] = x + 128
