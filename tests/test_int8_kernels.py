@@ -139,15 +139,14 @@ def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(isa, qt
 
 def test_layers_repack_where_the_kernels_cover_them():
     """A fast-path layer of a type this build interleaves repacks (its file rows are no longer held),
-    the two-pass output layer too but in Q6_K; rows not a multiple of 8 and other types keep the
-    file's rows."""
+    the two-pass output layer too; rows not a multiple of 8 and other types keep the file's rows."""
     def layer(qtype, n, passes=1):
         raw, w = quantized_weights(qtype, n, 256)
         return GGUFLinear.from_gguf(raw, qtype, n, 256, int8_activations=passes), w
     x = torch.randn(3, 256)
     for qtype, n, passes, repacked in [(T.Q4_0, 24, 1, True), (T.Q8_0, 20, 1, False), (T.Q5_K, 24, 1, False),
                                        (T.Q8_0, 24, 2, True), (T.Q4_K, 24, 1, True), (T.Q6_K, 24, 1, True),
-                                       (T.Q6_K, 24, 2, False)]:
+                                       (T.Q6_K, 24, 2, True)]:
         lin, w = layer(qtype, n, passes)
         repacked = repacked and has_x8(qtype)
         assert lin.fast_path_weights()[1] == repacked, (qtype, n, passes)
@@ -183,11 +182,10 @@ def test_a_second_pass_over_the_rounding_error(qtype, interleaved):
     assert (y - exact).abs().max() * 100 < (gemm(x, 1) - exact).abs().max()
 
 
-@pytest.mark.parametrize("qtype", [t for t in X8_TYPES if t != T.Q6_K and has_x8(t)], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [t for t in X8_TYPES if has_x8(t)], ids=lambda t: t.name)
 def test_embedding_rows_read_from_the_interleaved_layout(qtype):
     """A tied embedding table whose output layer repacked it: rows come back as gguf dequantizes
-    them from the file's layout, bit for bit; ids out of range are refused. (A Q6_K output layer
-    keeps the file's layout.)"""
+    them from the file's layout, bit for bit; ids out of range are refused."""
     raw, w = quantized_weights(qtype, 48, 256)
     lin = GGUFLinear.from_gguf(raw, qtype, 48, 256, int8_activations=2)
     assert lin.fast_path_weights()[1]

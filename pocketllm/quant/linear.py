@@ -16,8 +16,7 @@ Compute paths (``GGUFLinear.path``):
   8 bits per block and each block's dot product runs on integers (not exact: within the
   activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
   pass over the first one's rounding error (the output layer). Q4_0 Q4_1 Q8_0 IQ4_NL MXFP4 and
-  Q4_K matrices on the fast path (rows a multiple of 8), and with AVX-512 VNNI Q6_K too (not a
-  Q6_K output layer), are repacked at load with eight rows' blocks interleaved (the same bytes,
+  Q4_K matrices on the fast path (rows a multiple of 8), and with AVX-512 VNNI Q6_K too, are repacked at load with eight rows' blocks interleaved (the same bytes,
   reordered; Q4_K's 6-bit scales unpacked to bytes: +2.8%, Q6_K with a constant per row and
   super-block: +1.9%; not a view of the file any more), which shares each block's unpacking and
   float work among the rows (four to a 512-bit register, or one to each 32-bit lane on AVX2); a
@@ -72,7 +71,6 @@ from .dequant import AFFINE_TYPES, Affine, affine_fields, as_bytes, dequantize, 
 from .gguf_types import block_size, check_supported, row_nbytes, type_size
 
 T = GGMLQuantizationType
-_X8_SLOWER_AT_ONE_ROW = {T.Q6_K}  # see GGUFLinear.from_gguf
 
 # Float32 weight slice rebuilt at once.  The per-thread scratch buffers (this plus
 # a quarter for codes) live on across calls and layers: fresh multi-MiB buffers
@@ -329,10 +327,7 @@ class GGUFLinear(torch.nn.Module):
             self._store = [p.view(-1, row_nbytes(qtype, k)).contiguous() for p in parts]  # views: no copy
             self._rows = gguf_ops.row_pointers(self._store)
             self.int8 = int(int8_activations) if gguf_ops.supports_int8(qtype) else 0
-            # the output layer (int8 == 2) takes one row per sequence: Q6_K's interleaved
-            # layout reads slower there than the file's (its unpacking shared by fewer rows)
-            wanted = self.int8 == 1 or (self.int8 == 2 and qtype not in _X8_SLOWER_AT_ONE_ROW)
-            packed = gguf_ops.repack_x8(self._rows, qtype, k) if wanted else None
+            packed = gguf_ops.repack_x8(self._rows, qtype, k) if self.int8 else None
             if packed is not None:
                 self._store, self._rows = [packed], None
             return self

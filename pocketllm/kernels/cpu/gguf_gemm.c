@@ -1977,6 +1977,18 @@ static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
     }
 }
 
+/* Row r of a group's super-block column o, dequantized as deq_q6_k does: the file's block put back together. */
+static void q6k_x8_deq(const uint8_t *o, int r, float *w) {
+    uint8_t b[210];
+    for (int h = 0; h < 2; h++) {
+        for (int ch = 0; ch < 4; ch++) memcpy(b + 32 * ch + 16 * h, o + 176 + ch * 256 + x8_chunk(r, h), 16);
+        for (int ch = 0; ch < 2; ch++) memcpy(b + 128 + 32 * ch + 16 * h, o + 1200 + ch * 256 + x8_chunk(r, h), 16);
+    }
+    for (int g = 0; g < 16; g++) b[192 + g] = o[16 + 8 * g + r];
+    memcpy(b + 208, o + 2 * r, 2);
+    deq_q6_k(b, w);
+}
+
 #endif
 
 /* ---- Q2_K interleaved (AVX-512 VNNI) ---------------------------------------------------------
@@ -2231,7 +2243,7 @@ SIGNED_X8_GEMM(q3_k_x8_gemm, Q3_K)
 static const x8_super *x8_super_layout(int type) {
     static const x8_super layouts[] = {{Q4_K, Q4K_X8_BYTES, 144, q4k_x8_move, q4k_x8_deq},
 #ifdef X8_512  /* Q6_K's, Q2_K's and Q3_K's kernels take 512-bit registers */
-                                       {Q6_K, Q6K_X8_BYTES, 210, q6k_x8_move, 0},  /* no Q6_K table is read there */
+                                       {Q6_K, Q6K_X8_BYTES, 210, q6k_x8_move, q6k_x8_deq},
                                        {Q2_K, Q2K_X8_BYTES, 84, q2k_x8_move, q2k_x8_deq},
                                        {Q3_K, Q3K_X8_BYTES, 110, q3k_x8_move, q3k_x8_deq},
 #endif
