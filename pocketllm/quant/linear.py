@@ -16,9 +16,10 @@ Compute paths (``GGUFLinear.path``):
   8 bits per block and each block's dot product runs on integers (not exact: within the
   activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
   pass over the first one's rounding error (the output layer). Q4_0 Q4_1 Q8_0 IQ4_NL MXFP4 and
-  Q4_K matrices on the fast path (rows a multiple of 8), and with AVX-512 VNNI Q6_K too, are repacked at load with eight rows' blocks interleaved (the same bytes,
-  reordered; Q4_K's 6-bit scales unpacked to bytes: +2.8%, Q6_K with a constant per row and
-  super-block: +1.9%; not a view of the file any more), which shares each block's unpacking and
+  Q4_K matrices on the fast path (rows a multiple of 8), and with AVX-512 VNNI Q6_K too, are
+  repacked at load with eight rows' blocks interleaved (the same bytes, reordered; Q4_K's 6-bit
+  scales unpacked to bytes: +2.8%, Q6_K with a constant per row and super-block: +1.9%; not a
+  view of the file any more), which shares each block's unpacking and
   float work among the rows (four to a 512-bit register, or one to each 32-bit lane on AVX2); a
   tied embedding table then reads its rows from there (``embedding_rows``).
 * ``"dense"``  F32 weights as-is; F16/BF16 widened to float32 at load (2x their

@@ -2169,9 +2169,9 @@ static inline __attribute__((always_inline)) __m512i q3k_x8_codes(const uint8_t 
 
 /* The block four Q6_K blocks further on, on its way to L2. At one activation row the interleaved Q6_K kernel
  * does enough work a byte that the hardware prefetchers alone leave it waiting on memory (~20 GB/s from memory
- * where it reads ~60 from cache). Two blocks ahead into L1: 1.10-1.34x; four into L2: 1.2-1.5x over that, three
- * to five alike, alignment of its codes to cache lines no help (results/cpu-x8-prefetch.txt). The other types'
- * interleaved kernels measured no gain or a loss either way. */
+ * where it reads ~60 from cache). Two blocks ahead into L1: 1.10-1.34x; four into L2: 1.16-1.30x over that,
+ * three to five alike, the codes aligned to cache lines slower (results/cpu-x8-prefetch.txt). Q4_K's and Q3_K's
+ * interleaved kernels measured a loss with it. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *b, int64_t bytes) {
     for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)(b + 4 * bytes + l), _MM_HINT_T1);
 }
