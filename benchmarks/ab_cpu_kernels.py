@@ -37,29 +37,47 @@ def kernels_of(tree: str, name: str):
     return module.load_cpu_kernels()
 
 
+def prepared(libs: dict, qtype: T, rows: list, x: torch.Tensor, n: int, k: int, x8: bool):
+    """(each build's weights, one a copy of the matrix: its own repacking with x8; the call that multiplies x by
+    one), the builds' outputs checked equal; None where a build has no interleaved layout for the type."""
+    if x8:
+        weights = {name: [gguf_ops.repack_x8(r, qtype, k, lib=lib) for r in rows] for name, lib in libs.items()}
+        if any(w[0] is None for w in weights.values()):
+            print(f"{qtype.name:6} has no interleaved layout in this build")
+            return None
+        call = lambda w, lib: gguf_ops.gemm_x8(x, w, n, qtype, lib=lib)  # noqa: E731
+    else:
+        weights = {name: rows for name in libs}
+        call = lambda w, lib: gguf_ops.gemm(x, w, qtype, int8=1, lib=lib)  # noqa: E731
+    outs = [call(weights[name][0], lib) for name, lib in libs.items()]
+    assert torch.equal(*outs), "the two builds disagree"
+    return weights, call
+
+
+def summary(times: dict, digits: int) -> tuple[dict, str]:
+    """Each build's median of its rounds, and the rounds side by side."""
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    rounds = " ".join(f"{a:.{digits}f}/{c:.{digits}f}" for a, c in zip(times["before"], times["after"]))
+    return med, rounds
+
+
 def hot(libs: dict, qtype: T, rng: np.random.Generator, x8: bool) -> None:
     for n, k, b in SHAPES:
         raw = torch.from_numpy(_random_blocks(rng, qtype, (n, k), 0.05)).view(torch.uint8).reshape(n, -1)
-        rows, x = gguf_ops.row_pointers([raw.contiguous()]), torch.randn(b, k)
-        if x8:
-            weights = {name: gguf_ops.repack_x8(rows, qtype, k, lib=lib) for name, lib in libs.items()}
-            call = lambda w, lib: gguf_ops.gemm_x8(x, w, n, qtype, lib=lib)  # noqa: E731
-        else:
-            weights = {name: rows for name in libs}
-            call = lambda w, lib: gguf_ops.gemm(x, w, qtype, int8=1, lib=lib)  # noqa: E731
-        outs = [call(weights[name], lib) for name, lib in libs.items()]
-        assert torch.equal(*outs), "the two builds disagree"
+        ready = prepared(libs, qtype, [gguf_ops.row_pointers([raw.contiguous()])], torch.randn(b, k), n, k, x8)
+        if ready is None:
+            return
+        weights, call = ready
         times = {name: [] for name in libs}
         for _ in range(5):
             for name, lib in libs.items():
                 best = float("inf")
                 for _ in range(10):
                     t0 = time.perf_counter()
-                    call(weights[name], lib)
+                    call(weights[name][0], lib)
                     best = min(best, time.perf_counter() - t0)
                 times[name].append(best * 1e3)
-        med = {name: sorted(t)[2] for name, t in times.items()}
-        rounds = " ".join(f"{a:.2f}/{c:.2f}" for a, c in zip(times["before"], times["after"]))
+        med, rounds = summary(times, 2)
         print(f"{qtype.name:6} {n}x{k} rows {b}{' x8' if x8 else ''}: before {med['before']:.3f} ms, after "
               f"{med['after']:.3f} ms -> {med['before'] / med['after']:.2f}x; rounds (before/after) {rounds}")
 
@@ -68,19 +86,10 @@ def cold(libs: dict, qtype: T, rng: np.random.Generator, x8: bool) -> None:
     for n, k in COLD_SHAPES:
         raw = torch.from_numpy(_random_blocks(rng, qtype, (n, k), 0.05)).view(torch.uint8).reshape(n, -1)
         copies = [raw.clone() for _ in range(max(2, int(COLD_BYTES // raw.numel())))]  # kept: rows point into them
-        rows = [gguf_ops.row_pointers([c]) for c in copies]
-        x = torch.randn(1, k)
-        if x8:
-            weights = {name: [gguf_ops.repack_x8(r, qtype, k, lib=lib) for r in rows] for name, lib in libs.items()}
-            if any(w[0] is None for w in weights.values()):
-                print(f"{qtype.name:6} has no interleaved layout in this build")
-                return
-            call = lambda w, lib: gguf_ops.gemm_x8(x, w, n, qtype, lib=lib)  # noqa: E731
-        else:
-            weights = {name: rows for name in libs}
-            call = lambda w, lib: gguf_ops.gemm(x, w, qtype, int8=1, lib=lib)  # noqa: E731
-        outs = [call(weights[name][0], lib) for name, lib in libs.items()]
-        assert torch.equal(*outs), "the two builds disagree"
+        ready = prepared(libs, qtype, [gguf_ops.row_pointers([c]) for c in copies], torch.randn(1, k), n, k, x8)
+        if ready is None:
+            return
+        weights, call = ready
         times = {name: [] for name in libs}
         for _ in range(5):
             for name, lib in libs.items():
@@ -88,13 +97,12 @@ def cold(libs: dict, qtype: T, rng: np.random.Generator, x8: bool) -> None:
                 for w in weights[name]:
                     call(w, lib)
                 times[name].append((time.perf_counter() - t0) / len(copies) * 1e3)
-        med = {name: sorted(t)[2] for name, t in times.items()}
+        med, rounds = summary(times, 3)
         gbs = {name: raw.numel() / med[name] / 1e6 for name in libs}
-        rounds = " ".join(f"{a:.3f}/{c:.3f}" for a, c in zip(times["before"], times["after"]))
         print(f"{qtype.name:6} {n}x{k} {'x8' if x8 else 'per row'}, cold: before {med['before']:.3f} ms "
               f"({gbs['before']:.1f} GB/s), after {med['after']:.3f} ms ({gbs['after']:.1f} GB/s) "
               f"-> {med['before'] / med['after']:.2f}x; rounds (before/after) {rounds}", flush=True)
-        del copies, rows, weights
+        del copies, weights
 
 
 def main() -> None:

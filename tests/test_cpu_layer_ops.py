@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.kernels.cpu import layer_ops
+from pocketllm.kernels.cpu.build import compiler
 from pocketllm.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
 from pocketllm.layers.rotary import RotaryEmbedding, _rotate
 
-if not layer_ops.available():
+if compiler() is None:  # with one, the kernels must build: a build that fails fails these tests
     pytest.skip("no C compiler: the CPU kernels are not built", allow_module_level=True)
 
 gen = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ from gguf import quants
 from fixtures import default_model_gguf
 from pocketllm import LLM, SamplingParams
 from pocketllm.kernels.cpu import gguf_ops
-from pocketllm.kernels.cpu.build import _arch_flags, load_cpu_kernels
+from pocketllm.kernels.cpu.build import _arch_flags, compiler, load_cpu_kernels
 from pocketllm.quant.quantize import quantize
 from pocketllm.quant.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.quant.linear import GGUFLinear
@@ -28,8 +28,9 @@ LATTICE_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ
 INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS,
               *LATTICE_TYPES]
 SUPER_BLOCK_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, *LATTICE_TYPES}  # activations per 256
-if not all(gguf_ops.supports_int8(t) for t in INT8_TYPES):  # a CPU without AVX2 keeps the exact kernels
-    pytest.skip("this CPU has no AVX2: the fast path is not built", allow_module_level=True)
+if compiler() is None or not _arch_flags("avx2"):  # a CPU without AVX2 keeps the exact kernels
+    pytest.skip("no C compiler, or this CPU has no AVX2: the fast path is not built", allow_module_level=True)
+assert all(gguf_ops.supports_int8(t) for t in INT8_TYPES), "the CPU kernels did not build (see the log)"
 # Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
 ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
 # Interleaved eight rows at a time: the 32-element types wherever the fast path is built, Q4_K, and

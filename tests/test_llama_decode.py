@@ -13,11 +13,11 @@ from reference import captured_logits
 from tiny_models import make_llama256
 
 from pocketllm import LLM, SamplingParams
-from pocketllm.kernels.cpu import layer_ops
+from pocketllm.kernels.cpu.build import compiler
 from pocketllm.layers.linear import ConcatLinear
 from pocketllm.loaders.gguf_writer import write_gguf
 
-if not layer_ops.available():
+if compiler() is None:  # with one, the kernels must build: a build that fails fails these tests
     pytest.skip("no C compiler: the CPU kernels are not built", allow_module_level=True)
 
 

@@ -63,13 +63,18 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with ($CC, else cc), None where there is none."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
 @cache
 def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     """The kernels built for this CPU (``isa`` caps the instruction set: see ISA_LEVELS), or None
-    without a C compiler."""
+    without a C compiler (or where the build fails: logged)."""
     if os.environ.get("POCKETLLM_DISABLE_C_KERNELS") == "1":
         return None
-    cc = shutil.which(os.environ.get("CC", "cc"))
+    cc = compiler()
     if cc is None:
         log.warning("no C compiler found: the CPU kernels fall back to the slower pure-torch paths")
         return None

@@ -1958,6 +1958,16 @@ static void q4_k_x8_gemm(const uint8_t *Wp, int64_t N, int64_t K, const int8_t *
 #define Q6K_X8_BYTES 1712
 
 #ifdef X8_512
+/* Row r's 192 bytes of codes between its file block b (ql's 4 chunks of 32, then qh's 2: chunk ch at 32 ch) and
+ * the group's column o (chunk ch at 176 + 256 ch: qh's at 1200), into o when to_x8, else back into b. */
+static void q6k_x8_copy_codes(uint8_t *o, uint8_t *b, int r, int to_x8) {
+    for (int h = 0; h < 2; h++)
+        for (int ch = 0; ch < 6; ch++) {
+            uint8_t *x = o + 176 + 256 * ch + x8_chunk(r, h), *f = b + 32 * ch + 16 * h;
+            memcpy(to_x8 ? x : f, to_x8 ? f : x, 16);
+        }
+}
+
 static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
     const int8_t *sc = (const int8_t *)(b + 192);
     memcpy(o + 2 * r, b + 208, 2);
@@ -1971,19 +1981,13 @@ static void q6k_x8_move(uint8_t *o, const uint8_t *b, int r) {
             for (int k = 0; k < 4; k++) c += 128 * sc[8 * n + 2 * k + l / 16] * (q[k] - 32);
         }
     memcpy(o + 144 + 4 * r, &c, 4);
-    for (int h = 0; h < 2; h++) {
-        for (int ch = 0; ch < 4; ch++) memcpy(o + 176 + ch * 256 + x8_chunk(r, h), b + 32 * ch + 16 * h, 16);
-        for (int ch = 0; ch < 2; ch++) memcpy(o + 1200 + ch * 256 + x8_chunk(r, h), b + 128 + 32 * ch + 16 * h, 16);
-    }
+    q6k_x8_copy_codes(o, (uint8_t *)b, r, 1);  /* (only read) */
 }
 
 /* Row r of a group's super-block column o, dequantized as deq_q6_k does: the file's block put back together. */
 static void q6k_x8_deq(const uint8_t *o, int r, float *w) {
     uint8_t b[210];
-    for (int h = 0; h < 2; h++) {
-        for (int ch = 0; ch < 4; ch++) memcpy(b + 32 * ch + 16 * h, o + 176 + ch * 256 + x8_chunk(r, h), 16);
-        for (int ch = 0; ch < 2; ch++) memcpy(b + 128 + 32 * ch + 16 * h, o + 1200 + ch * 256 + x8_chunk(r, h), 16);
-    }
+    q6k_x8_copy_codes((uint8_t *)o, b, r, 0);  /* (only read) */
     for (int g = 0; g < 16; g++) b[192 + g] = o[16 + 8 * g + r];
     memcpy(b + 208, o + 2 * r, 2);
     deq_q6_k(b, w);

@@ -24,6 +24,8 @@ splits (what speculative verification needs: a request's drafts are rows of one 
 """
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -210,14 +212,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 DECODE_SPLITS = 16
-_TICKETS: dict = {}  # device: int32 zeros, one a (query block, KV head) of a split launch (each reset after use)
 MAX_TICKETS = 1 << 16
 
 
+@cache
 def _tickets(device: torch.device) -> torch.Tensor:
-    if device not in _TICKETS:  # made once, before any graph captures it
-        _TICKETS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
-    return _TICKETS[device]
+    """int32 zeros, one a (query block, KV head) of a split launch (each reset after use); made once a device,
+    before any graph captures it."""
+    return torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
