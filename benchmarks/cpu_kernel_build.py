@@ -42,8 +42,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     env = environment()
-    print(f"# {env['cpu']}, {os.cpu_count()} cores, commit {env['commit']}{' (dirty)' if env['dirty'] else ''}, "
-          f"{env['date']}; python {' '.join(sys.argv)}")
+    print(f"# {env['machine']['cpu']}, {os.cpu_count()} cores, commit {env['commit']}{' (dirty)' if env['dirty'] else ''}, "
+          f"{env['date']}; {env['command']}")
     runs = {"before": [], "after": []}
     for i in range(args.rounds):
         for name in runs:
