@@ -79,7 +79,7 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
         log.warning("no C compiler found: the CPU kernels fall back to the slower pure-torch paths")
         return None
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags(isa)]
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES) + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES) + " ".join([cc, *flags, *LTO]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"cpu_kernels-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -120,10 +120,11 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     return dll
 
 
-# Link-time optimization hands the code generation to parallel jobs, one a core (GCC's -flto=auto): the first
-# build takes half the time on two cores, and less with more; the kernels compute the same bits at the same
-# speed (benchmarks/results/cpu-kernel-build-lto.txt).
-LTO = ["-flto=auto"]
+# Link-time optimization hands the code generation to parallel jobs, one a core (GCC's -flto=auto), over
+# partitions small enough to share out evenly (the default's smallest left one job most of the work): the
+# first build takes about half the time on two cores, less with more; the kernels compute the same bits at the
+# same speed (benchmarks/results/cpu-kernel-build-lto.txt).
+LTO = ["-flto=auto", "--param=lto-partitions=16", "--param=lto-min-partition=1000"]
 
 
 def _build(cc: str, flags: list[str], out: Path) -> subprocess.CompletedProcess:
