@@ -127,10 +127,10 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
 LTO = ["-flto=auto", "--param=lto-partitions=16", "--param=lto-min-partition=1000"]
 
 
-def _build(cc: str, flags: list[str], out: Path) -> subprocess.CompletedProcess:
+def _build(cc: str, flags: list[str], out: Path, sources: list[Path] = _SOURCES) -> subprocess.CompletedProcess:
     """The kernels' shared library at ``out``; a compiler that cannot link-time optimize builds it plainly."""
     for extra in (LTO, []):
-        done = subprocess.run([cc, *flags, *extra, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True,
+        done = subprocess.run([cc, *flags, *extra, *map(str, sources), "-o", str(out), "-lm"], capture_output=True,
                               text=True)
         if done.returncode == 0:
             break
