@@ -120,10 +120,10 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     return dll
 
 
-# Link-time optimization hands the code generation to parallel jobs, one a core (GCC's -flto=auto), over
-# partitions small enough to share out evenly (the default's smallest left one job most of the work): the
-# first build takes about half the time on two cores, less with more; the kernels compute the same bits at the
-# same speed (benchmarks/results/cpu-kernel-build-lto.txt).
+# Link-time optimization hands the code generation to parallel jobs, one a core (GCC's -flto=auto, through
+# make where there is one, else serially), over partitions small enough to share out evenly (the default's
+# smallest left one job most of the work): the first build takes about half the time on two cores, less with
+# more; the kernels compute the same bits at the same speed (benchmarks/results/cpu-kernel-build-lto.txt).
 LTO = ["-flto=auto", "--param=lto-partitions=16", "--param=lto-min-partition=1000"]
 
 
