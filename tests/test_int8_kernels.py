@@ -31,8 +31,18 @@ SUPER_BLOCK_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, *LATTICE_
 if compiler() is None or not _arch_flags("avx2"):  # a CPU without AVX2 keeps the exact kernels
     pytest.skip("no C compiler, or this CPU has no AVX2: the fast path is not built", allow_module_level=True)
 assert all(gguf_ops.supports_int8(t) for t in INT8_TYPES), "the CPU kernels did not build (see the log)"
-# Each build this CPU can run (the lower ones are what CPUs without AVX-512 or VNNI get).
-ISAS = ["native"] + [isa for isa in ("avx2", "avx2-vnni") if _arch_flags(isa) != _arch_flags("native")]
+
+
+def _distinct_builds(isas: list[str]) -> list[str]:
+    """The levels whose builds differ on this CPU, each once (the lower ones are what CPUs without AVX-512, VNNI or a
+    fast pdep get: code paths of their own)."""
+    builds: dict[tuple, str] = {}
+    for isa in isas:
+        builds.setdefault(tuple(_arch_flags(isa)), isa)
+    return list(builds.values())
+
+
+ISAS = _distinct_builds(["native", "avx2", "avx2-bmi2", "avx2-vnni"])
 # Interleaved eight rows at a time: the 32-element types wherever the fast path is built, Q4_K, and
 # Q6_K, Q2_K and Q3_K too with AVX-512 VNNI.
 X8_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K]

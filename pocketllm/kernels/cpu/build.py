@@ -20,19 +20,30 @@ log = logging.getLogger("pocketllm")
 _SOURCES = [Path(__file__).with_name(n) for n in ("gguf_gemm.c", "layer_ops.c", "llama_decode.c")]
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
     except OSError:
         pass
-    return set()
+    return info
+
+
+def _fast_pdep(info: dict[str, str]) -> bool:
+    """Whether pdep / pext (BMI2) run in hardware: everywhere but on AMD's Zen 1 and Zen 2 (family 17h, and Hygon's
+    18h), which microcode them at hundreds of cycles."""
+    family = int(info.get("cpu family", "0") or 0)
+    return not (info.get("vendor_id") in ("AuthenticAMD", "HygonGenuine") and family in (0x17, 0x18))
 
 
 # Instruction-set levels, lowest first: each adds to the one before where the CPU has it.
-ISA_LEVELS = ("none", "avx2", "avx2-vnni", "avx512")
+ISA_LEVELS = ("none", "avx2", "avx2-bmi2", "avx2-vnni", "avx512")
 
 
 def _arch_flags(isa: str = "native") -> list[str]:
@@ -42,16 +53,17 @@ def _arch_flags(isa: str = "native") -> list[str]:
     if cap != "native" and cap not in ISA_LEVELS:
         raise ValueError(f"unknown instruction-set level {cap!r}; known: native, {', '.join(ISA_LEVELS)}")
     top = len(ISA_LEVELS) if cap == "native" else ISA_LEVELS.index(cap)
-    have = _cpu_flags()
+    info = _cpu_info()
+    have = set(info.get("flags", "").split())
     flags = []
     if top >= 1 and {"avx2", "fma", "f16c"} <= have:
         flags += ["-mavx2", "-mfma", "-mf16c"]
-        if top >= 2 and "avx_vnni" in have:
+        if top >= 2 and "bmi2" in have and _fast_pdep(info):  # the lattice types' grid indices by pdep / pext
+            flags += ["-mbmi2"]
+        if top >= 3 and "avx_vnni" in have:
             flags += ["-mavxvnni"]
-        if top >= 3 and {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= have:
+        if top >= 4 and {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= have:
             flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
-            if "bmi2" in have:  # pdep / pext: fast on every AVX-512 CPU (microcoded on AMD before Zen 3)
-                flags += ["-mbmi2"]
             if "avx512_vnni" in have:
                 flags += ["-mavx512vnni"]
     return flags

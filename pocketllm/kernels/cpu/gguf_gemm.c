@@ -1018,7 +1018,8 @@ static inline __m256i grid4(const uint64_t *grid, uint32_t i0, uint32_t i1, uint
 #ifdef __BMI2__
 /* Four 8-byte grid entries: index low bytes q[0..3] and high bits `hi`, four fields of `bits` bits from
  * bit 0 (IQ1_S, IQ1_M: 3; IQ2_S: 2), deposited into 16-bit lanes by two pdep as llama.cpp does, instead
- * of a shift, mask and or each (BMI2: the AVX-512 builds; without it each type forms its indices). */
+ * of a shift, mask and or each (BMI2: the builds for CPUs whose pdep is fast, build.py; without it each type
+ * forms its indices). */
 static inline __m256i grid4x8(const uint64_t *grid, const uint8_t *q, uint32_t hi, int bits) {
     uint16_t i[4];
     uint32_t q32;
