@@ -1036,7 +1036,6 @@ static inline __m256i odd_scales(int s_lo, int s_hi) {  /* 2s + 1 for weights 0-
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SCALES16 1
 /* A super-block's 16 sub-scales (one per 16 weights) as odd factors 2s + 1 in 16-bit lanes, for the types
  * with two per sub-block of 32: IQ1_M's 3-bit scale i at bits 3(i % 4) of scale word i / 4 (whose top
  * nibble is part of d), IQ2_XS / IQ2_S's 4-bit scale i in nibble i % 2 of byte i / 2. */
@@ -1062,7 +1061,30 @@ static inline __m256i sub_block_scales(__m256i s16, int k) {
     return _mm256_permutexvar_epi16(_mm256_set_m128i(_mm_set1_epi16((short)(2 * k + 1)), _mm_set1_epi16((short)(2 * k))), s16);
 }
 #else
-#define SCALES16 0
+/* With AVX2 alone (as llama.cpp lays them out): the even sub-scales in the low 128-bit lane, the odd ones in the
+ * high lane, so that sub-block k's pair is word k of both lanes, one in-lane shuffle; IQ1_M's fields cut by
+ * 32-bit variable shifts (scales 4j and 4j + 2 of word j in dword j of the low lane, 4j + 1 and 4j + 3 in the
+ * high lane's). */
+static inline __m256i sub_scales16(int type, const uint8_t *b) {
+    __m256i s;
+    if (type == IQ1_M) {
+        const __m128i w = _mm_loadl_epi64((const __m128i *)(b + 48));
+        const __m256i d = _mm256_cvtepu16_epi32(_mm_unpacklo_epi64(w, w));
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(d, _mm256_setr_epi32(0, 0, 0, 0, 3, 3, 3, 3)),
+                                            _mm256_set1_epi32(7));
+        const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(d, _mm256_setr_epi32(10, 10, 10, 10, 7, 7, 7, 7)),
+                                            _mm256_set1_epi32(7 << 16));
+        s = _mm256_or_si256(lo, hi);
+    } else {  /* scale 2j: byte j's low nibble, 2j + 1: its high one */
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(b + (type == IQ2_XS ? 66 : 74))), m = _mm_set1_epi8(0x0F);
+        s = _mm256_set_m128i(_mm_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), m)),
+                             _mm_cvtepu8_epi16(_mm_and_si128(bytes, m)));
+    }
+    return _mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1));
+}
+static inline __m256i sub_block_scales(__m256i s16, int k) {
+    return _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * k)));
+}
 #endif
 
 /* A grid's unsigned values u and their signs: where the caller takes masked signs (`masked`) u as it is
@@ -1116,11 +1138,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
         *v = with_ksigns(_mm256_set_epi64x((long long)iq2xs_grid[q[3] & 511], (long long)iq2xs_grid[q[2] & 511],
                                            (long long)iq2xs_grid[q[1] & 511], (long long)iq2xs_grid[q[0] & 511]),
                          q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9, masked, neg);
-#if SCALES16
         *scale = sub_block_scales(sub_scales16(IQ2_XS, b), k);
-#else
-        *scale = odd_scales(b[66 + k] & 0xF, b[66 + k] >> 4);
-#endif
         break;
     }
     case IQ2_S: {
@@ -1133,11 +1151,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
                                 q[3] | ((h << 2) & 0x300));
 #endif
         *v = with_signs(u, sb, masked, neg);
-#if SCALES16
         *scale = sub_block_scales(sub_scales16(IQ2_S, b), k);
-#else
-        *scale = odd_scales(b[74 + k] & 0xF, b[74 + k] >> 4);
-#endif
         break;
     }
     case IQ1_S: {  /* values 8 * grid + the delta's sign, in [-9, 9]: w = d (2s + 1) / 8 * value */
@@ -1168,13 +1182,7 @@ static inline __attribute__((always_inline)) void lattice_sub_block(const int ty
                                                           _mm_set1_epi32(1)), _mm_set1_epi32(1));
         *v = _mm256_add_epi8(g, _mm256_or_si256(_mm256_cvtepi32_epi64(neg), _mm256_set1_epi8(1)));
 #endif
-#if SCALES16
         *scale = sub_block_scales(sub_scales16(IQ1_M, b), k);
-#else
-        uint16_t sc[4];
-        memcpy(sc, b + 48, 8);
-        *scale = odd_scales((sc[k / 2] >> (6 * (k % 2))) & 7, (sc[k / 2] >> (6 * (k % 2) + 3)) & 7);
-#endif
         break;
     }
     default: {  /* IQ3_S */
