@@ -2,8 +2,7 @@
 type, on activations it quantized with its ``from_float``), one thread each, on the same weights: the
 kernels alone, without either engine's graph, threads or other layers, so that a file's decode gap can
 be put on its matmuls or elsewhere. PocketLLM's kernel is the one decode runs: the interleaved eight-row
-layout (``x8``) for the types that have it (but the output layer's, ``token_embd`` / ``output``, where
-that reads slower), else the row kernel. Weights are a GGUF file's tensors (or random blocks); the two are
+layout (``x8``) for the types that have it (the output layer's too), else the row kernel. Weights are a GGUF file's tensors (or random blocks); the two are
 timed alternately, median over rounds of each one's best call, and their outputs compared.
 
     python benchmarks/cpu_kernels_vs_ggml.py --file model.IQ1_M.gguf --tensors blk.0.ffn_gate.weight,blk.0.ffn_down.weight
@@ -26,7 +25,6 @@ import torch
 
 from pocketllm.bench.report import environment
 from pocketllm.kernels.cpu import gguf_ops
-from pocketllm.quant.linear import _X8_SLOWER_AT_ONE_ROW
 
 _SHIM = r"""
 #include <stddef.h>
@@ -96,9 +94,7 @@ def main() -> None:
             shim.rows_dot(ctypes.c_void_p(tr.vec_dot), k, n, ctypes.c_void_p(raw.data_ptr()),
                           ctypes.c_size_t(row_bytes), y, ctypes.c_void_p(out_g.data_ptr()))
 
-        # the interleaved layout where decode loads it: not for the output layer's types that read slower so
-        output = name in ("output.weight", "token_embd.weight")
-        packed = None if output and qtype in _X8_SLOWER_AT_ONE_ROW else gguf_ops.repack_x8(rows, qtype, k)
+        packed = gguf_ops.repack_x8(rows, qtype, k)  # the interleaved layout where decode loads it (None: none)
 
         def ours():
             if packed is not None:
