@@ -43,6 +43,7 @@ static uint64_t iq1_delta_lanes[16][4]; /* bit l of the index: lane l's 8 bytes 
 static uint32_t iq3xxs_grid[256], iq3s_grid[512];
 static uint8_t ksigns[128];
 static uint64_t bit_signs[256];
+static uint64_t ksign_lanes[128];  /* bit_signs[ksigns[i]]: a sign index's 8 lanes in one load */
 static int lattice_tables_set;
 
 void gguf_set_lattice_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *iq2s, const uint8_t *iq3xxs,
@@ -59,6 +60,7 @@ void gguf_set_lattice_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const 
         for (int j = 0; j < 8; j++) v |= (uint64_t)((b >> j) & 1 ? 0xFF : 0x01) << (8 * j);
         bit_signs[b] = v;
     }
+    for (int i = 0; i < 128; i++) ksign_lanes[i] = bit_signs[ksigns[i]];
     for (int i = 0; i < 2048; i++) {
         uint64_t v = 0;
         for (int j = 0; j < 8; j++) v |= (uint64_t)(uint8_t)(8 * (int8_t)(iq1s_grid[i] >> (8 * j))) << (8 * j);
@@ -1000,8 +1002,8 @@ static inline __m256i signs_of_bits(uint32_t bits) {
 }
 
 static inline __m256i signs_of_indices(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-    return _mm256_set_epi64x((long long)bit_signs[ksigns[d]], (long long)bit_signs[ksigns[c]],
-                             (long long)bit_signs[ksigns[b]], (long long)bit_signs[ksigns[a]]);
+    return _mm256_set_epi64x((long long)ksign_lanes[d], (long long)ksign_lanes[c], (long long)ksign_lanes[b],
+                             (long long)ksign_lanes[a]);
 }
 
 /* A sub-block's 32 grid values: four 8-value entries (IQ2_*, IQ1_*) or eight 4-value ones (IQ3_*),
