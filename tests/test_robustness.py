@@ -6,8 +6,11 @@ chat template, so that every request is cheap."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import math
+import os
 import signal
 import socket
 import statistics
@@ -22,21 +25,27 @@ import openai
 import pytest
 
 from conftest import prompts_of
-from live_server import ROOT, Server, free_port
+from live_server import ROOT, Server, free_port, in_process
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.errors import EngineDeadError, RequestError, RequestFailedError
 from pocketllm.runner.sampler import Sampler
+from pocketllm.server.api_server import ServerConfig, create_app, warn_if_exposed
 from pocketllm.server.async_llm import AsyncLLM, EngineClosedError
 from tiny_models import make_tiny_chat_model
 
 MODEL = "tiny-chat"
 TINY_FLAGS = ["--max-model-len", "2048", "--num-kv-blocks", "1024", "--served-model-name", MODEL]
-# An operator's template with mistakes that only some messages reach.
+# An operator's template with mistakes that only some messages reach (some would take all memory
+# or run for ever outside the sandbox's bounds).
 EVIL_TEMPLATE = """{%- macro again(n) %}{{ again(n) }}{% endmacro -%}
+{%- macro double(s, n) %}{% if n %}{{ double(s ~ s, n - 1) }}{% else %}{{ s }}{% endif %}{% endmacro -%}
 {%- for m in messages -%}
 {%- if m.content == 'RANGE' %}{% for i in range(10**9) %}{% endfor %}{% endif -%}
+{%- if m.content == 'LOOP' %}{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}{% endif -%}
+{%- if m.content == 'REPEAT' %}{{ 'x' * 2**34 }}{% endif -%}
+{%- if m.content == 'DOUBLE' %}{{ double('x', 64) }}{% endif -%}
 {%- if m.content == 'RECURSE' %}{{ again(1) }}{% endif -%}
 {%- if m.content == 'RAISE' %}{{ raise_exception('this template refuses') }}{% endif -%}
 {%- if m.content == 'UNDEFINED' %}{{ m.nothing.deeper }}{% endif -%}
@@ -60,15 +69,16 @@ def servers(tiny_chat, tmp_path_factory):
     template.write_text(EVIL_TEMPLATE)
     started = {
         "main": Server("--chat-template", str(template), "--max-queued-requests", "64",
-                       model=tiny_chat, engine_flags=TINY_FLAGS),
+                       "--max-grammar-compile-time", "3", model=tiny_chat, engine_flags=TINY_FLAGS),
         # 48 blocks of 16 tokens: a few long requests fill the cache and the rest wait
         "pressure": Server("--max-queue-time", "2", "--served-model-name", MODEL, model=tiny_chat,
                            engine_flags=["--max-model-len", "768", "--num-kv-blocks", "48"]),
         # a context long enough that the long request outlasts the shutdown timeout on any machine
         "drain": Server("--shutdown-timeout", "2", model=tiny_chat,
                         engine_flags=["--max-model-len", "4096", "--num-kv-blocks", "520", "--served-model-name", MODEL]),
-        "slow": Server("--request-body-timeout", "1", "--max-connections", "8", model=tiny_chat,
-                       engine_flags=TINY_FLAGS),
+        # a body gets 3 s, a request head 1 s: a head that came in time is not cut by the head's timeout
+        "slow": Server("--request-body-timeout", "3", "--request-header-timeout", "1", "--max-connections", "8",
+                       model=tiny_chat, engine_flags=TINY_FLAGS),
     }
     yield {name: s.wait_ready() for name, s in started.items()}
     for s in started.values():
@@ -259,7 +269,7 @@ def test_bad_requests_leave_running_streams_alone(main):
 
 
 def test_operator_template_errors_are_400s(main):
-    for content in ("RANGE", "RECURSE", "RAISE", "UNDEFINED", "DIVIDE"):
+    for content in ("RANGE", "RECURSE", "RAISE", "UNDEFINED", "DIVIDE", "REPEAT", "DOUBLE"):
         err = assert_error(post(main.url, "/v1/chat/completions",
                                 {**CHAT, "messages": [{"role": "user", "content": content}]}), 400)
         assert "chat template" in err["message"] and err["param"] == "messages"
@@ -317,6 +327,148 @@ def test_a_huge_prompt_does_not_stall_other_streams(main):
     assert max(gaps) < statistics.median(gaps) + 0.5, (max(gaps), statistics.median(gaps))
 
 
+def stream_gaps_during(url: str, work) -> list[float]:
+    """Inter-token gaps of streams run one after another while `work()` runs."""
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def streams() -> None:
+        while not done.is_set():
+            last = None
+            with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                    **COMPLETION, "prompt": "Go", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.monotonic()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+
+    runner = threading.Thread(target=streams)
+    runner.start()
+    try:
+        while len(gaps) < 20 and runner.is_alive():
+            time.sleep(0.01)
+        work()
+    finally:
+        done.set()
+        runner.join()
+    return gaps
+
+
+def test_thousands_of_empty_messages_are_refused_before_rendering(main):
+    """30,000 empty messages (0.9 MB) pass the message cap; 2,000 are rendered, and refused by the
+    special tokens they render to, without tokenizing them. Both quickly, and another stream's
+    largest inter-token gap stays within 0.5 s of its median."""
+    def work() -> None:
+        for _ in range(3):
+            start = time.monotonic()
+            err = assert_error(post(main.url, "/v1/chat/completions",
+                                    {**CHAT, "messages": [{"role": "user", "content": ""}] * 30_000}), 400)
+            assert "--max-messages" in err["message"] and err["param"] == "messages", err
+            err = assert_error(post(main.url, "/v1/chat/completions",
+                                    {**CHAT, "messages": [{"role": "user", "content": ""}] * 2_000}), 400)
+            assert err["code"] == "context_length_exceeded" and "special tokens" in err["message"], err
+            assert time.monotonic() - start < 10
+
+    gaps = stream_gaps_during(main.url, work)
+    assert len(gaps) > 100
+    assert max(gaps) < statistics.median(gaps) + 0.5, (max(gaps), statistics.median(gaps))
+
+
+def test_too_many_tools_is_a_400(main):
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
+    err = assert_error(post(main.url, "/v1/chat/completions", {**CHAT, "tools": tools}), 400)
+    assert "--max-tools" in err["message"] and err["param"] == "tools", err
+    r = post(main.url, "/v1/chat/completions", {**CHAT, "tools": tools[:128], "tool_choice": "none"})
+    assert r.status_code == 200 or assert_error(r, 400)["code"] == "context_length_exceeded", r.text  # not the cap
+    assert_serves(main.url)
+
+
+def test_a_template_that_loops_for_ever_is_stopped_and_streams_go_on(main):
+    """Nested loops of 10^10 empty iterations: a 400 once the render's time is up (5 s), rendered
+    off the event loop meanwhile, so another stream goes on."""
+    def work() -> None:
+        start = time.monotonic()
+        err = assert_error(post(main.url, "/v1/chat/completions",
+                                {**CHAT, "messages": [{"role": "user", "content": "LOOP"}]}), 400)
+        assert "chat template" in err["message"] and "ran for more than" in err["message"], err
+        assert time.monotonic() - start < 30
+
+    gaps = stream_gaps_during(main.url, work)
+    assert len(gaps) > 100
+    assert max(gaps) < statistics.median(gaps) + 0.5, (max(gaps), statistics.median(gaps))
+    assert_serves(main.url)
+
+
+# -- grammars that take too long ------------------------------------------------------------------
+# A schema of 5,000 string properties (100 KB) takes xgrammar more than five minutes to compile.
+SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def compiling(server_pid: int) -> list[int]:
+    """The grammar compilations running for a server: the children of its helper process."""
+    helpers = []
+    for pid in child_pids(server_pid):
+        with contextlib.suppress(OSError):
+            if b"pocketllm.structured.worker" in open(f"/proc/{pid}/cmdline", "rb").read():
+                helpers.append(pid)
+    return [child for helper in helpers for child in child_pids(helper)]
+
+
+def wait_for(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_grammar_past_the_time_limit_is_a_400_and_is_stopped(main):
+    """--max-grammar-compile-time 3: a 400 soon after 3 s, nothing left compiling, and the next
+    constrained request is served."""
+    warm = post(main.url, "/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "[ab]+"}})
+    assert warm.status_code == 200, warm.text
+    start = time.monotonic()
+    err = assert_error(post(main.url, "/v1/completions", {**COMPLETION, "structured_outputs": {"json": SLOW_SCHEMA}},
+                            timeout=120), 400)
+    assert "--max-grammar-compile-time" in err["message"] and err["param"] == "structured_outputs", err
+    assert time.monotonic() - start < 3 + 10
+    assert wait_for(lambda: not compiling(main.proc.pid), 10)
+    r = post(main.url, "/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "[cd]+"}})
+    assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) <= {"c", "d"}, r.text
+    assert_serves(main.url)
+
+
+def test_a_grammar_is_stopped_when_its_client_leaves(tiny_chat):
+    """The time limit is far (120 s): a compilation ends within seconds of its client leaving."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_chat), max_model_len=512, num_kv_blocks=64))
+    cfg = ServerConfig(model_name=MODEL, max_grammar_compile_time=120)
+    with in_process(create_app(AsyncLLM(engine), cfg)) as url, ThreadPoolExecutor(1) as pool:
+        assert post(url, "/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "[ab]+"}}).status_code == 200
+        leaving = pool.submit(post, url, "/v1/completions", {**COMPLETION, "structured_outputs": {"json": SLOW_SCHEMA}},
+                              timeout=4)
+        assert wait_for(lambda: compiling(os.getpid()), 10), "the grammar is not compiled in a child process"
+        with pytest.raises(httpx.TimeoutException):
+            leaving.result()
+        assert wait_for(lambda: not compiling(os.getpid()), 15)
+        assert post(url, "/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "[cd]+"}}).status_code == 200
+
+
 # -- bounded waiting -------------------------------------------------------------------------------
 def test_waiting_is_bounded_under_kv_pressure(servers):
     """13 streams of ~300-token prompts and 400 tokens out on a 48-block cache (one request nearly
@@ -366,41 +518,191 @@ def test_waiting_is_bounded_under_kv_pressure(servers):
 
 
 # -- slow clients ------------------------------------------------------------------------------------
+def read_to_eof(s: socket.socket, timeout: float = 30) -> bytes:
+    """What the server sends until it closes the connection."""
+    s.settimeout(timeout)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data
+
+
 def test_a_body_that_never_comes_times_out(servers):
     server = servers["slow"]
     socks = []
     for _ in range(6):
         s = socket.create_connection(("127.0.0.1", server.port))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"model\"")
         socks.append(s)
     t0 = time.monotonic()
     for s in socks:
-        s.settimeout(10)
-        data = b""
-        while chunk := s.recv(65536):  # the server answers, then closes the connection
-            data += chunk
+        data = read_to_eof(s, timeout=10)  # the server answers, then closes the connection
         assert data.startswith(b"HTTP/1.1 408"), data[:100]
         assert b"request_timeout" in data
         s.close()
-    assert time.monotonic() - t0 < 6
+    assert time.monotonic() - t0 < 3 + 5
     assert_serves(server.url)
 
 
-def test_connections_are_bounded(servers):
+def test_requests_in_flight_are_bounded_and_health_still_answers(servers):
     server = servers["slow"]
-    # 7 connections hold a request open (its body is late); with this one, 8 reach --max-connections.
-    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(7)]
+    # 8 requests (--max-connections) held open by their late bodies: the next request gets a 503,
+    # /health and /metrics are still answered.
+    holders = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
     try:
-        for s in idle:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
-        time.sleep(0.3)
-        assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 503
+        for s in holders:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 10\r\n\r\n")
+        time.sleep(0.5)
+        r = httpx.get(server.url + "/v1/models", timeout=10)
+        assert "--max-connections" in assert_error(r, 503)["message"] and r.headers["retry-after"] == "1"
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
     finally:
-        for s in idle:
+        for s in holders:
             s.close()
     time.sleep(0.3)
     assert_serves(server.url)
+
+
+def test_silent_connections_are_closed_and_lock_no_one_out(servers):
+    """More connections than --max-connections that never send a request head (or send half of
+    one) do not keep requests or /health out, and the server closes them after
+    --request-header-timeout (1 s); so it does a connection idle after its response."""
+    server = servers["slow"]
+    silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(12)]
+    half = socket.create_connection(("127.0.0.1", server.port))
+    half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no blank line: the head never ends
+    kept_alive = socket.create_connection(("127.0.0.1", server.port))
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    try:
+        assert_serves(server.url)
+        for s in [*silent, half]:
+            assert read_to_eof(s) == b""  # closed by the server, not by the 30 s timeout here
+        assert read_to_eof(kept_alive).startswith(b"HTTP/1.1 200")
+        assert_serves(server.url)
+    finally:
+        for s in [*silent, half, kept_alive]:
+            s.close()
+
+
+def test_a_head_that_came_in_time_is_not_cut(servers):
+    """The head's timeout stops once the head is complete: a body sent after it (within the body's
+    own timeout) is served."""
+    server = servers["slow"]
+    body = json.dumps(COMPLETION).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+        time.sleep(2)  # past --request-header-timeout (1 s), within --request-body-timeout (3 s)
+        s.sendall(body)
+        assert read_to_eof(s).startswith(b"HTTP/1.1 200")
+
+
+# -- web pages ---------------------------------------------------------------------------------------
+# Without an API key, a page the user opens must not drive the server: no body it can POST without
+# a CORS preflight is taken, no domain name of its own (DNS rebinding) is answered, no cross-site
+# POST is served.
+def prompt_tokens(url: str) -> float:
+    """Prompt tokens the engine has taken so far."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith("pocketllm:prompt_tokens_total{"))
+
+
+@pytest.fixture(scope="module")
+def open_to_one_site(tiny_models):
+    """In this process, without an API key: the Host evil.example allowed, and every origin."""
+    cfg = ServerConfig(model_name=MODEL, allowed_hosts=["evil.example"], allowed_origins=["*"])
+    with in_process(create_app(AsyncLLM(tiny_engine(tiny_models)), cfg)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_models):
+    """In this process, with an API key."""
+    with in_process(create_app(AsyncLLM(tiny_engine(tiny_models)), ServerConfig(model_name=MODEL,
+                                                                                api_key="sk-test"))) as url:
+        yield url
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "Application/X-WWW-Form-Urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_bodies_a_page_posts_without_a_preflight_get_415(main, content_type):
+    before = prompt_tokens(main.url)
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT), ("/tokenize", {"prompt": "x"})):
+        r = httpx.post(main.url + path, content=json.dumps(body).encode(), headers={"Content-Type": content_type})
+        err = assert_error(r, 415)
+        assert err["code"] == "unsupported_media_type" and "Content-Type: application/json" in err["message"]
+    assert prompt_tokens(main.url) == before  # the engine never saw them
+    assert_serves(main.url)
+
+
+def test_json_without_a_content_type_is_served(main):
+    r = httpx.post(main.url + "/v1/completions", content=json.dumps(COMPLETION).encode())
+    assert "content-type" not in r.request.headers and r.status_code == 200, r.text
+
+
+def test_a_domain_name_of_its_own_is_refused_without_an_api_key(main):
+    port = main.port
+    for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.nip.io:{port}"):
+        err = assert_error(httpx.get(main.url + "/v1/models", headers={"Host": host}), 400)
+        assert err["code"] == "invalid_host" and "--allowed-hosts" in err["message"], err
+    assert_error(httpx.post(main.url + "/v1/completions", json=COMPLETION, headers={"Host": "evil.example"}), 400)
+    # localhost and IP addresses (the machine's LAN address too) are no rebound names
+    for host in (f"localhost:{port}", "LOCALHOST", f"127.0.0.1:{port}", f"[::1]:{port}", "192.168.1.20:8000", "[fe80::1]"):
+        assert httpx.get(main.url + "/v1/models", headers={"Host": host}).status_code == 200, host
+    assert httpx.get(main.url + "/health", headers={"Host": "evil.example"}).status_code == 200
+
+
+def test_a_cross_site_post_is_refused_without_an_api_key(main):
+    """A page's fetch() of a Blob without a type has no Content-Type and no preflight: its Origin
+    gives it away."""
+    before = prompt_tokens(main.url)
+    for origin in ("http://evil.example", "null", f"http://localhost:{main.port}"):
+        r = httpx.post(main.url + "/v1/completions", content=json.dumps(COMPLETION).encode(), headers={"Origin": origin})
+        err = assert_error(r, 403)
+        assert err["code"] == "origin_not_allowed" and "--allowed-origins" in err["message"]
+    assert prompt_tokens(main.url) == before
+    # the server's own pages (/docs) post from its own origin
+    assert httpx.post(main.url + "/v1/completions", json=COMPLETION, headers={"Origin": main.url}).status_code == 200
+    assert httpx.get(main.url + "/v1/models", headers={"Origin": "http://evil.example"}).status_code == 200
+
+
+def test_allowed_hosts_and_every_origin(open_to_one_site):
+    url = open_to_one_site
+    assert httpx.get(url + "/v1/models", headers={"Host": "evil.example"}).status_code == 200
+    assert_error(httpx.get(url + "/v1/models", headers={"Host": "other.example"}), 400)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2},
+                   headers={"Origin": "http://evil.example"})
+    assert r.status_code == 200, r.text
+    # "*" comes without credentials: no site may send the user's cookies and read the reply
+    simple = httpx.get(url + "/v1/models", headers={"Origin": "http://evil.example", "Cookie": "session=1"})
+    preflight = httpx.options(url + "/v1/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    for r in (simple, preflight):
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://evil.example")
+        assert "access-control-allow-credentials" not in r.headers, r.headers
+
+
+def test_an_api_key_lifts_the_host_and_origin_checks(keyed):
+    auth = {"Authorization": "Bearer sk-test"}
+    assert httpx.get(keyed + "/v1/models", headers={"Host": "evil.example", **auth}).status_code == 200
+    r = httpx.post(keyed + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2},
+                   headers={"Origin": "http://evil.example", **auth})
+    assert r.status_code == 200, r.text
+    assert_error(httpx.get(keyed + "/v1/models", headers={"Host": "evil.example"}), 401)
+
+
+def test_listening_beyond_loopback_without_a_key_warns(caplog):
+    for host, key, warns in (("0.0.0.0", None, True), ("::", None, True), ("192.168.1.5", None, True),
+                             ("myserver.lan", None, True), ("0.0.0.0", "sk-test", False), ("127.0.0.1", None, False),
+                             ("localhost", None, False), ("::1", None, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pocketllm"):
+            warn_if_exposed(host, ServerConfig(model_name=MODEL, api_key=key))
+        assert ("without an API key" in caplog.text) == warns, (host, key, caplog.text)
 
 
 # -- drain -------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Sampler behaviour against plain references and through the engine."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -138,7 +139,7 @@ def test_prompt_logprobs_equal_transformers(tiny_models, async_scheduling):
         plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
         for _ in range(2):
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": prompts[0]}],
-                                [params, params, SamplingParams(**{**params.__dict__, "n": 2}), plain])
+                                [params, params, dataclasses.replace(params, n=2), plain])
             for out, p, ref in zip(outs, prompts, refs):
                 lps = out.prompt_logprobs
                 assert len(lps) == len(p) and lps[0] is None

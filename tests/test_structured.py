@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import pytest
 
 from fixtures import default_model_gguf, shared_path
+from live_server import in_process
 from pocketllm import LLM, RequestError, SamplingParams
+from pocketllm.server.api_server import ServerConfig, create_app
+from pocketllm.server.async_llm import AsyncLLM
 from pocketllm.structured.backend import StructuredOutputs, tokenizer_info
 from pocketllm.structured.spec import normalize
 from pocketllm.tokenizer import get_tokenizer
@@ -257,6 +263,61 @@ def test_compiled_grammars_lru_by_source(llm):
     ab = {"json": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
     ba = {"json": {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}}
     assert structured.compile(normalize(ab)) is not structured.compile(normalize(ba))
+
+
+def test_compiled_grammars_are_bounded_by_bytes(llm):
+    """Our cache holds at most its byte budget (least recent grammars go first; one larger than the
+    budget is not kept), and xgrammar's compiler keeps nothing of its own."""
+    engine = llm.engine
+    regexes = [f"[a-z]{{{n}}}" for n in range(1, 21)]
+    one = StructuredOutputs(llm.get_tokenizer(), engine.model_config.vocab_size, engine.eos_token_ids)
+    sizes = [one.compile(normalize({"regex": rx})).memory_size_bytes for rx in regexes]
+    budget = 3 * max(sizes)
+    structured = StructuredOutputs(llm.get_tokenizer(), engine.model_config.vocab_size, engine.eos_token_ids,
+                                   cache_bytes=budget)
+    for rx in regexes:
+        compiled = structured.compile(normalize({"regex": rx}))
+        assert structured.cached_bytes == sum(g.memory_size_bytes for g in structured._cache.values()) <= budget
+        assert structured.cached(normalize({"regex": rx})) is compiled  # the newest one is always kept
+    assert 3 <= len(structured._cache) < len(regexes)
+    assert structured._compiler.get_cache_size_bytes() == 0
+    huge = StructuredOutputs(llm.get_tokenizer(), engine.model_config.vocab_size, engine.eos_token_ids,
+                             cache_bytes=sizes[0] - 1)
+    assert huge.compile(normalize({"regex": regexes[0]})) is not None and not huge._cache and huge.cached_bytes == 0
+
+
+def test_the_engine_thread_never_compiles_the_servers_grammars(llm, monkeypatch):
+    """With room for one grammar in the cache, concurrent requests evict each other's grammars
+    before the engine adds them: the server hands each request its grammar, so the engine thread
+    compiles none (and every output still matches its schema)."""
+    engine = llm.engine
+    monkeypatch.setattr(engine, "structured", StructuredOutputs(llm.get_tokenizer(), engine.model_config.vocab_size,
+                                                                engine.eos_token_ids, cache_size=1))
+    threads = []
+    compile_ = StructuredOutputs.compile
+
+    def recording(self, spec):
+        threads.append(threading.current_thread().name)
+        return compile_(self, spec)
+
+    monkeypatch.setattr(StructuredOutputs, "compile", recording)
+    schemas = [SCHEMAS[name] for name in ("person", "int_array", "enums", "bounded_numbers")] * 2
+    with in_process(create_app(AsyncLLM(llm.engine), ServerConfig(model_name="m"))) as url:
+        def ask(i: int) -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", timeout=300, json={
+                "model": "m", "prompt": f"Give JSON about {SUBJECTS[i]}:\n", "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "structured_outputs": {"json": schemas[i]}})
+
+        with ThreadPoolExecutor(len(schemas)) as pool:
+            replies = list(pool.map(ask, range(len(schemas))))
+    for schema, r in zip(schemas, replies):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["text"]), schema)
+    assert "pocketllm-engine" not in threads, threads
+    assert len(llm.engine.structured._cache) <= 1
 
 
 def test_tokenizer_info_matches_model_and_vocab_kind(llm):

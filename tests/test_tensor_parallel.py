@@ -162,3 +162,145 @@ def test_a_step_failing_after_the_ranks_began_it_ends_the_engine(tiny_models):
     assert not any(p.is_alive() for p in ranks)
     tokens, _, _ = generate(path, [[1, 2, 3]], tensor_parallel_size=2)
     assert len(tokens[0]) == NEW
+
+
+# -- a rank that dies ------------------------------------------------------------------------------
+def rank_processes(pid: int) -> list:
+    """The tensor-parallel ranks that process `pid` spawned (psutil processes)."""
+    import psutil
+
+    return [p for p in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_a_rank_killed_mid_generation_is_named_and_the_others_end(tiny_models):
+    """Three ranks; rank 1 killed (as the out-of-memory killer does) while the engine generates: the
+    engine dies with an error naming the rank and its signal, not a collective's timeout, and rank 2
+    is ended without waiting for shutdown."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from pocketllm.errors import EngineDeadError
+
+    _, path = tiny_models["qwen2"]  # 6 query heads, 1 KV head: three ranks
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=3)
+    try:
+        rank1, rank2 = llm.engine.ranks.procs
+        threading.Timer(1.0, os.kill, (rank1.pid, signal.SIGKILL)).start()
+        params = SamplingParams(max_tokens=480, ignore_eos=True)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=rf"tensor-parallel rank 1 \(pid {rank1.pid}\) was killed by SIGKILL"):
+            for _ in range(100):  # (long enough for the kill on any machine)
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 4, params)
+        assert time.monotonic() - t0 < 60
+        rank2.join(10)
+        assert not rank2.is_alive()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("when", ["idle", "mid-stream"])
+def test_a_rank_that_dies_makes_the_server_exit_within_seconds(tmp_path, when):
+    """A served engine's rank killed, while the server is idle or streams a completion: within seconds
+    the stream ends with an error event and the process exits 1 (for a supervisor to restart it), its
+    log naming the rank. An idle server used to stay up with /health 200, its engine unusable."""
+    import json
+    import threading
+
+    import httpx
+
+    from live_server import Server
+    from tiny_models import make_tiny_chat_model
+
+    model = make_tiny_chat_model(tmp_path)  # 2 query heads, 1 KV head
+    server = Server("--tensor-parallel-size", "2", "--served-model-name", "tiny", model=model,
+                    engine_flags=["--max-model-len", "4096", "--num-kv-blocks", "1024"]).wait_ready()
+    try:
+        (rank,) = rank_processes(server.proc.pid)
+        events, streaming = [], threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        streaming.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        if when == "mid-stream":
+            reader.start()
+            assert streaming.wait(60), server.output()
+        rank.kill()
+        assert server.proc.wait(timeout=30) == 1, server.output()
+        assert f"tensor-parallel rank 1 (pid {rank.pid}) was killed by SIGKILL" in server.output()
+        if when == "mid-stream":
+            reader.join(30)
+            assert not reader.is_alive()
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error", events[-3:]
+    finally:
+        if server.alive():
+            server.proc.kill()
+            server.proc.wait()
+
+
+def test_a_rank_that_dies_at_start_up_is_an_error_within_seconds(tiny_models):
+    """Rank 1 killed as soon as it is spawned, before it joins the group: the engine's constructor
+    names it within seconds, not after torch's rendezvous timeout (30 minutes on gloo); a new
+    engine then starts in the same process."""
+    import threading
+    import time
+
+    import psutil
+
+    _, path = tiny_models["llama"]
+    before = {p.pid for p in rank_processes(psutil.Process().pid)}
+    killed = []
+
+    def kill_the_rank() -> None:
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            for p in rank_processes(psutil.Process().pid):
+                if p.pid not in before:
+                    p.kill()
+                    killed.append(p.pid)
+            time.sleep(0.005)
+
+    errors = []
+
+    def build() -> None:
+        try:
+            LLM(str(path), dtype="float32", tensor_parallel_size=2)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threading.Thread(target=kill_the_rank, daemon=True).start()
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    builder.join(60)
+    assert not builder.is_alive(), "the engine waited for a rank that had died"
+    assert killed and len(errors) == 1
+    assert isinstance(errors[0], RuntimeError)
+    assert f"tensor-parallel rank 1 (pid {killed[0]}) was killed by SIGKILL" in str(errors[0])
+    assert "before joining the tensor-parallel group" in str(errors[0])
+    tokens, _, _ = generate(path, [[1, 2, 3]], tensor_parallel_size=2)
+    assert len(tokens[0]) == NEW
+
+
+def test_idle_ranks_wait_past_the_rendezvous_timeout(tiny_models, monkeypatch):
+    """The rendezvous's short timeout is not the steps': ranks that waited longer than it for the
+    next step (an idle engine) still run it."""
+    import time
+
+    from pocketllm.distributed import workers
+
+    monkeypatch.setattr(workers, "RENDEZVOUS_TIMEOUT", 10.0)
+    _, path = tiny_models["llama"]
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2)
+    try:
+        time.sleep(12)  # rank 1 waits in a broadcast for the next step
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()

@@ -32,19 +32,40 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="read the API key from the first line of FILE (instead of --api-key)")
     parser.add_argument("--allowed-origins", default=None,
                         help="comma-separated origins allowed by CORS, e.g. http://localhost:3000 or *")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host names served without an API key besides localhost, IP "
+                             "addresses and --host, e.g. myserver.lan (* allows any; guards against DNS rebinding)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template to use instead of the model's")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: the model file or directory name)")
     parser.add_argument("--max-queued-requests", type=int, default=256,
-                        help="requests allowed to wait for the engine; more get 503 (default: 256)")
+                        help="sequences allowed to wait for the engine, a request counting n x its prompts; more "
+                             "get 503, and a request asking for more alone gets 400 (default: 256)")
+    parser.add_argument("--max-stop-strings", type=int, default=256,
+                        help="most stop strings a request may give (default: 256)")
+    parser.add_argument("--max-stop-token-ids", type=int, default=1024,
+                        help="most stop_token_ids a request may give (default: 1024)")
+    parser.add_argument("--max-logit-bias", type=int, default=2048,
+                        help="most logit_bias entries a request may give (default: 2048)")
+    parser.add_argument("--max-messages", type=int, default=2048,
+                        help="most messages a chat request may give (default: 2048, as OpenAI's API)")
+    parser.add_argument("--max-tools", type=int, default=128,
+                        help="most tools a chat request may give (default: 128, as OpenAI's API)")
+    parser.add_argument("--max-grammar-compile-time", type=float, default=10.0, metavar="SECONDS",
+                        help="a request's grammar (JSON schema, regex, tools...) that takes longer to compile gets "
+                             "400 and its compilation is stopped (default: 10)")
     parser.add_argument("--max-queue-time", type=float, default=60.0, metavar="SECONDS",
                         help="a request that waited this long without starting gets 503 with Retry-After "
                              "(default: 60)")
     parser.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="seconds a client has to send its request body (then 408; default: 30)")
+    parser.add_argument("--request-header-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds a connection has to send a complete request head, then it is closed "
+                             "(default: 10)")
     parser.add_argument("--max-connections", type=int, default=1024,
-                        help="concurrent connections and requests; more get 503 (default: 1024)")
+                        help="concurrent requests; more get 503, idle connections do not count and /health "
+                             "and /metrics are always answered (default: 1024)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")
     parser.add_argument("--max-request-bytes", type=int, default=4 << 20,
@@ -54,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split the reasoning (<think>...</think>; gpt-oss's analysis messages) into "
                              "reasoning_content (default: openai_gptoss for gpt-oss's chat template, else none)")
+
+
+def comma_list(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -97,6 +122,17 @@ def check_port(host: str, port: int) -> None:
         raise ConfigurationError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
 
 
+def check_limits(args: argparse.Namespace) -> None:
+    if not args.request_header_timeout > 0:
+        raise ConfigurationError(f"--request-header-timeout must be a positive number of seconds; got "
+                                 f"{args.request_header_timeout}")
+    if args.max_connections < 1:
+        raise ConfigurationError(f"--max-connections must be at least 1; got {args.max_connections}")
+    if not args.max_grammar_compile_time > 0:
+        raise ConfigurationError(f"--max-grammar-compile-time must be a positive number of seconds; got "
+                                 f"{args.max_grammar_compile_time}")
+
+
 def load_engine(engine_args: EngineArgs) -> LLMEngine:
     """Build the engine, showing how long loading takes so far (on a terminal)."""
     if engine_args.model is None:
@@ -138,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = api_key_of(args)
     engine_args = engine_args_from(args)
     check_port(args.host, args.port)
+    check_limits(args)
     llm = AsyncLLM(lambda: load_engine(engine_args), max_queued_requests=args.max_queued_requests,
                    max_queue_time=args.max_queue_time)
     engine = llm.engine
@@ -148,11 +185,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServerConfig(
         model_name=args.served_model_name or Path(engine.args.model).name,
         api_key=api_key,
-        allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
+        allowed_origins=comma_list(args.allowed_origins), allowed_hosts=comma_list(args.allowed_hosts),
         chat_template=chat_template, max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, body_timeout=args.request_body_timeout,
-        max_connections=args.max_connections)
+        max_connections=args.max_connections, header_timeout=args.request_header_timeout,
+        max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids,
+        max_logit_bias=args.max_logit_bias, max_messages=args.max_messages, max_tools=args.max_tools,
+        max_grammar_compile_time=args.max_grammar_compile_time)
     host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}/v1"
 

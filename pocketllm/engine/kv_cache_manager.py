@@ -74,8 +74,15 @@ class KVCacheManager:
         bs = self.block_size
         while len(req.block_hashes) < num_tokens // bs:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if i else self.root_hash
+            parent = req.block_hashes[-1] if i else self._root(req)
             req.block_hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
+
+    def _root(self, req: Request) -> bytes:
+        """The hash a request's chain starts from: a request with a cache_salt hits only blocks
+        computed under the same salt (so that `cached_tokens` tells nothing of other users' prompts)."""
+        if req.cache_salt is None:
+            return self.root_hash
+        return hashlib.sha256(self.root_hash + b"salt:" + req.cache_salt.encode("utf-8", "surrogatepass")).digest()
 
     def find_cached_blocks(self, req: Request) -> PrefixHit | None:
         """The longest prefix of cached full blocks every group can resume from. The last token

@@ -14,6 +14,7 @@ import torch
 
 from pocketllm.config import EngineArgs
 from pocketllm.distributed.parallel_state import TPGroup, tensor_parallel
+from pocketllm.engine.detokenizer import StopStrings
 from pocketllm.engine.kv_cache_manager import KVCacheManager
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.request import Request, RequestStatus
@@ -68,6 +69,18 @@ def _is_device_fault(error: BaseException) -> bool:
     """A CUDA fault leaves the device's context unusable: nothing after it can be trusted."""
     accel = getattr(torch, "AcceleratorError", None)
     return (accel is not None and isinstance(error, accel)) or "CUDA error" in str(error)
+
+
+CHILD_MARK = "#"  # the choices of request "x" run as sequences "x#0", "x#1", ...
+
+
+def check_request_id(request_id) -> None:
+    """A request id is a non-empty string that cannot be mistaken for one of a request's choices."""
+    if not isinstance(request_id, str) or not request_id:
+        raise RequestError(f"a request id must be a non-empty string, got {request_id!r}")
+    if CHILD_MARK in request_id:
+        raise RequestError(f"request id {request_id!r} contains {CHILD_MARK!r}, which names a request's "
+                           f"choices ({request_id.split(CHILD_MARK)[0]}{CHILD_MARK}0, ...); choose another")
 
 
 def _wrap64(x: int) -> int:
@@ -273,6 +286,12 @@ class LLMEngine:
                                   enforce_eager=args.enforce_eager, kv_layout=self.kv_layout)
         return model, num_blocks
 
+    def on_ranks_lost(self, callback) -> None:
+        """`callback(EngineDeadError)` runs on a watchdog thread as soon as a tensor-parallel rank
+        ends while the engine runs: the engine's own thread may be blocked in a collective for good."""
+        if self.ranks is not None:
+            self.ranks.on_lost(lambda why: callback(EngineDeadError(why)))
+
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one)."""
         if self.ranks is not None:
@@ -387,27 +406,35 @@ class LLMEngine:
                 raise err
 
     def add_request(self, request_id: str | None, prompt: str | dict | list[int],
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+                    params: SamplingParams | None = None, arrival_time: float | None = None, grammar=None) -> str:
+        """Queue a request; `prompt` is a text, token ids, or a dict of "prompt" and/or
+        "prompt_token_ids" and an optional "cache_salt" (vLLM's: prefix-cache blocks are shared only
+        between requests of the same salt). Its n choices share its prompt and parameters.
+        `grammar`: its `structured_outputs` compiled already (the server's), else compiled here."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
+        check_request_id(request_id)
         if request_id in self.outputs.parents:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self.validate_request(ids, params)
-        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise RequestError(f"cache_salt must be a non-empty string, got {salt!r}")
+        if grammar is None and params.structured_outputs:
+            grammar = self.structured.compile(params.structured_outputs)
+        stop = StopStrings(params.stop) if params.stop else None
         parent = ParentState(request_id, text, ids, prompt_logprobs=None if params.prompt_logprobs is None else [])
         leader = None
         for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                child_params = SamplingParams(**{**params.__dict__, "n": 1,
-                                                 "seed": None if params.seed is None else _wrap64(params.seed + i)})
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, child_params, self.eos_token_ids, arrival_time, leader=leader)
+            seed = None if params.seed is None or params.n == 1 else _wrap64(params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}{CHILD_MARK}{i}"
+            req = Request(rid, ids, params, self.eos_token_ids, arrival_time, leader=leader, seed=seed,
+                          cache_salt=salt)
             if grammar is not None:  # each sibling walks the grammar on its own
                 req.structured = self.structured.new_state(grammar)
             leader = leader or req
-            parent.children.append(self.outputs.make_child(i, req))
+            parent.children.append(self.outputs.make_child(i, req, stop))
         self.outputs.add(parent)
         for c in parent.children:
             self.scheduler.add_request(c.request)
@@ -586,6 +613,8 @@ class LLMEngine:
         self._failed_steps += 1
         if self.runner.ranks_mid_step:  # the other tensor-parallel ranks are inside that step for good
             self.ranks.out_of_step = True
+            if (lost := self.ranks.lost(wait=2.0)) is not None:  # a rank's end broke the step's collectives
+                raise EngineDeadError(lost) from error
             raise EngineDeadError(f"a tensor-parallel step failed after its ranks began it: {type(error).__name__}: "
                                   f"{error}") from error
         if _is_device_fault(error) or self._failed_steps >= self.MAX_FAILED_STEPS:

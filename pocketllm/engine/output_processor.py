@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pocketllm.engine.detokenizer import IncrementalDetokenizer
+from pocketllm.engine.detokenizer import IncrementalDetokenizer, StopStrings
 from pocketllm.engine.request import Request
 from pocketllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pocketllm.runner.sampler import SampledToken
@@ -75,11 +75,12 @@ class OutputProcessor:
             self.child_of[c.request.request_id] = c
             self.parent_of[c.request.request_id] = parent
 
-    def make_child(self, index: int, req: Request) -> ChildState:
+    def make_child(self, index: int, req: Request, stop: StopStrings | None) -> ChildState:
+        """`stop`: the request's stop strings, indexed once for all its children."""
         p = req.params
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop,
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop,
                                            p.include_stop_str_in_output, p.skip_special_tokens)
         return ChildState(index, req, detok, [] if p.logprobs is not None else None)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
@@ -32,19 +33,23 @@ class Request:
     """One sequence being generated. The scheduler moves `num_computed_tokens` toward
     `num_tokens`; when they meet after a step, the runner samples one more token."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
-                 leader: "Request | None" = None):
+                 leader: "Request | None" = None, seed: int | None = None, cache_salt: str | None = None):
+        """`prompt_token_ids` is shared, not copied: the siblings of an n > 1 request hold one copy
+        of the prompt (and one `params`), and nobody changes either. `seed` (default params.seed)
+        is this sequence's own; `cache_salt` keeps its prefix-cache blocks apart from other salts'."""
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # A sibling of an n > 1 request waits for its leader's prompt KV, then reuses it
         # through the prefix cache instead of computing it again.
         self.leader = leader
+        self.cache_salt = cache_salt
 
-        self.all_token_ids = list(prompt_token_ids)
+        self._all_token_ids: list[int] | None = None  # prompt + output, made when first read
         self.output_token_ids: list[int] = []
         self.num_prompt_scored = 0  # prompt positions whose logprobs are recorded (params.prompt_logprobs)
         self.status = RequestStatus.WAITING
@@ -64,9 +69,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.num_hashed_blocks = 0  # leading logical blocks registered in the prefix cache
 
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        seed = params.seed if seed is None else seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.sampling_state = None  # the sampler's tensors for this row (bias, penalties), made once
         self.structured = None  # a GrammarState when the output is constrained (structured_outputs)
 
         self.first_scheduled_time: float | None = None
@@ -74,8 +79,22 @@ class Request:
         self.finished_time: float | None = None
 
     @property
+    def all_token_ids(self) -> list[int]:
+        """The prompt and the output in one list, made when first read (a waiting sibling never
+        copies the prompt)."""
+        if self._all_token_ids is None:
+            self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        return self._all_token_ids
+
+    @all_token_ids.setter
+    def all_token_ids(self, tokens: list[int]) -> None:  # a draft model's shadow sequence resets it
+        self._all_token_ids = tokens
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        if self._all_token_ids is not None:
+            return len(self._all_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def block_ids(self) -> list[int]:
@@ -108,7 +127,8 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        if self._all_token_ids is not None:
+            self._all_token_ids.append(token_id)
         if self.structured is not None:  # once per sampled token: recomputing KV never comes here
             self.structured.accept(token_id)
 

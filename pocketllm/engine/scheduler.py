@@ -99,6 +99,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.finished_time = time.monotonic()
+        req.sampling_state = None  # its sampler tensors (penalty counts: a vocabulary's worth)
         self.kv.free(req)
 
     def has_work(self) -> bool:
@@ -265,7 +266,7 @@ class Scheduler:
             if not p.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
+            if token in p.stop_token_set:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:

@@ -100,19 +100,12 @@ class Sampler:
 
     @staticmethod
     def _apply_bias_and_bans(logits: torch.Tensor, reqs: list[Request], vocab: int) -> None:
-        dev = logits.device
         for i, r in enumerate(reqs):
-            p = r.params
-            if p.logit_bias:
-                ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long, device=dev)
-                vals = torch.tensor([v for t, v in p.logit_bias.items() if 0 <= t < vocab], device=dev)
-                logits[i].index_add_(0, ids, vals)
-            if r.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids)
-                if not p.ignore_eos and r.structured is None:  # a grammar decides when EOS may come
-                    banned |= r.eos_token_ids
-                if banned:
-                    logits[i, [t for t in banned if t < vocab]] = float("-inf")
+            state = RowState.of(r, vocab, logits.device)
+            if state.bias_ids is not None:
+                logits[i].index_add_(0, state.bias_ids, state.bias_values)
+            if state.banned is not None and r.num_output_tokens < r.params.min_tokens:
+                logits[i].index_fill_(0, state.banned, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         dev = logits.device
@@ -167,26 +160,79 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request], vocab: int) -> torch.Tensor:
     """Repetition penalty over prompt and output tokens (as vLLM and transformers apply it);
-    presence and frequency penalties over output tokens (as OpenAI defines them)."""
-    n, dev = len(reqs), logits.device
-    out_counts = torch.zeros(n, vocab + 1, device=dev)
-    outs = _padded([r.output_token_ids for r in reqs], vocab, dev)
-    out_counts.scatter_add_(1, outs, torch.ones_like(outs, dtype=torch.float32))
-    out_counts = out_counts[:, :vocab]
-    seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev)
-    seen.scatter_(1, _padded([r.prompt_token_ids for r in reqs], vocab, dev), True)
-    seen = seen[:, :vocab] | (out_counts > 0)
+    presence and frequency penalties over output tokens (as OpenAI defines them). Each request's
+    counts are kept between steps (`RowState`): a step adds its new tokens, not the whole output."""
+    dev = logits.device
+    states = [RowState.of(r, vocab, dev).penalties_caught_up(r) for r in reqs]
+    counts = torch.stack([st.counts for st in states])
+    for i, (r, st) in enumerate(zip(reqs, states)):
+        drafts = r.output_token_ids[st.num_counted:]  # a draft position's drafts: counted in this step only
+        if drafts:
+            counts[i].index_add_(0, torch.tensor(drafts, device=dev), torch.ones(len(drafts), device=dev))
+    seen = torch.stack([st.prompt_seen for st in states]) | (counts > 0)
     rep = _column([r.params.repetition_penalty for r in reqs], dev)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     freq = _column([r.params.frequency_penalty for r in reqs], dev)
     pres = _column([r.params.presence_penalty for r in reqs], dev)
-    return logits - freq * out_counts - pres * (out_counts > 0).float()
+    return logits - freq * counts - pres * (counts > 0).float()
 
 
-def _padded(rows: list[list[int]], pad: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+@dataclass
+class RowState:
+    """A request's sampling tensors on the logits' device, built once rather than every step
+    (`Request.sampling_state`; dropped when the request finishes): its logit bias, the tokens it
+    bans before min_tokens, and its penalties' prompt tokens and output token counts."""
+
+    device: torch.device
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    banned: torch.Tensor | None = None
+    prompt_seen: torch.Tensor | None = None  # bool [vocab]
+    counts: torch.Tensor | None = None  # float [vocab]: the first num_counted output tokens
+    num_counted: int = 0
+
+    @classmethod
+    def of(cls, req: Request, vocab: int, device: torch.device) -> "RowState":
+        state = req.sampling_state
+        if state is None or state.device != device:
+            state = cls._build(req, vocab, device)
+            _owner(req).sampling_state = state
+        return state
+
+    @classmethod
+    def _build(cls, req: Request, vocab: int, device: torch.device) -> "RowState":
+        p = req.params
+        state = cls(device)
+        if p.logit_bias:
+            state.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
+            state.bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+        if p.min_tokens > 0:
+            banned = set(p.stop_token_ids)
+            if not p.ignore_eos and req.structured is None:  # a grammar decides when EOS may come
+                banned |= req.eos_token_ids
+            banned = sorted(t for t in banned if t < vocab)
+            if banned:
+                state.banned = torch.tensor(banned, dtype=torch.long, device=device)
+        if p.needs_penalties:
+            state.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            state.prompt_seen[torch.tensor(list(req.prompt_token_ids), dtype=torch.long, device=device)] = True
+            state.counts = torch.zeros(vocab, device=device)
+        return state
+
+    def penalties_caught_up(self, req: Request) -> "RowState":
+        """The counts with the request's output tokens added since the last step."""
+        outputs = _owner(req).output_token_ids
+        if len(outputs) > self.num_counted:
+            new = torch.tensor(outputs[self.num_counted:], dtype=torch.long, device=self.device)
+            self.counts.index_add_(0, new, torch.ones(len(new), device=self.device))
+            self.num_counted = len(outputs)
+        return self
+
+
+def _owner(req) -> Request:
+    """The request itself: a DraftPosition stands for its request at a draft position."""
+    return getattr(req, "request", req)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

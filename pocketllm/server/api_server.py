@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
+import functools
+import ipaddress
 import json
 import logging
+import re
 import secrets
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 
 import jinja2
@@ -32,6 +38,8 @@ from pocketllm.server.metrics import RequestTimer, ServerMetrics
 from pocketllm.structured.chat import ReplyParser, template_messages, template_tools, tool_constraint
 from pocketllm.structured.reasoning import get_reasoning_parser, infer_reasoning_parser
 from pocketllm.structured.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, infer_tool_parser
+from pocketllm.structured.worker import GrammarBusyError, GrammarCompilerFailedError, GrammarWorkers
+from pocketllm.tokenizer.chat_template import TemplateOutputTooLongError, render_limits
 
 log = logging.getLogger("pocketllm")
 
@@ -46,8 +54,19 @@ class ServerConfig:
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | openai_gptoss; default: openai_gptoss for gpt-oss
     max_request_bytes: int = 4 << 20
     body_timeout: float = 30.0  # seconds a client has to send its request body (then 408)
-    max_connections: int = 1024  # concurrent connections and requests; more get 503
+    max_connections: int = 1024  # concurrent requests (idle connections do not count); more get 503
+    header_timeout: float = 10.0  # seconds a connection has to send a complete request head (then closed)
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names served without an API key; "*": any
     shutdown_timeout: float = 30.0  # on SIGTERM: seconds running requests get to finish
+    # What a request may carry that every step of it pays for (stop strings are matched per token,
+    # bias entries added per step); the sequences it asks for are bounded by the engine's queue.
+    max_stop_strings: int = 256
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 2048
+    # What a chat request may give its template (OpenAI's limits), and the time its grammar may take.
+    max_messages: int = 2048
+    max_tools: int = 128
+    max_grammar_compile_time: float = 10.0  # seconds; then 400 (the compilation is stopped)
     drain_retry_after: int = 5  # Retry-After of the 503s answered while draining
 
 
@@ -68,13 +87,39 @@ def _error_response(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+# Bodies a web page can POST to any site without a CORS preflight: a JSON route refuses them, so
+# that a page the user opens cannot drive a local server.
+_CORS_SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+_ALWAYS_ANSWERED = ("/health", "/metrics")  # a supervisor must see these even when the server is full
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, lower case, without its port and an IPv6 address's brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def _is_ip_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 class _Guard:
-    """Checks before any route runs: draining, API key, body size and body timeout. The body is
-    read here, at most `max_bytes` of it within `body_timeout` seconds, and replayed to the app;
-    after it the app sees the client's own messages, so a disconnect still reaches it."""
+    """Checks before any route runs: draining, requests in flight, Host and Origin (without an API
+    key), API key, content type, body size and body timeout. The body is read here, at most
+    `max_bytes` of it within `body_timeout` seconds, and replayed to the app; after it the app sees
+    the client's own messages, so a disconnect still reaches it."""
 
     def __init__(self, app, cfg: ServerConfig, state: ServerState):
         self.app, self.cfg, self.state = app, cfg, state
+        self.in_flight = 0
+        self.hosts = {_host_name(h) for h in cfg.allowed_hosts}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -88,16 +133,31 @@ class _Guard:
             error = P.APIError(503, "The server is shutting down; please retry on another instance or later.",
                                type="server_error", headers=retry)
             return await _error_response(error)(scope, receive, send)
+        if path in _ALWAYS_ANSWERED:
+            return await self._checked(scope, receive, send)
+        # Requests are counted here rather than connections by uvicorn: idle connections cost
+        # nothing (they time out), and /health stays answerable however many requests run.
+        if self.in_flight >= cfg.max_connections:
+            error = P.APIError(503, f"The server is serving its maximum of {cfg.max_connections} concurrent "
+                                    "requests (--max-connections); please retry shortly.",
+                               type="server_error", headers={"Retry-After": "1"})
+            return await _error_response(error)(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self._checked(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _checked(self, scope, receive, send):
+        cfg, path = self.cfg, scope["path"]
         headers = dict(scope["headers"])
-        if cfg.api_key and path != "/health":
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not given.startswith("Bearer ") or not secrets.compare_digest(given[7:].encode(),
-                                                                             cfg.api_key.encode()):
-                msg = ("Incorrect API key provided." if given else
-                       "You didn't provide an API key. You need to provide your API key in an Authorization "
-                       "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
-                error = P.APIError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                return await _error_response(error)(scope, receive, send)
+        error = None
+        if path != "/health":  # a key shuts out web pages already: they cannot send it without a preflight
+            error = self._auth_error(headers) if cfg.api_key else (
+                self._host_error(headers) or self._origin_error(scope["method"], headers))
+        error = error or self._content_type_error(scope["method"], headers)
+        if error is not None:
+            return await _error_response(error)(scope, receive, send)
         too_large = P.APIError(413, f"The request body is larger than {cfg.max_request_bytes} bytes.",
                                code="request_too_large")
         length = headers.get(b"content-length", b"")
@@ -123,6 +183,53 @@ class _Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _auth_error(self, headers: dict) -> P.APIError | None:
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        if given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), self.cfg.api_key.encode()):
+            return None
+        msg = ("Incorrect API key provided." if given else
+               "You didn't provide an API key. You need to provide your API key in an Authorization "
+               "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        return P.APIError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def _host_error(self, headers: dict) -> P.APIError | None:
+        """Without an API key, only localhost, IP addresses and --allowed-hosts: a page that rebinds
+        its own domain name to this address (DNS rebinding) is refused by that name."""
+        host = headers.get(b"host", b"").decode("latin-1")
+        name = _host_name(host)
+        if not host or "*" in self.hosts or name in _LOCAL_HOSTS or name in self.hosts or _is_ip_address(name):
+            return None
+        return P.APIError(400, f"The Host header '{host}' is not allowed: without an API key this server answers "
+                               "only localhost, IP addresses and the names given with --allowed-hosts. Start it "
+                               f"with --allowed-hosts {name} (or with an API key) to serve that name.",
+                          code="invalid_host")
+
+    def _origin_error(self, method: str, headers: dict) -> P.APIError | None:
+        """Without an API key, a request that changes state from a browser page must come from the
+        server's own origin or one of --allowed-origins (a page's `fetch` may send any body without
+        a preflight: a Blob without a type has no Content-Type at all)."""
+        origin = headers.get(b"origin")
+        if origin is None or method in ("GET", "HEAD", "OPTIONS"):
+            return None
+        origin = origin.decode("latin-1")
+        allowed = self.cfg.allowed_origins
+        same = urlsplit(origin).netloc.lower() == headers.get(b"host", b"").decode("latin-1").lower()
+        if same or "*" in allowed or origin in allowed:
+            return None
+        return P.APIError(403, f"Requests from the web page origin '{origin}' are not allowed: start the server "
+                               f"with --allowed-origins {origin} (or with an API key) to serve it.",
+                          code="origin_not_allowed")
+
+    @staticmethod
+    def _content_type_error(method: str, headers: dict) -> P.APIError | None:
+        given = headers.get(b"content-type", b"").decode("latin-1")
+        media_type = given.partition(";")[0].strip().lower()
+        if method != "POST" or media_type not in _CORS_SIMPLE_TYPES:
+            return None
+        return P.APIError(415, f"Unsupported Content-Type '{media_type}': send the request body as JSON with the "
+                               "header 'Content-Type: application/json' (curl: -H 'Content-Type: application/json').",
+                          code="unsupported_media_type")
 
     async def _read_body(self, receive) -> bytearray | None:
         """The body, or None if the client disconnected; stops early past the size limit (this
@@ -219,12 +326,65 @@ class OpenAIServing:
         model_template = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
         reasoning = cfg.reasoning_parser or infer_reasoning_parser(cfg.chat_template or model_template)
         self.reasoning = get_reasoning_parser(reasoning) if reasoning else None
+        # One thread prepares the large requests (parse, render, tokenize), one after the other:
+        # their work holds the interpreter lock in stretches, and each thread more doing so slows
+        # the engine thread's steps again, and holds one more large request's memory.
+        self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pocketllm-prep")
+
+    async def _prepare(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args, **kwargs))
 
     # -- building a job --------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.model_name:
             raise P.APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
                              code="model_not_found")
+
+    def _check_request_size(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> None:
+        """Refuse, before any work, what would make each step costly for everyone: too many stop
+        strings, stop token ids or bias entries, or more sequences (n x prompts) than the queue holds."""
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        prompts = len(req.prompt_list()) if isinstance(req, P.CompletionRequest) else 1
+        self._check_counts(len(stops), len(req.stop_token_ids or []), len(req.logit_bias or {}), req.n, prompts)
+
+    def _check_counts(self, stops: int, stop_token_ids: int, logit_bias: int, n: int, prompts: int) -> None:
+        cfg = self.cfg
+        for param, count, limit, flag in (
+                ("stop", stops, cfg.max_stop_strings, "--max-stop-strings"),
+                ("stop_token_ids", stop_token_ids, cfg.max_stop_token_ids, "--max-stop-token-ids"),
+                ("logit_bias", logit_bias, cfg.max_logit_bias, "--max-logit-bias")):
+            if count > limit:
+                raise P.APIError(400, f"Invalid '{param}': {count} entries, more than the {limit} this server "
+                                      f"accepts ({flag}).", param=param, code="invalid_value")
+        queue = self.llm.max_queued_requests
+        if queue is not None and n * prompts > queue:
+            what = f"n={n} x {prompts} prompts" if prompts > 1 else f"n={n}"
+            raise P.APIError(400, f"The request asks for {n * prompts} sequences ({what}); this server queues at "
+                                  f"most {queue} (--max-queued-requests).", param="n" if prompts == 1 else "prompt",
+                             code="invalid_value")
+
+    def _check_raw_counts(self, raw: dict) -> None:
+        """The count limits, on a large body's plain JSON before it is validated: validating holds
+        the interpreter lock throughout (~4 us per message or list entry), and with it the engine
+        thread, for as long as the body's largest list takes; json.loads is ~10x faster."""
+        def count(v) -> int:
+            return len(v) if isinstance(v, (list, dict)) else 0
+
+        def integer(v, default: int) -> int:
+            return v if type(v) is int and v > 0 else default  # a wrong type is validation's to report
+
+        stop, prompt = raw.get("stop"), raw.get("prompt")
+        ids_prompt = isinstance(prompt, list) and bool(prompt) and type(prompt[0]) is int
+        prompts = 1 if not isinstance(prompt, list) or ids_prompt else max(1, len(prompt))
+        self._check_counts(1 if isinstance(stop, str) else count(stop), count(raw.get("stop_token_ids")),
+                           count(raw.get("logit_bias")), integer(raw.get("n"), 1), prompts)
+        self._check_chat_size(count(raw.get("messages")), count(raw.get("tools")))
+        longest = max((len(p) for p in ([prompt] if ids_prompt else prompt if isinstance(prompt, list) else [])
+                       if isinstance(p, list)), default=0)
+        if longest > self.engine.max_model_len:
+            raise P.APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+                                  f"However, your prompt has {longest} tokens. Please reduce the length of the "
+                                  "prompt.", param="prompt", code="context_length_exceeded")
 
     def _tokenizer(self):
         if self.engine.tokenizer is None:
@@ -255,10 +415,16 @@ class OpenAIServing:
                 parser = self._tool_parser(template) or get_tool_parser("hermes")
                 dicts = template_messages(dicts, tools, template, parser)
                 tools = template_tools(tools, template)
-            return self._tokenizer().apply_chat_template(
-                dicts, tools=tools, add_generation_prompt=add_generation_prompt, chat_template=template,
-                **(template_kwargs or {}))
+            # A longer text than max_chars cannot fit the context; the template is also bounded in time.
+            with render_limits(max_chars=self._max_prompt_chars):
+                return self._tokenizer().apply_chat_template(
+                    dicts, tools=tools, add_generation_prompt=add_generation_prompt, chat_template=template,
+                    **(template_kwargs or {}))
         except P.APIError:
+            raise
+        except TemplateOutputTooLongError:  # at least max_model_len + 1 tokens: _check_tokens raises
+            self._check_tokens(self._max_prompt_chars // (2 * self._tokenizer().max_token_chars), "messages",
+                               f"rendered to more than {self._max_prompt_chars} characters")
             raise
         except Exception as e:  # noqa: BLE001  (a template raises what it likes: raise_exception, overflows, recursion)
             message = str(e) if isinstance(e, (jinja2.TemplateError, PocketLLMError)) else f"{type(e).__name__}: {e}"
@@ -302,37 +468,91 @@ class OpenAIServing:
     async def _off_loop_if_large(self, num_chars: int, fn, *args, **kwargs):
         """fn(*args, **kwargs), on a worker thread when it works on more than _OFF_LOOP_CHARS."""
         if num_chars > self._OFF_LOOP_CHARS:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await self._prepare(fn, *args, **kwargs)
         return fn(*args, **kwargs)
+
+    async def _parsed(self, model: type, body: bytes):
+        """The request, validated on a worker thread when the body is large, after its counts are
+        checked on its plain JSON (_check_raw_counts)."""
+        if len(body) <= self._OFF_LOOP_CHARS:
+            return P.parse(model, body)
+        return await self._prepare(self._parse_large, model, body)
+
+    def _parse_large(self, model: type, body: bytes):
+        try:
+            raw = json.loads(body)
+        except ValueError:
+            raw = None  # P.parse says what is wrong with it
+        if isinstance(raw, dict):
+            self._check_raw_counts(raw)
+        del raw
+        return P.parse(model, body)
+
+    def _check_tokens(self, at_least: int, where: str, what: str) -> None:
+        """Refuse what cannot fit the context, `at_least` tokens being a lower bound of its length."""
+        if at_least > self.engine.max_model_len:
+            raise P.APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+                                  f"However, your {where} {what}, which is at least {at_least} tokens. Please "
+                                  f"reduce the length of the {where}.", param=where, code="context_length_exceeded")
 
     def _check_text_size(self, num_chars: int, where: str) -> None:
         """Refuse a text that cannot fit the context before tokenizing it: no token covers more
         than `max_token_chars` characters (halved again for normalizers that shrink text)."""
         at_least = num_chars // (2 * self._tokenizer().max_token_chars)
-        if at_least > self.engine.max_model_len:
-            raise P.APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. "
-                                  f"However, your {where} has {num_chars} characters, which is at least "
-                                  f"{at_least} tokens. Please reduce the length of the {where}.", param=where,
-                             code="context_length_exceeded")
+        self._check_tokens(at_least, where, f"{'have' if where == 'messages' else 'has'} {num_chars} characters")
+
+    @functools.cached_property
+    def _max_prompt_chars(self) -> int:
+        """The longest text that may fit the context (see _check_text_size)."""
+        return (self.engine.max_model_len + 1) * 2 * self._tokenizer().max_token_chars
+
+    @functools.cached_property
+    def _special_tokens(self) -> re.Pattern | None:
+        """The special tokens the tokenizer always splits out of a text, as one token each."""
+        added = self._tokenizer()._backend.get_added_tokens_decoder().values()
+        texts = {t.content for t in added if t.special and t.content and not t.single_word and not t.normalized}
+        return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
+
+    def _check_prompt_size(self, text: str, where: str, rendered: bool = False) -> None:
+        """_check_text_size, counting each special token as the one token it is: a rendered chat of
+        many short messages is mostly role markers (30,000 empty messages: 60,000 markers)."""
+        if len(text) <= self.engine.max_model_len or self._special_tokens is None:  # (a token has a character at least)
+            return self._check_text_size(len(text), where)
+        markers = self._special_tokens.findall(text)
+        rest = len(text) - sum(map(len, markers))
+        self._check_tokens(len(markers) + rest // (2 * self._tokenizer().max_token_chars), where,
+                           f"{'rendered to' if rendered else 'has'} {len(text)} characters with {len(markers)} "
+                           "special tokens")
+
+    def _check_chat_size(self, messages: int, tools: int) -> None:
+        cfg = self.cfg
+        for param, count, limit, flag in (("messages", messages, cfg.max_messages, "--max-messages"),
+                                          ("tools", tools, cfg.max_tools, "--max-tools")):
+            if count > limit:
+                raise P.APIError(400, f"Invalid '{param}': {count} entries, more than the {limit} this server "
+                                      f"accepts ({flag}).", param=param, code="invalid_value")
 
     async def _chat_prompt(self, messages: list[P.ChatMessage], tools: list[dict] | None,
                            template_kwargs: dict | None = None,
                            add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        self._check_chat_size(len(messages), len(tools or []))
         num_chars = sum(len(p) for m in messages for p in m.texts())
-        self._check_text_size(num_chars, "messages")
-        text = await self._off_loop_if_large(num_chars, self.render_chat, messages, add_generation_prompt, tools,
-                                             template_kwargs)
-        self._check_text_size(len(text), "messages")
+        # Each message costs at least a token in any template (its role's marker).
+        self._check_tokens(max(num_chars // (2 * self._tokenizer().max_token_chars), len(messages)), "messages",
+                           f"({len(messages)} of them) have {num_chars} characters")
+        # Always on a worker thread: a template is the model file's code, and may run for its whole time limit.
+        text = await self._prepare(self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
+        self._check_prompt_size(text, "messages", rendered=True)
         # The template writes the special tokens it wants (BOS included).
         return text, await self._off_loop_if_large(len(text), self._tokenizer().encode, text, add_special_tokens=False)
 
-    async def _prompts(self, req) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, req, tools: list[dict] | None) -> list[tuple[str | None, list[int]]]:
         if isinstance(req, P.ChatCompletionRequest):
-            return [await self._chat_prompt(req.messages, self._tools(req), req.chat_template_kwargs)]
+            return [await self._chat_prompt(req.messages, tools, req.chat_template_kwargs)]
         out = []
         for p in req.prompt_list():
             if isinstance(p, str):
-                self._check_text_size(len(p), "prompt")
+                self._check_prompt_size(p, "prompt")
                 out.append((p, await self._off_loop_if_large(len(p), self._tokenizer().encode, p)))
             else:  # token ids: decoded for echo only once validated (_echo_texts)
                 out.append((None, list(p)))
@@ -374,12 +594,45 @@ class OpenAIServing:
                                  code="invalid_value") from None
         return params
 
+    @functools.cached_property
+    def _grammars(self) -> GrammarWorkers:
+        return GrammarWorkers(self.engine.structured)
+
+    async def _grammar(self, request: Request, spec: dict, where: str):
+        """The request's compiled grammar, handed to the engine with it (the engine thread never
+        compiles for the server); None if the client left meanwhile, which stops the compilation."""
+        compiled = self.engine.structured.cached(spec)
+        if compiled is not None:
+            return compiled
+        work = asyncio.ensure_future(self._grammars.compile(spec, self.cfg.max_grammar_compile_time))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+        if work.cancelled():
+            return None
+        try:
+            return work.result()
+        except RequestError as e:
+            raise P.APIError(400, str(e), param=where, code="invalid_value") from None
+        except GrammarBusyError as e:
+            raise EngineUnavailableError(str(e), retry_after=1) from None
+        except GrammarCompilerFailedError as e:
+            log.error("%s", e)
+            raise RequestFailedError(f"The server could not compile the request's grammar ({e}).") from None
+
     async def create(self, request: Request, model: type[P.ChatCompletionRequest] | type[P.CompletionRequest]):
-        req = P.parse(model, await request.body())
+        req = await self._parsed(model, await request.body())
         self._check_model(req.model)
+        self._check_request_size(req)
         kind = "chat" if model is P.ChatCompletionRequest else "completion"
-        prompts = await self._prompts(req)
         tools = self._tools(req)
+        prompts = await self._prompts(req, tools)
         parser = self._reply_tool_parser(req, tools) if kind == "chat" else None
         opened = self.reasoning.prompt_state(prompts[0][0]) if kind == "chat" and self.reasoning else None
         constraint, where = self._constraint(req, tools, parser, opened)
@@ -388,11 +641,11 @@ class OpenAIServing:
         params = self._params(req, prompts, constraint, where, not any(p.needs_special_tokens for p in readers))
         if kind == "completion" and req.echo:
             prompts = self._echo_texts(prompts)
-        if params.structured_outputs:  # compiled (and cached) here, so a bad one is a 400 before queueing
-            try:
-                await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
-            except RequestError as e:
-                raise P.APIError(400, str(e), param=where, code="invalid_value") from None
+        grammar = None
+        if params.structured_outputs:  # compiled here, so a bad one is a 400 before queueing
+            grammar = await self._grammar(request, params.structured_outputs, where)
+            if grammar is None:
+                return Response(status_code=499)  # the client left: nobody will read it
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}" if kind == "chat" else f"cmpl-{uuid.uuid4().hex}",
                    kind, req, prompts)
         if kind == "chat" and (parser is not None or self.reasoning is not None):
@@ -401,8 +654,11 @@ class OpenAIServing:
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = job.id if len(prompts) == 1 else f"{job.id}-{i}"
-                job.streams.append(self.llm.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params,
-                                                        arrival))
+                prompt = {"prompt": text, "prompt_token_ids": ids}
+                if req.cache_salt is not None:
+                    prompt["cache_salt"] = req.cache_salt
+                job.streams.append(self.llm.add_request(rid, prompt, params,
+                                                        arrival, grammar=grammar))
                 job.timers.append(self.metrics.timer(arrival))
                 job.last.append(None)
         except BaseException:
@@ -551,7 +807,7 @@ class OpenAIServing:
 
     # -- the small endpoints -------------------------------------------------------------------
     async def tokenize(self, request: Request) -> dict:
-        req = P.parse(P.TokenizeRequest, await request.body())
+        req = await self._parsed(P.TokenizeRequest, await request.body())
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise P.APIError(400, "Give exactly one of 'prompt' and 'messages'.", param="prompt",
@@ -566,7 +822,7 @@ class OpenAIServing:
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request) -> dict:
-        req = P.parse(P.DetokenizeRequest, await request.body())
+        req = await self._parsed(P.DetokenizeRequest, await request.body())
         self._check_model(req.model)
         vocab = self.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -682,9 +938,70 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = Non
     _with_request_bodies(app)
     app.add_middleware(_Guard, cfg=cfg, state=state)
     if cfg.allowed_origins:  # outermost, so that preflight requests need no API key
-        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_credentials=True,
-                           allow_methods=["*"], allow_headers=["*"])
+        # Never credentials with "*": Starlette would echo each origin, letting every site send cookies.
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins,
+                           allow_credentials="*" not in cfg.allowed_origins, allow_methods=["*"], allow_headers=["*"])
     return app
+
+
+class _RequestHeadTimeout:
+    """Mixed into uvicorn's HTTP protocol (h11 or httptools): a connection is closed when it has not
+    sent a complete request head `head_timeout` seconds after it opened or after its last response.
+    uvicorn's own keep-alive timeout starts only after a response and stops at the first byte, so a
+    connection that never speaks, or sends its head a byte at a time, would stay open for good."""
+    head_timeout: float
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = None
+        self._wait_for_head()
+
+    def _wait_for_head(self) -> None:
+        self._stop_head_timer()
+        self._cycle_before = self.cycle  # uvicorn makes a new cycle once a request head is complete
+        self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_timer is not None and self.cycle is not self._cycle_before:
+            self._stop_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._wait_for_head()  # no pipelined request started: the next head has to come in time
+
+    def connection_lost(self, exc) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+
+def _http_protocol(head_timeout: float) -> type:
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # httptools if installed, else h11
+    return type("HTTPProtocol", (_RequestHeadTimeout, AutoHTTPProtocol), {"head_timeout": head_timeout})
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(host: str, cfg: ServerConfig) -> None:
+    if not cfg.api_key and not _is_loopback(host):
+        log.warning("Listening on %s without an API key: anyone who can reach this address can use the server. "
+                    "Set a key with --api-key-file or POCKETLLM_API_KEY.", host)
 
 
 class _Server(uvicorn.Server):
@@ -743,13 +1060,35 @@ class _Server(uvicorn.Server):
                 signal.signal(s, handler)
 
 
+def raise_open_file_limit(want: int = 65536) -> None:
+    """Each connection holds a file descriptor, and idle ones hold it until their header timeout: a
+    soft limit of 1,024 (a common default) would refuse connections below --max-connections."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, e)
+
+
 def serve(llm: AsyncLLM, cfg: ServerConfig, host: str, port: int,
           on_started: Callable[[], None] | None = None) -> int:
     """Serve until SIGINT/SIGTERM, then drain (see _Server). Returns the exit code: 0 after a
     clean stop, 1 if the server could not start or the engine died."""
     state = ServerState()
+    raise_open_file_limit()
+    warn_if_exposed(host, cfg)
+    cfg = dataclasses.replace(cfg, allowed_hosts=[*cfg.allowed_hosts, host])  # the name it was started on
+    # No connection limit in uvicorn: it would refuse /health too while idle connections fill it.
+    # _Guard bounds the requests in flight; idle connections end after `header_timeout` (none sent
+    # yet) or uvicorn's keep-alive timeout of 5 s (after a response).
     config = uvicorn.Config(create_app(llm, cfg, state), host=host, port=port, log_level="info",
-                            limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=5)
+                            http=_http_protocol(cfg.header_timeout), timeout_graceful_shutdown=5)
     server = _Server(config, llm, cfg, state, on_started)
     llm.on_fatal = server.engine_died
     if llm.error is not None:  # it died before the server was there to hear it

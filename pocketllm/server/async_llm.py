@@ -164,11 +164,14 @@ class AsyncLLM:
         self.stats = EngineStats()
         self.error: BaseException | None = None
         self._cond = threading.Condition()
-        self._adds: list[tuple[RequestStream, object, SamplingParams, float]] = []
+        self._adds: list[tuple[RequestStream, object, SamplingParams, float, object]] = []  # ..., grammar
+        # Sequences (a request's n choices each) added and not yet in the published waiting count.
+        self._num_adding = 0
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}  # requests added and not finished or aborted
         self._accepting = True
         self._stopping = False
+        self._fatal_reported = False
         built = threading.Event()
         self._thread = threading.Thread(target=self._main, args=(build, built), name="pocketllm-engine",
                                         daemon=True)
@@ -183,19 +186,23 @@ class AsyncLLM:
 
     # -- the event-loop side ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> RequestStream:
-        """Queue a request for the engine. Raises at once if it cannot be admitted."""
+                    arrival_time: float | None = None, grammar=None) -> RequestStream:
+        """Queue a request for the engine. Raises at once if it cannot be admitted. `grammar`: its
+        `structured_outputs` compiled already, so that the engine thread does not compile it."""
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         with self._cond:
             if not self.is_running:
                 raise EngineClosedError("the engine is not accepting requests (shutting down or failed)")
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use")
+            # The queue holds sequences: a request of n choices takes n places (what it costs).
             if (self.max_queued_requests is not None
-                    and len(self._adds) + self.stats.num_waiting >= self.max_queued_requests):
+                    and self._num_adding + self.stats.num_waiting + params.n > self.max_queued_requests):
                 raise QueueFullError(self.max_queued_requests)
+            self._num_adding += params.n
             self._streams[request_id] = stream
-            self._adds.append((stream, prompt, params, time.monotonic() if arrival_time is None else arrival_time))
+            self._adds.append((stream, prompt, params, time.monotonic() if arrival_time is None else arrival_time,
+                               grammar))
             self._cond.notify()
         return stream
 
@@ -226,9 +233,16 @@ class AsyncLLM:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._join_engine_thread)
         if self.engine is not None:
             self.engine.shutdown()  # the other tensor-parallel ranks, once no step runs
+
+    FAILED_THREAD_GRACE = 5.0  # seconds a failed engine's thread gets to end (it may be stuck in a collective)
+
+    def _join_engine_thread(self) -> None:
+        while self._thread.is_alive() and self.error is None:
+            self._thread.join(0.25)
+        self._thread.join(self.FAILED_THREAD_GRACE)
 
     def _busy(self) -> bool:
         return self.num_in_flight > 0
@@ -246,6 +260,7 @@ class AsyncLLM:
                 self.engine = build()
             if self.admission_gap is None:
                 self.admission_gap = 0.0 if self.engine.device.type == "cuda" else 0.015
+            self.engine.on_ranks_lost(self._engine_lost)
         except BaseException as e:  # noqa: BLE001  (handed to the constructor's caller)
             self.error = e
             return
@@ -266,9 +281,13 @@ class AsyncLLM:
                         self._wait_for_burst()
                         if self._stopping:
                             break
-                    # Applied under the lock so the published waiting count always includes them.
-                    self._apply(self._adds, self._aborts)
+                    adds, aborts = self._adds, self._aborts
                     self._adds, self._aborts = [], []
+                # Outside the lock: building a request's sequences (n of them, each with its
+                # detokenizer and grammar matcher) must not hold up the event loop's adds and aborts.
+                self._apply(adds, aborts)
+                with self._cond:
+                    self._num_adding -= sum(add[2].n for add in adds)  # (stream, prompt, params, ...): now waiting
                     if self.max_queue_time is not None:
                         self._expire_waiting()
                     self._publish()
@@ -292,9 +311,29 @@ class AsyncLLM:
                     _send(loop, items)
         except Exception as e:  # noqa: BLE001  (EngineDeadError, or a bug outside the step)
             log.exception("the engine failed; no more requests will be served")
-            self.error = e
+            with self._cond:
+                self.error = self.error or e  # a lost rank's watchdog may have told first
         self._close_all()
-        if self.error is not None and self.on_fatal is not None:
+        self._report_fatal()
+
+    def _engine_lost(self, error: BaseException) -> None:
+        """From the tensor-parallel watchdog, when a rank ends: the engine thread may be blocked in
+        a collective for good, so its requests are failed and `on_fatal` told from here."""
+        log.error("the engine failed; no more requests will be served: %s", error)
+        with self._cond:
+            self.error = self.error or error
+            self._stopping = True
+            self._cond.notify()
+        self._close_all()
+        self._report_fatal()
+
+    def _report_fatal(self) -> None:
+        """`on_fatal`, once: the engine thread and the watchdog may both see the engine die."""
+        with self._cond:
+            if self.error is None or self._fatal_reported:
+                return
+            self._fatal_reported = True
+        if self.on_fatal is not None:
             self.on_fatal(self.error)
 
     def _expire_waiting(self) -> None:
@@ -318,13 +357,15 @@ class AsyncLLM:
                 seen, last = len(self._adds), time.monotonic()
 
     def _apply(self, adds, aborts) -> None:
-        for stream, prompt, params, arrival in adds:
-            if stream.request_id not in self._streams:
-                continue  # aborted before it reached the engine
+        """On the engine thread, without the lock (only this thread touches the engine)."""
+        for stream, prompt, params, arrival, grammar in adds:
+            if stream.finished:
+                continue  # aborted before it reached the engine (its abort is in `aborts`: a no-op)
             try:
-                self.engine.add_request(stream.request_id, prompt, params, arrival)
+                self.engine.add_request(stream.request_id, prompt, params, arrival, grammar=grammar)
             except Exception as e:  # a bad request fails alone; the engine goes on
-                del self._streams[stream.request_id]
+                with self._cond:
+                    self._streams.pop(stream.request_id, None)
                 stream.put(e)
         for request_id in aborts:
             self.engine.abort_request(request_id)
@@ -349,6 +390,7 @@ class AsyncLLM:
             streams = list(self._streams.values())  # queued adds are in here too
             self._streams.clear()
             self._adds.clear()
+            self._num_adding = 0
             if self.error is None:
                 for s in streams:
                     self.engine.abort_request(s.request_id)

@@ -135,6 +135,9 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT64[1])]] | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM's extension: token ids of each choice and its prompt (streamed too)
+    # vLLM's: prefix-cache blocks are shared only between requests of the same salt, so that
+    # `cached_tokens` cannot tell one user whether another sent the same prompt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | ...
 

@@ -113,50 +113,99 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list) -> 
 
 _LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?:\d+: |Check failed: \(.*?\) is false: ")
 
+# Compiled grammars kept for reuse, by source: at most this many, holding at most this many bytes
+# (a grammar larger than that serves its request and is not kept).
+GRAMMAR_CACHE_ENTRIES = 128
+GRAMMAR_CACHE_BYTES = 256 << 20
+
+
+def grammar_compiler(info):
+    """An xgrammar compiler without its own cache: it has no entry limit and would keep every
+    grammar that our LRU evicts."""
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
+
+
+def compile_spec(compiler, spec: dict):
+    """The compiled grammar of a normalized `structured_outputs`; RequestError if it is invalid."""
+    from pocketllm.structured.grammars import LABELS, build
+
+    try:
+        return compiler.compile_grammar(build(spec))
+    except (RuntimeError, ValueError) as e:
+        message = _LOG_PREFIX.sub("", str(e)).strip()
+        err = RequestError(f"invalid {LABELS[kind_of(spec)]}: {message}")
+        err.param = "structured_outputs"
+        raise err from None
+
 
 class StructuredOutputs:
-    """The engine's grammar compiler and its LRU of compiled grammars, keyed by (kind, source).
-    Thread-safe: the server compiles while validating a request, outside the engine thread."""
+    """The engine's grammar compiler and its LRU of compiled grammars, keyed by (kind, source) and
+    bounded by count and bytes. Thread-safe: the server looks grammars up and adds the ones it
+    compiled (pocketllm.structured.worker) outside the engine thread."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 128):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = GRAMMAR_CACHE_ENTRIES,
+                 cache_bytes: int = GRAMMAR_CACHE_BYTES):
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
-        self.cache_size = cache_size
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.cached_bytes = 0  # what the grammars in the cache hold
+        self._info = None
         self._compiler = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache's: held for moments only (the event loop takes it)
+        self._info_lock = threading.Lock()
 
-    def _get_compiler(self):
-        if self._compiler is None:
-            if self.tokenizer is None:
-                raise RequestError("structured outputs need the model's tokenizer")
-            import xgrammar as xgr
+    def tokenizer_info(self):
+        """The vocabulary as xgrammar reads it (built at the first use: it takes about a second)."""
+        with self._info_lock:
+            if self._info is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need the model's tokenizer")
+                self._info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            return self._info
 
-            info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1))
-        return self._compiler
-
-    def compile(self, spec: dict):
-        """The compiled grammar of a normalized `structured_outputs`; RequestError if it is invalid."""
+    def cached(self, spec: dict):
+        """The compiled grammar of `spec` if the cache has it (it becomes the most recent), else None."""
         key = cache_key(spec)
         with self._lock:
-            if key in self._cache:
+            compiled = self._cache.get(key)
+            if compiled is not None:
                 self._cache.move_to_end(key)
-                return self._cache[key]
-            compiler = self._get_compiler()
-        from pocketllm.structured.grammars import LABELS, build
+            return compiled
 
-        try:
-            compiled = compiler.compile_grammar(build(spec))
-        except (RuntimeError, ValueError) as e:
-            message = _LOG_PREFIX.sub("", str(e)).strip()
-            err = RequestError(f"invalid {LABELS[kind_of(spec)]}: {message}")
-            err.param = "structured_outputs"
-            raise err from None
+    def remember(self, spec: dict, compiled) -> None:
+        """Keep `compiled` as the grammar of `spec`, evicting the least recent ones past the bounds."""
+        size = compiled.memory_size_bytes
+        if size > self.cache_bytes:
+            return
+        key = cache_key(spec)
         with self._lock:
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self.cached_bytes -= old.memory_size_bytes
             self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self.cached_bytes += size
+            while len(self._cache) > self.cache_size or self.cached_bytes > self.cache_bytes:
+                self.cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+
+    def compile(self, spec: dict):
+        """The compiled grammar of a normalized `structured_outputs`, compiled on this thread if it
+        is not cached; RequestError if it is invalid."""
+        compiled = self.cached(spec)
+        if compiled is None:
+            info = self.tokenizer_info()
+            with self._info_lock:
+                self._compiler = self._compiler or grammar_compiler(info)
+            compiled = compile_spec(self._compiler, spec)
+            self.remember(spec, compiled)
         return compiled
+
+    def deserialize(self, text: str):
+        """A grammar compiled elsewhere (CompiledGrammar.serialize_json) on this vocabulary."""
+        import xgrammar as xgr
+
+        return xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info())
 
     @staticmethod
     def new_state(compiled) -> GrammarState:

@@ -13,6 +13,10 @@ from pocketllm.tokenizer.chat_template import render_chat
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+# Characters from which encoding a text lets other threads run (below, the call is brief anyway).
+_LONG_TEXT = 16384
+
+
 class Tokenizer:
     """Text to token ids and back, the model's special tokens, and its chat template.
 
@@ -40,6 +44,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset({self.eos_token_id, *extra_eos_ids} - {None})
         added_special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self.all_special_ids = frozenset(added_special | named_ids | self.eos_token_ids)
+        self.skipped_ids = frozenset(added_special)  # what decode(..., skip_special_tokens=True) leaves out
         # Named templates (Hugging Face's list form, GGUF's tokenizer.chat_template.<name>); "default" is the main one.
         self.chat_templates = dict(chat_templates or {})
 
@@ -59,6 +64,10 @@ class Tokenizer:
         return max(1, max(map(len, self._backend.get_vocab(with_added_tokens=True))))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _LONG_TEXT:
+            # `encode` holds the interpreter lock throughout (~1 s for a million characters), and
+            # every other thread (a server's engine) waits; `encode_batch` lets them run meanwhile.
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

@@ -3,6 +3,11 @@
 Instruction-set flags are chosen from what this CPU reports (never -march=native, which can
 select instructions a virtual machine does not allow). Builds are cached per source and flags.
 Without a compiler the callers fall back to their pure-torch paths.
+
+Loading a library runs its code, so a cached one is loaded only where no other user could have put
+it there: the file, its directory and the cache's root must belong to this user (or root) and be
+writable by nobody else. Otherwise, and where the cache cannot be written or its files cannot be
+mapped (a read-only or noexec mount), the kernels are built in a private temporary directory.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from functools import cache
@@ -75,9 +81,89 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _writable_by_others(path: Path) -> bool:
+    """Whether another user than this one (or root) owns `path` or may write to it."""
+    st = path.stat()
+    return st.st_uid not in (os.getuid(), 0) or bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+class _BuildFailed(Exception):
+    """The compiler refused the kernels (its error is the message)."""
+
+
+def _build_into(directory: Path, cc: str, flags: list[str], name: str) -> Path:
+    """The kernels built as ``directory/name`` (whole or not at all)."""
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        out = Path(tmp) / name
+        done = _build(cc, flags, out)
+        if done.returncode != 0:
+            raise _BuildFailed(done.stderr[-2000:])
+        os.replace(out, directory / name)
+    return directory / name
+
+
+def _load_cached(cc: str, flags: list[str], name: str) -> ctypes.CDLL | None:
+    """The kernels from the cache (built into it first where they are not there yet), or None where
+    the cache cannot be trusted or used: the caller then builds them privately."""
+    kernels = _cache_dir()
+    try:
+        for d in (kernels.parent, kernels):  # new ones private from the start
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("cannot create the CPU kernels' cache %s (%s): building them in a private temporary "
+                    "directory", kernels, e)
+        return None
+    lib = kernels / name
+    for path in (kernels.parent, kernels, *([lib] if lib.exists() else [])):
+        if _writable_by_others(path):
+            log.warning("%s belongs to or can be written by another user, so the CPU kernels cached there are not "
+                        "loaded: building them in a private temporary directory. `chmod go-w` it (or point "
+                        "POCKETLLM_CACHE elsewhere) to use the cache again", path)
+            return None
+    if not lib.exists():
+        try:
+            _build_into(kernels, cc, flags, name)
+        except OSError as e:  # a read-only cache
+            log.warning("cannot write the CPU kernels' cache %s (%s): building them in a private temporary "
+                        "directory", kernels, e)
+            return None
+    try:
+        return ctypes.CDLL(str(lib))
+    except OSError as e:  # a cache mounted noexec, or a damaged file
+        log.warning("cannot load the cached CPU kernels %s (%s): building them in a private temporary directory "
+                    "(remove the file, or point POCKETLLM_CACHE at a disk that allows running code)", lib, e)
+        return None
+
+
+def _load_private(cc: str, flags: list[str], name: str) -> ctypes.CDLL | None:
+    """The kernels built in a new directory only this user can enter, loaded, then the directory
+    removed (the library stays mapped). None where the temporary directory is mounted noexec too."""
+    tmp = Path(tempfile.mkdtemp(prefix="pocketllm-kernels-"))  # mode 0700
+    try:
+        lib = _build_into(tmp, cc, flags, name)
+        try:
+            return ctypes.CDLL(str(lib))
+        except OSError as e:
+            log.warning("cannot load the CPU kernels built in %s (%s), using the pure-torch paths; set TMPDIR to "
+                        "a directory that allows running code", tmp, e)
+            return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def compiler() -> str | None:
     """The C compiler the kernels are built with ($CC, else cc), None where there is none."""
     return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _build_flags(isa: str) -> list[str]:
+    return ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags(isa)]
+
+
+def _cache_name(cc: str, flags: list[str]) -> str:
+    """The kernels' file name in the cache: one per source, compiler and flags."""
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES) + " ".join([cc, *flags, *LTO]).encode()).hexdigest()[:16]
+    return f"cpu_kernels-{key}.so"
 
 
 @cache
@@ -90,19 +176,15 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: the CPU kernels fall back to the slower pure-torch paths")
         return None
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_arch_flags(isa)]
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES) + " ".join([cc, *flags, *LTO]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"cpu_kernels-{key}.so"
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-            out = Path(tmp) / lib.name
-            done = _build(cc, flags, out)
-            if done.returncode != 0:
-                log.warning("building the CPU kernels failed, using the pure-torch paths:\n%s", done.stderr[-2000:])
-                return None
-            os.replace(out, lib)
-    dll = ctypes.CDLL(str(lib))
+    flags = _build_flags(isa)
+    name = _cache_name(cc, flags)
+    try:
+        dll = _load_cached(cc, flags, name) or _load_private(cc, flags, name)
+    except (_BuildFailed, OSError) as e:
+        log.warning("building the CPU kernels failed, using the pure-torch paths:\n%s", e)
+        return None
+    if dll is None:
+        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     dll.gguf_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     dll.gguf_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, ctypes.c_int]
