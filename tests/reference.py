@@ -38,3 +38,15 @@ def captured_logits(llm):
         yield captured
     finally:
         rt.compute_logits = original
+
+
+def plain_penalties(logits, prompt, output, rep, freq, pres):
+    """Penalties by their definitions, one token at a time: repetition (as transformers) over
+    prompt and output, frequency and presence (as OpenAI) over the output."""
+    out = list(logits)
+    for t in range(len(out)):
+        if t in prompt or t in output:
+            out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+        c = output.count(t)
+        out[t] -= freq * c + pres * (1 if c else 0)
+    return out

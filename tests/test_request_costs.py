@@ -17,6 +17,7 @@ import torch
 from conftest import prompts_of
 from fixtures import default_model_gguf
 from live_server import Server
+from reference import plain_penalties
 from pocketllm.config import EngineArgs
 from pocketllm.engine.detokenizer import IncrementalDetokenizer, StopStrings
 from pocketllm.engine.llm_engine import LLMEngine
@@ -119,16 +120,6 @@ def test_detokenizing_tokens_that_add_no_text_stays_linear(tokenizer, kind):
 
 
 # -- penalties and bias: state kept between steps ---------------------------------------------------
-def plain_penalties(logits, prompt, output, rep, freq, pres):
-    out = list(logits)
-    for t in range(len(out)):
-        if t in prompt or t in output:
-            out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
-        c = output.count(t)
-        out[t] -= freq * c + pres * (1 if c else 0)
-    return out
-
-
 def test_penalties_follow_the_output_step_after_step_and_at_draft_positions():
     g = torch.Generator().manual_seed(0)
     vocab = 40

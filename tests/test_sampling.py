@@ -8,19 +8,10 @@ import pytest
 import torch
 
 from conftest import prompts_of
+from reference import plain_penalties
 from pocketllm import LLM, SamplingParams
 from pocketllm.engine.request import Request
 from pocketllm.runner.sampler import Sampler, apply_penalties
-
-
-def plain_penalties(logits, prompt, output, rep, freq, pres):
-    out = list(logits)
-    for t in range(len(out)):
-        if t in prompt or t in output:
-            out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
-        c = output.count(t)
-        out[t] -= freq * c + pres * (1 if c else 0)
-    return out
 
 
 def test_penalties_match_a_plain_reference():

@@ -317,6 +317,30 @@ class _Job:
                        sum(o.num_cached_tokens for o in outs))
 
 
+def _check_limits(*limits: tuple[str, int, int, str]) -> None:
+    """(param, count, limit, flag): a 400 for the first count over its limit, naming the flag."""
+    for param, count, limit, flag in limits:
+        if count > limit:
+            raise P.APIError(400, f"Invalid '{param}': {count} entries, more than the {limit} this server "
+                                  f"accepts ({flag}).", param=param, code="invalid_value")
+
+
+async def _unless_client_leaves(request: Request, coro) -> asyncio.Future | None:
+    """Runs coro to its end, or cancels it when the client disconnects first: its finished task,
+    or None if the client left."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    return None if work.cancelled() else work
+
+
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics):
         self.llm, self.cfg, self.metrics = llm, cfg, metrics
@@ -330,6 +354,12 @@ class OpenAIServing:
         # their work holds the interpreter lock in stretches, and each thread more doing so slows
         # the engine thread's steps again, and holds one more large request's memory.
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pocketllm-prep")
+
+    def close(self) -> None:
+        """Stop the helpers: the grammar compiler process (if one started) and the preparation thread."""
+        if "_grammars" in self.__dict__:
+            self._grammars.close()
+        self._prep.shutdown(wait=False, cancel_futures=True)
 
     async def _prepare(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args, **kwargs))
@@ -349,13 +379,9 @@ class OpenAIServing:
 
     def _check_counts(self, stops: int, stop_token_ids: int, logit_bias: int, n: int, prompts: int) -> None:
         cfg = self.cfg
-        for param, count, limit, flag in (
-                ("stop", stops, cfg.max_stop_strings, "--max-stop-strings"),
-                ("stop_token_ids", stop_token_ids, cfg.max_stop_token_ids, "--max-stop-token-ids"),
-                ("logit_bias", logit_bias, cfg.max_logit_bias, "--max-logit-bias")):
-            if count > limit:
-                raise P.APIError(400, f"Invalid '{param}': {count} entries, more than the {limit} this server "
-                                      f"accepts ({flag}).", param=param, code="invalid_value")
+        _check_limits(("stop", stops, cfg.max_stop_strings, "--max-stop-strings"),
+                      ("stop_token_ids", stop_token_ids, cfg.max_stop_token_ids, "--max-stop-token-ids"),
+                      ("logit_bias", logit_bias, cfg.max_logit_bias, "--max-logit-bias"))
         queue = self.llm.max_queued_requests
         if queue is not None and n * prompts > queue:
             what = f"n={n} x {prompts} prompts" if prompts > 1 else f"n={n}"
@@ -525,12 +551,8 @@ class OpenAIServing:
                            "special tokens")
 
     def _check_chat_size(self, messages: int, tools: int) -> None:
-        cfg = self.cfg
-        for param, count, limit, flag in (("messages", messages, cfg.max_messages, "--max-messages"),
-                                          ("tools", tools, cfg.max_tools, "--max-tools")):
-            if count > limit:
-                raise P.APIError(400, f"Invalid '{param}': {count} entries, more than the {limit} this server "
-                                      f"accepts ({flag}).", param=param, code="invalid_value")
+        _check_limits(("messages", messages, self.cfg.max_messages, "--max-messages"),
+                      ("tools", tools, self.cfg.max_tools, "--max-tools"))
 
     async def _chat_prompt(self, messages: list[P.ChatMessage], tools: list[dict] | None,
                            template_kwargs: dict | None = None,
@@ -604,17 +626,8 @@ class OpenAIServing:
         compiled = self.engine.structured.cached(spec)
         if compiled is not None:
             return compiled
-        work = asyncio.ensure_future(self._grammars.compile(spec, self.cfg.max_grammar_compile_time))
-        gone = asyncio.ensure_future(_client_gone(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-        if work.cancelled():
+        work = await _unless_client_leaves(request, self._grammars.compile(spec, self.cfg.max_grammar_compile_time))
+        if work is None:
             return None
         try:
             return work.result()
@@ -689,17 +702,8 @@ class OpenAIServing:
                 job.timers[i].tokens_sent(1)  # the first call is the TTFT; the count only feeds ITL
                 job.record(i, out)
 
-        work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(_client_gone(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-        if not work.done() or work.cancelled():
+        work = await _unless_client_leaves(request, collect())
+        if work is None:
             return Response(status_code=499)  # nobody will read it
         work.result()
         choices = []
@@ -859,6 +863,7 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = Non
     async def lifespan(app: FastAPI):
         yield
         await llm.shutdown(cfg.shutdown_timeout)
+        serving.close()
 
     app = FastAPI(title="PocketLLM", version=__version__, lifespan=lifespan)
     app.state.server = state = state or ServerState()
