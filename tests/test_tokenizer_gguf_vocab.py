@@ -57,6 +57,20 @@ def test_decode_round_trips(vocab):
         assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True) == text
 
 
+def test_byte_tokens_decode_as_utf8_decodes_their_bytes():
+    """A run of byte-fallback tokens that is not valid UTF-8 (the bytes of a surrogate, a stray
+    continuation byte) followed by valid ones: each invalid sequence is one U+FFFD and the valid bytes
+    stay, as Python's UTF-8 decoder (and the byte-level BPE decoders) give them. `tokenizers`'
+    ByteFallback decoder writes U+FFFD for every byte of such a run, `"` included."""
+    tokenizer = vocab_tokenizer("ggml-vocab-llama-spm.gguf")
+    byte = {b: tokenizer._backend.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    word = tokenizer.encode("hello", add_special_tokens=False)
+    for raw in (b'\xed\xa9\xa8"', b'\xa9"x', "é\"".encode() + b"\xff", b"\xf0\x9f\x98\x80"):
+        ids = word + [byte[b] for b in raw] + word
+        assert tokenizer.decode(ids) == "hello" + raw.decode("utf-8", errors="replace") + " hello"
+    assert tokenizer.decode(word + [byte[0xed]] + word) == "hello\ufffd hello"
+
+
 def test_special_tokens_of_fixture_vocabularies():
     llama3 = vocab_tokenizer("ggml-vocab-llama-bpe.gguf")
     assert (llama3.bos_token_id, llama3.eos_token_id) == (128000, 128001)

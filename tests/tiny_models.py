@@ -95,10 +95,10 @@ def make_llama256(root: Path, num_layers: int = 2):
     return model, path
 
 
-def make_tiny_chat_model(root: Path) -> Path:
-    """A one-layer llama, 32 wide, with the default model's tokenizer and chat template: a real
-    tokenizer and template at a few milliseconds a step (random weights: it talks nonsense, and
-    rarely ends on its own). For server tests that need text but not a good model."""
+def make_tiny_chat_model(root: Path, vocab: Path | None = None) -> Path:
+    """A one-layer llama, 32 wide, with the default model's tokenizer and chat template (or those of
+    the GGUF `vocab`): a real tokenizer and template at a few milliseconds a step (random weights: it
+    talks nonsense, and rarely ends on its own). For server tests that need text but not a good model."""
     import json
 
     import transformers
@@ -106,7 +106,7 @@ def make_tiny_chat_model(root: Path) -> Path:
     from fixtures import default_model_gguf
     from pocketllm.tokenizer.gguf_vocab import load_gguf_tokenizer
 
-    tok = load_gguf_tokenizer(default_model_gguf())
+    tok = load_gguf_tokenizer(vocab or default_model_gguf())
     path = root / "tiny-chat"
     cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import xgrammar as xgr
 
@@ -13,9 +14,95 @@ LABELS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex",
           "grammar": "grammar", "structural_tag": "structural tag", "tool_calls": "tool parameters schema"}
 
 
+# xgrammar 0.2.9 compiles a string with minLength / maxLength (and a bounded propertyNames) to
+# `"\"" root_..._characters{min, max} "\""` with `root_..._characters ::= [^"\\\r\n]` (xgrammar issue
+# #800): raw U+0000-U+001F get in, which RFC 8259 forbids, and no escape can be written. Such a string
+# becomes a chain of rules, one per character written so far (S_j: j characters written), each
+# character an unescaped code point but the control characters, `"`, `\` and the surrogates (xgrammar
+# reads their 3-byte forms, which are no UTF-8, as one character), a short escape, or a
+# \uXXXX escape (a surrogate pair counts once; a lone surrogate is not allowed). A chain, not a
+# repetition of one rule: xgrammar computes the mask of `(a | b){0, n}` token by token at every step
+# (tens of milliseconds and more for a 49k vocabulary) but precomputes each rule of a chain when it
+# compiles it.
+# Past MAX_CHAIN characters the compile time is not worth it: the bound stays xgrammar's repetition of
+# one character class, without the control characters, and such a string has no escapes.
+MAX_CHAIN = 128
+_BOUNDED_CHAR_RULE = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_BOUNDED_STRING = re.compile(r'"\\"" (\w+)\{(\d+), (-?\d+)\} "\\""')
+_UNESCAPED = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+_SHORT_ESCAPE = r'"\\" [\"\\/bfnrt]'
+_U_ESCAPE_RULES = r"""
+pocketllm_u_escape ::= [0-9a-cA-Ce-fE-F] pocketllm_hex pocketllm_hex pocketllm_hex | [dD] [0-7] pocketllm_hex pocketllm_hex | [dD] [89abAB] pocketllm_hex pocketllm_hex "\\u" [dD] [c-fC-F] pocketllm_hex pocketllm_hex
+pocketllm_hex ::= [0-9a-fA-F]
+"""
+
+
+def _string_chain(name: str, lo: int, hi: int) -> list[str]:
+    """Rules `name_sJ` (J characters written) of a string of lo to hi characters (hi -1: no bound)."""
+    def char_then(rest: str) -> str:
+        return f'{_UNESCAPED} {rest} | {_SHORT_ESCAPE} {rest} | "\\\\u" pocketllm_u_escape {rest}'
+
+    rules = []
+    for j in range(max(lo, hi) + 1):
+        here, after = f"{name}_s{j}", f"{name}_s{j + 1}"
+        alternatives = ['"\\""'] if j >= lo else []
+        if hi < 0 and j == lo:  # no upper bound: from lo characters on, any number more
+            alternatives.append(char_then(here))
+        elif j < hi or hi < 0:
+            alternatives.append(char_then(after))
+        rules.append(f"{here} ::= " + " | ".join(alternatives))
+    return rules
+
+
+def json_strings_fixed(grammar: xgr.Grammar) -> xgr.Grammar:
+    """`grammar` (from a JSON schema or a structural tag) with its length-bounded strings made of
+    JSON characters (see above); the same grammar when it has none."""
+    text = str(grammar)
+    bounded = set(_BOUNDED_CHAR_RULE.findall(text))
+    if not bounded:
+        return grammar
+    chains = {}
+
+    def chain(m: re.Match) -> str:
+        name, lo, hi = m.group(1), int(m.group(2)), int(m.group(3))
+        if name not in bounded or max(lo, hi) > MAX_CHAIN:
+            return m.group(0)
+        key = f"pocketllm_{name}_{lo}_{hi}".replace("-", "m")
+        chains.setdefault(key, _string_chain(key, lo, hi))
+        return f'"\\"" {key}_s0'
+
+    text = _BOUNDED_STRING.sub(chain, text)
+    text = _BOUNDED_CHAR_RULE.sub(lambda m: f"{m.group(1)} ::= (({_UNESCAPED}))", text)
+    rules = [rule for rules in chains.values() for rule in rules]
+    return xgr.Grammar.from_ebnf(text + "\n" + "\n".join(rules) + _U_ESCAPE_RULES)
+
+
+# xgrammar's "date" (and the date of "date-time") takes any day 01-31 of any month and the year 0000
+# ("2023-11-31", which no date parser reads): days per month, 29 February in leap years only.
+_YEAR = r"(\d{3}[1-9]|\d{2}[1-9]0|\d[1-9]00|[1-9]000)"
+_LEAP = r"(\d\d(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (rf"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
+         rf"|{_LEAP}-02-29)")
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
+_DATE_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}T{_TIME}$"}
+
+
+def _real_dates(node):
+    """`node` (a schema or part of one) with each `format: date / date-time` string without a pattern
+    given the pattern of real dates."""
+    if isinstance(node, list):
+        return [_real_dates(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _real_dates(v) for k, v in node.items()}
+    if node.get("format") in _DATE_PATTERNS and "pattern" not in node:
+        node["pattern"] = _DATE_PATTERNS[node.pop("format")]
+    return node
+
+
 def _json_schema(schema: dict) -> xgr.Grammar:
     # Compact JSON (", " and ": "), as templates render it: free whitespace lets a model pad forever.
-    return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    return xgr.Grammar.from_json_schema(json.dumps(_real_dates(schema)), any_whitespace=False, strict_mode=True)
 
 
 def _json_object(_) -> xgr.Grammar:
@@ -32,7 +119,7 @@ def _tool_calls(value: dict) -> xgr.Grammar:
     tags = []
     for tool in value["tools"]:
         begin, end = parser.call_delimiters(tool["name"])
-        params = tool.get("parameters") or {"type": "object", "properties": {}}
+        params = _real_dates(tool.get("parameters") or {"type": "object", "properties": {}})
         # Structural tags have no compact JSON mode: one whitespace at most between JSON tokens.
         tags.append({"type": "tag", "begin": begin, "end": end,
                      "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1}})
@@ -69,9 +156,14 @@ def _after_reasoning(reasoning: dict, grammar: xgr.Grammar) -> xgr.Grammar:
     return xgr.Grammar.concat(prefix, gap, grammar)
 
 
+_FROM_JSON_SCHEMAS = frozenset({"json", "json_object", "structural_tag", "tool_calls"})
+
+
 def build(spec: dict) -> xgr.Grammar:
     kind = kind_of(spec)
     grammar = _BUILDERS[kind](spec[kind])
+    if kind in _FROM_JSON_SCHEMAS:
+        grammar = json_strings_fixed(grammar)
     if "reasoning" in spec:
         grammar = _after_reasoning(spec["reasoning"], grammar)
     return grammar

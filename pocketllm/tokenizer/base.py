@@ -1,6 +1,8 @@
 """The tokenizer the engine uses, whatever file it came from."""
 
 import functools
+import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,6 +17,53 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 # Characters from which encoding a text lets other threads run (below, the call is brief anyway).
 _LONG_TEXT = 16384
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class _ByteFallbackDecoder:
+    """SentencePiece byte-fallback decoding (Replace "▁" by " ", ByteFallback, Fuse, then Strip of the
+    leading spaces) with the bytes of a run of byte tokens decoded as UTF-8 decodes them: an invalid
+    sequence becomes one U+FFFD and the valid bytes after it stay. The ByteFallback decoder of
+    `tokenizers` writes U+FFFD for every byte token of a run that is not valid UTF-8, so a `"` written
+    as <0x22> after a stray byte vanishes (and a JSON string with it)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, strip: int):
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.byte_of = {i: int(m.group(1), 16) for t, i in vocab.items() if (m := _BYTE_TOKEN.fullmatch(t))}
+        # (tokens that decoding drops, control tokens as </s>, stand for no text)
+        self.text_of = {i: t.replace("\u2581", " ").encode() if backend.decode([i]) or not t.strip("\u2581") else b""
+                        for t, i in vocab.items() if i not in self.byte_of}
+        self.strip = strip
+
+    @classmethod
+    def of(cls, backend: tokenizers.Tokenizer) -> "_ByteFallbackDecoder | None":
+        """The decoder when `backend`'s is the usual byte-fallback sequence, else None."""
+        spec = json.loads(backend.to_str()).get("decoder") or {}
+        steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
+        kinds = [d.get("type") for d in steps]
+        if kinds[:3] != ["Replace", "ByteFallback", "Fuse"] or steps[0].get("pattern") != {"String": "\u2581"} \
+                or steps[0].get("content") != " " or kinds[3:] not in ([], ["Strip"]):
+            return None
+        strip = steps[3] if kinds[3:] else {"content": " ", "start": 0, "stop": 0}
+        if strip.get("content") != " " or strip.get("stop"):
+            return None
+        return cls(backend, strip["start"])
+
+    def decode(self, ids: Sequence[int], skipped: frozenset) -> str:
+        out = bytearray()
+        for i in ids:
+            if i in skipped:
+                continue
+            byte = self.byte_of.get(i)
+            if byte is None:
+                out += self.text_of.get(i, b"")
+            else:
+                out.append(byte)
+        text = out.decode("utf-8", errors="replace")
+        n = 0
+        while n < self.strip and text[n:n + 1] == " ":
+            n += 1
+        return text[n:]
 
 
 class Tokenizer:
@@ -70,8 +119,15 @@ class Tokenizer:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    @functools.cached_property
+    def _byte_fallback(self) -> _ByteFallbackDecoder | None:
+        return _ByteFallbackDecoder.of(self._backend)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if "\ufffd" in text and self._byte_fallback is not None:  # (rare: only then can it differ)
+            return self._byte_fallback.decode(ids, self.skipped_ids if skip_special_tokens else frozenset())
+        return text
 
     def apply_chat_template(
         self,

@@ -1,0 +1,186 @@
+"""Constrained outputs that can be trusted: length-bounded JSON strings hold only JSON characters
+(xgrammar 0.2.9 lets raw control characters in and no escape), and a sampling fuzzer over a corpus of
+schemas, tool calls, JSON objects and regexes on a byte-level BPE and a SentencePiece byte-fallback
+vocabulary finds no invalid output; then the same through the engine with random-weight models."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string as accepts
+
+import json_fuzz
+from fixtures import default_model_gguf, shared_path
+from live_server import Server
+from pocketllm import LLM, SamplingParams
+from pocketllm.structured.backend import StructuredOutputs
+from pocketllm.structured.grammars import build
+from pocketllm.tokenizer.gguf_vocab import load_gguf_tokenizer
+from tiny_models import make_tiny_chat_model
+
+BOUNDED = {"type": "string", "minLength": 1, "maxLength": 3}
+# JSON texts of strings, and whether they are 1 to 3 characters long once decoded (lone surrogates,
+# which Python decodes but are no characters, are refused)
+STRINGS = {'"abc"': True, '"a\\"b"': True, '"a\\nb"': True, '"\\\\"': True, '"a\\/"': True, '"\\u00e9"': True,
+           '"é😀x"': True, '"\\ud83d\\ude00"': True, '"\\t\\r\\b"': True,
+           '""': False, '"abcd"': False, '"a\nb"': False, '"a\x07b"': False, '"\x00"': False, '"a\\qb"': False,
+           '"\\u00e9\\u00e9\\u00e9\\u00e9"': False, '"\\ud83d"': False, '"\\ude00"': False, '"\\u12"': False}
+
+
+def test_xgrammar_still_lets_raw_control_characters_into_bounded_strings():
+    """When this fails, the pinned xgrammar compiles length-bounded strings right (its issue #800):
+    drop `json_strings_fixed` (pocketllm/structured/grammars.py) and this test."""
+    raw = xgr.Grammar.from_json_schema(json.dumps(BOUNDED), any_whitespace=False, strict_mode=True)
+    assert accepts(raw, '"a\x07b"') and not accepts(raw, '"a\\"b"')
+
+
+@pytest.mark.parametrize("spec", [
+    {"json": BOUNDED},
+    {"json": {"type": "object", "properties": {"s": BOUNDED}, "required": ["s"], "additionalProperties": False}},
+    {"json": {"type": "object", "propertyNames": BOUNDED, "additionalProperties": {"type": "integer"}}},
+    {"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                                             "content": {"type": "json_schema", "json_schema": BOUNDED}}}},
+    {"tool_calls": {"format": "hermes", "tools": [  # the second tool's rules get other names
+        {"name": "g", "parameters": {"type": "object", "properties": {"t": {"type": "string", "maxLength": 2}}}},
+        {"name": "f", "parameters": {"type": "object", "properties": {"s": BOUNDED}, "required": ["s"]}}]}},
+], ids=["string", "property", "property_names", "structural_tag", "tool_call"])
+def test_bounded_strings_are_made_of_json_characters(spec):
+    grammar = build(spec)
+    for text, ok in STRINGS.items():
+        if "json" in spec and "properties" in spec["json"]:
+            text = '{"s": %s}' % text
+        elif "json" in spec and "propertyNames" in spec["json"]:
+            text = '{%s: 1}' % text
+        elif "structural_tag" in spec:
+            text = f"<a>{text}</a>"
+        elif "tool_calls" in spec:
+            text = '<tool_call>\n{"name": "f", "arguments": {"s": %s}}\n</tool_call>' % text
+        assert accepts(grammar, text) == ok, text
+
+
+VOCABS = ["gpt2_bpe", "llama_spm"]
+
+
+def vocab_path(name: str):
+    """SmolLM2's byte-level BPE, or Llama's SentencePiece with byte fallback."""
+    return default_model_gguf() if name == "gpt2_bpe" else shared_path("fixtures/vocab/ggml-vocab-llama-spm.gguf")
+
+
+@pytest.fixture(scope="module", params=VOCABS)
+def vocab(request):
+    """(tokenizer, StructuredOutputs) of a real vocabulary."""
+    tok = load_gguf_tokenizer(vocab_path(request.param))
+    return tok, StructuredOutputs(tok, tok.vocab_size, {tok.eos_token_id})
+
+
+def test_a_quote_and_a_newline_go_through_a_bounded_string(vocab):
+    """`{"s": "a\\"b\\nc"}` written through the grammar: at each step the allowed token that writes the
+    most of what remains (in the bytes xgrammar reads for each token), then a stop token."""
+    import torch
+
+    tok, structured = vocab
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    state = structured.new_state(structured.compile({"json": schema}))
+    pieces = structured.tokenizer_info().decoded_vocab
+    rest = json.dumps({"s": 'a"b\nc'}).encode()
+    bitmask = torch.zeros(1, (structured.vocab_size + 31) // 32, dtype=torch.int32)
+    while rest:
+        state.fill_bitmask(bitmask, 0)
+        allowed = [i for i in range(structured.vocab_size) if bitmask[0, i // 32] >> (i % 32) & 1]
+        best = max((i for i in allowed if pieces[i] and rest.startswith(pieces[i])), key=lambda i: len(pieces[i]))
+        state.accept(best)
+        rest = rest[len(pieces[best]):]
+    state.accept(tok.eos_token_id)
+    assert state.is_terminated and not state.rejected
+
+
+def test_fuzzer_finds_no_invalid_output(vocab):
+    """12 schemas, a JSON object, 3 regexes, 3 tool-call formats: 16 samples each at temperature 1.0."""
+    tok, structured = vocab
+    failures = []
+    for name, spec, check in json_fuzz.cases():
+        counts = json_fuzz.fuzz(structured, tok, spec, check, seeds=range(16), failures=failures)
+        assert counts["valid"] >= 4, (name, counts)  # enough of them end
+    assert not failures, failures[:5]
+
+
+# The reproduction: strings with maxLength at temperature 1.0 (raw control characters came out).
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+TOOL = {"name": "lookup", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string", "minLength": 1, "maxLength": 20}, "limit": {"type": "integer", "minimum": 1}},
+    "required": ["query"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module", params=VOCABS)
+def tiny_chat(request, tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp(request.param), vocab_path(request.param))
+
+
+def test_random_weights_at_temperature_one_give_valid_json(tiny_chat):
+    """40 seeds of a random-weight model, each output stops and validates."""
+    llm = LLM(str(tiny_chat), max_model_len=1024, kv_cache_memory=64 << 20)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=600, structured_outputs={"json": PERSON})
+              for seed in range(40)]
+    outs = llm.generate(["Describe a person in JSON:"] * 40, params, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), PERSON)
+    llm.engine.check_no_leaks()
+
+
+def test_live_server_streams_valid_json_and_tool_calls_under_speculation(tmp_path_factory):
+    """The server with n-gram speculative decoding: 10 streamed requests of n=4 under a schema, and
+    required tool calls, n=4, streamed and not: every choice parses and validates."""
+    model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+    server = Server("--served-model-name", "m", "--tool-call-parser", "hermes", "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}', model=model,
+                    engine_flags=["--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]).wait_ready()
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "A person, as JSON: name, age, tags."}]
+    tools = [{"type": "function", "function": TOOL}]
+
+    async def streamed(seed: int, **kw) -> list[tuple[str, list, str]]:
+        choices = {}
+        async for chunk in await client.chat.completions.create(
+                model="m", messages=messages, n=4, temperature=1.0, seed=seed, max_tokens=600, stream=True, **kw):
+            for c in chunk.choices:
+                content, calls, finish = choices.setdefault(c.index, ["", [], None])
+                choices[c.index][0] += c.delta.content or ""
+                for tc in c.delta.tool_calls or []:
+                    if tc.id is not None:
+                        calls.append([tc.function.name, ""])
+                    calls[tc.index][1] += tc.function.arguments or ""
+                choices[c.index][2] = c.finish_reason or finish
+        return [tuple(choices[i]) for i in sorted(choices)]
+
+    async def main():
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        jobs = [streamed(seed, response_format=fmt) for seed in range(10)]
+        jobs += [streamed(100 + seed, tools=tools, tool_choice="required") for seed in range(3)]
+        plain = [client.chat.completions.create(model="m", messages=messages, n=4, temperature=1.0, seed=200 + s,
+                                                max_tokens=600, tools=tools, tool_choice="required")
+                 for s in range(3)]
+        return await asyncio.gather(*jobs), await asyncio.gather(*plain)
+
+    try:
+        streams, plain = asyncio.run(main())
+        for content, calls, finish in [c for s in streams[:10] for c in s]:
+            assert finish == "stop" and not calls, (finish, content)
+            jsonschema.validate(json.loads(content), PERSON)
+        calls = [call for s in streams[10:] for _, cs, finish in s for call in cs]
+        calls += [[tc.function.name, tc.function.arguments] for r in plain for c in r.choices
+                  for tc in c.message.tool_calls]
+        assert len(calls) >= 24
+        for name, arguments in calls:
+            assert name == "lookup"
+            jsonschema.validate(json.loads(arguments), TOOL["parameters"])
+    finally:
+        assert server.stop() == 0
