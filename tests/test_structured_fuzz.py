@@ -184,3 +184,27 @@ def test_live_server_streams_valid_json_and_tool_calls_under_speculation(tmp_pat
             jsonschema.validate(json.loads(arguments), TOOL["parameters"])
     finally:
         assert server.stop() == 0
+
+
+def test_dates_are_real_dates():
+    """`format: date` and the date of `date-time`: a day the month has (29 February in leap years),
+    a year from 0001, as `datetime` reads them; a `const` object that looks like a schema stays itself."""
+    import datetime
+    import random
+
+    date = build({"json": {"type": "string", "format": "date"}})
+    stamp = build({"json": {"type": "string", "format": "date-time"}})
+    rng = random.Random(0)
+    for _ in range(400):
+        text = f"{rng.randrange(0, 2500):04d}-{rng.randrange(0, 14):02d}-{rng.randrange(0, 33):02d}"
+        try:
+            datetime.date.fromisoformat(text)
+            real = True
+        except ValueError:
+            real = False
+        assert accepts(date, f'"{text}"') == real, text
+        assert accepts(stamp, f'"{text}T23:59:59Z"') == real, text
+    for text, real in (("2024-02-29", True), ("2000-02-29", True), ("1900-02-29", False), ("2023-11-31", False)):
+        assert accepts(date, f'"{text}"') == real, text
+    const = build({"json": {"const": {"format": "date"}}})
+    assert accepts(const, '{"format":"date"}')  # (xgrammar writes a const compact)

@@ -85,6 +85,7 @@ _DATE = (rf"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]
          rf"|{_LEAP}-02-29)")
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _DATE_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}T{_TIME}$"}
+_VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
 
 
 def _real_dates(node):
@@ -94,7 +95,7 @@ def _real_dates(node):
         return [_real_dates(v) for v in node]
     if not isinstance(node, dict):
         return node
-    node = {k: _real_dates(v) for k, v in node.items()}
+    node = {k: v if k in _VALUES else _real_dates(v) for k, v in node.items()}
     if node.get("format") in _DATE_PATTERNS and "pattern" not in node:
         node["pattern"] = _DATE_PATTERNS[node.pop("format")]
     return node
