@@ -136,56 +136,6 @@ def test_random_weights_at_temperature_one_give_valid_json(tiny_chat):
     llm.engine.check_no_leaks()
 
 
-def test_live_server_streams_valid_json_and_tool_calls_under_speculation(tmp_path_factory):
-    """The server with n-gram speculative decoding: 10 streamed requests of n=4 under a schema, and
-    required tool calls, n=4, streamed and not: every choice parses and validates."""
-    model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    server = Server("--served-model-name", "m", "--tool-call-parser", "hermes", "--speculative-config",
-                    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}', model=model,
-                    engine_flags=["--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]).wait_ready()
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
-    messages = [{"role": "user", "content": "A person, as JSON: name, age, tags."}]
-    tools = [{"type": "function", "function": TOOL}]
-
-    async def streamed(seed: int, **kw) -> list[tuple[str, list, str]]:
-        choices = {}
-        async for chunk in await client.chat.completions.create(
-                model="m", messages=messages, n=4, temperature=1.0, seed=seed, max_tokens=600, stream=True, **kw):
-            for c in chunk.choices:
-                content, calls, finish = choices.setdefault(c.index, ["", [], None])
-                choices[c.index][0] += c.delta.content or ""
-                for tc in c.delta.tool_calls or []:
-                    if tc.id is not None:
-                        calls.append([tc.function.name, ""])
-                    calls[tc.index][1] += tc.function.arguments or ""
-                choices[c.index][2] = c.finish_reason or finish
-        return [tuple(choices[i]) for i in sorted(choices)]
-
-    async def main():
-        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-        jobs = [streamed(seed, response_format=fmt) for seed in range(10)]
-        jobs += [streamed(100 + seed, tools=tools, tool_choice="required") for seed in range(3)]
-        plain = [client.chat.completions.create(model="m", messages=messages, n=4, temperature=1.0, seed=200 + s,
-                                                max_tokens=600, tools=tools, tool_choice="required")
-                 for s in range(3)]
-        return await asyncio.gather(*jobs), await asyncio.gather(*plain)
-
-    try:
-        streams, plain = asyncio.run(main())
-        for content, calls, finish in [c for s in streams[:10] for c in s]:
-            assert finish == "stop" and not calls, (finish, content)
-            jsonschema.validate(json.loads(content), PERSON)
-        calls = [call for s in streams[10:] for _, cs, finish in s for call in cs]
-        calls += [[tc.function.name, tc.function.arguments] for r in plain for c in r.choices
-                  for tc in c.message.tool_calls]
-        assert len(calls) >= 24
-        for name, arguments in calls:
-            assert name == "lookup"
-            jsonschema.validate(json.loads(arguments), TOOL["parameters"])
-    finally:
-        assert server.stop() == 0
-
-
 def test_dates_are_real_dates():
     """`format: date` and the date of `date-time`: a day the month has (29 February in leap years),
     a year from 0001, as `datetime` reads them; a `const` object that looks like a schema stays itself."""
