@@ -4,18 +4,15 @@ schemas, tool calls, JSON objects and regexes on a byte-level BPE and a Sentence
 vocabulary finds no invalid output; then the same through the engine with random-weight models."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import jsonschema
-import openai
 import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
 import json_fuzz
 from fixtures import default_model_gguf, shared_path
-from live_server import Server
 from pocketllm import LLM, SamplingParams
 from pocketllm.structured.backend import StructuredOutputs
 from pocketllm.structured.grammars import build
