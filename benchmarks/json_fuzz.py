@@ -3,7 +3,7 @@ a JSON object, regexes, tool calls in three formats) sampled at temperature 1.0 
 SmolLM2's byte-level BPE and Llama's SentencePiece byte-fallback vocabularies; counts of valid, invalid
 and unfinished outputs, and the invalid ones, as JSON.
 
-    python benchmarks/json_fuzz.py --seeds 270 --out benchmarks/results/json-fuzz.json
+    python benchmarks/json_fuzz.py --seeds 310 --out benchmarks/results/json-fuzz-cpu.json
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _cpu() -> str:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, default=270, help="outputs per case and vocabulary")
+    ap.add_argument("--seeds", type=int, default=310, help="outputs per case and vocabulary")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     start = time.time()

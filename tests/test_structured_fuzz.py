@@ -35,28 +35,24 @@ def test_xgrammar_still_lets_raw_control_characters_into_bounded_strings():
     assert accepts(raw, '"a\x07b"') and not accepts(raw, '"a\\"b"')
 
 
-@pytest.mark.parametrize("spec", [
-    {"json": BOUNDED},
-    {"json": {"type": "object", "properties": {"s": BOUNDED}, "required": ["s"], "additionalProperties": False}},
-    {"json": {"type": "object", "propertyNames": BOUNDED, "additionalProperties": {"type": "integer"}}},
-    {"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
-                                                             "content": {"type": "json_schema", "json_schema": BOUNDED}}}},
-    {"tool_calls": {"format": "hermes", "tools": [  # the second tool's rules get other names
+@pytest.mark.parametrize("spec, wrap", [
+    ({"json": BOUNDED}, "%s"),
+    ({"json": {"type": "object", "properties": {"s": BOUNDED}, "required": ["s"], "additionalProperties": False}},
+     '{"s": %s}'),
+    ({"json": {"type": "object", "propertyNames": BOUNDED, "additionalProperties": {"type": "integer"}}},
+     "{%s: 1}"),
+    ({"structural_tag": {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<a>", "end": "</a>", "content": {"type": "json_schema", "json_schema": BOUNDED}}}},
+     "<a>%s</a>"),
+    ({"tool_calls": {"format": "hermes", "tools": [  # the second tool's rules get other names
         {"name": "g", "parameters": {"type": "object", "properties": {"t": {"type": "string", "maxLength": 2}}}},
         {"name": "f", "parameters": {"type": "object", "properties": {"s": BOUNDED}, "required": ["s"]}}]}},
+     '<tool_call>\n{"name": "f", "arguments": {"s": %s}}\n</tool_call>'),
 ], ids=["string", "property", "property_names", "structural_tag", "tool_call"])
-def test_bounded_strings_are_made_of_json_characters(spec):
+def test_bounded_strings_are_made_of_json_characters(spec, wrap):
     grammar = build(spec)
     for text, ok in STRINGS.items():
-        if "json" in spec and "properties" in spec["json"]:
-            text = '{"s": %s}' % text
-        elif "json" in spec and "propertyNames" in spec["json"]:
-            text = '{%s: 1}' % text
-        elif "structural_tag" in spec:
-            text = f"<a>{text}</a>"
-        elif "tool_calls" in spec:
-            text = '<tool_call>\n{"name": "f", "arguments": {"s": %s}}\n</tool_call>' % text
-        assert accepts(grammar, text) == ok, text
+        assert accepts(grammar, wrap % text) == ok, text
 
 
 VOCABS = ["gpt2_bpe", "llama_spm"]
@@ -110,11 +106,6 @@ PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
     "required": ["name", "age", "tags"], "additionalProperties": False}
-TOOL = {"name": "lookup", "parameters": {"type": "object", "properties": {
-    "query": {"type": "string", "minLength": 1, "maxLength": 20}, "limit": {"type": "integer", "minimum": 1}},
-    "required": ["query"], "additionalProperties": False}}
-
-
 @pytest.fixture(scope="module", params=VOCABS)
 def tiny_chat(request, tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp(request.param), vocab_path(request.param))

@@ -157,7 +157,7 @@ def _after_reasoning(reasoning: dict, grammar: xgr.Grammar) -> xgr.Grammar:
     return xgr.Grammar.concat(prefix, gap, grammar)
 
 
-_FROM_JSON_SCHEMAS = frozenset({"json", "json_object", "structural_tag", "tool_calls"})
+_FROM_JSON_SCHEMAS = frozenset({"json", "structural_tag", "tool_calls"})  # (json_object bounds nothing)
 
 
 def build(spec: dict) -> xgr.Grammar:

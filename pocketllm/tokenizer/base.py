@@ -30,9 +30,10 @@ class _ByteFallbackDecoder:
     def __init__(self, backend: tokenizers.Tokenizer, strip: int):
         vocab = backend.get_vocab(with_added_tokens=True)
         self.byte_of = {i: int(m.group(1), 16) for t, i in vocab.items() if (m := _BYTE_TOKEN.fullmatch(t))}
-        # (tokens that decoding drops, control tokens as </s>, stand for no text)
-        self.text_of = {i: t.replace("\u2581", " ").encode() if backend.decode([i]) or not t.strip("\u2581") else b""
-                        for t, i in vocab.items() if i not in self.byte_of}
+        self.text_of = {i: t.replace("\u2581", " ").encode() for t, i in vocab.items() if i not in self.byte_of}
+        for i in backend.get_added_tokens_decoder():  # the control tokens (</s>) that decoding drops
+            if not backend.decode([i]):
+                self.text_of[i] = b""
         self.strip = strip
 
     @classmethod
