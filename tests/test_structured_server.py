@@ -174,6 +174,40 @@ def test_auto_tool_choice_and_tool_history(client):
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
 
+def test_calls_written_as_json_are_calls(tools_server):
+    """tool_choice auto, a Hermes template: a reply written as a fenced JSON call (as Qwen2.5-Coder
+    writes them) is a call, streamed or not; one that only names a tool, or calls it with arguments
+    its schema rejects, is content. A `choice` constraint makes the model write each reply."""
+    client, aclient = clients(tools_server)
+    call = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+    # (reply, content when it calls, or None when it is text)
+    replies = [(f"```json\n{call}\n```", ""), (f"Calling it.\n{call}", "Calling it.\n"),
+               ("I could call get_weather for Paris.", None),
+               ('```json\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 9}}\n```', None)]
+
+    async def streamed(text):
+        return await collect_stream(await aclient.chat.completions.create(
+            model="m", messages=ASK, tools=TOOLS, max_tokens=96, temperature=0, stream=True,
+            extra_body={"structured_outputs": {"choice": [text]}}))
+
+    async def main():
+        async with aclient:
+            return await asyncio.gather(*(streamed(text) for text, _ in replies))
+
+    for (text, called_content), (content, calls, finish) in zip(replies, asyncio.run(main())):
+        r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=96, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": [text]}})
+        message = r.choices[0].message
+        whole = [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
+        assert [tuple(c) for c in calls] == whole
+        if called_content is not None:
+            assert r.choices[0].finish_reason == finish == "tool_calls"
+            assert [(n, json.loads(a)) for n, a in whole] == [("get_weather", {"city": "Paris", "days": 3})]
+            assert (message.content or "") == content == called_content
+        else:
+            assert r.choices[0].finish_reason == finish == "stop" and message.content == content == text
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectt"}}}},
      "response_format", 'invalid JSON schema: Unsupported type "objectt"'),

@@ -3,6 +3,7 @@ the forced-call grammar and with the chat templates that render calls."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from pocketllm.structured.tool_parsers import ToolCall, get_tool_parser, infer_t
 from pocketllm.tokenizer.chat_template import render_chat
 
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
+DATA = Path(__file__).parent / "data"
 
 # (family, model output, expected content, expected [(name, arguments)]); None: no calls expected.
 RECORDED = [
@@ -49,6 +51,40 @@ RECORDED = [
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}', None, None),
     ("mistral", "[TOOL_CALLS] not a list", None, None),
     ("mistral", "No tools needed.", "No tools needed.", []),
+    # Qwen3-Coder's XML, as llama.cpp's tests/test-chat.cpp records it (a reply may leave out the
+    # first <tool_call>); values are JSON where they read as JSON, else text
+    ("qwen3_coder", "<tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n"
+                    "</tool_call>", None, [("special_function", '{"arg1": 1}')]),
+    ("qwen3_coder", "Let me call it.\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n"
+                    "</tool_call>", "Let me call it.\n", [("special_function", '{"arg1": 1}')]),
+    ("qwen3_coder", "<tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n"
+                    "</tool_call>\n<tool_call>\n<function=special_function_with_opt>\n<parameter=arg1>\n1\n"
+                    "</parameter>\n<parameter=arg2>\n2\n</parameter>\n</function>\n</tool_call>", None,
+     [("special_function", '{"arg1": 1}'), ("special_function_with_opt", '{"arg1": 1, "arg2": 2}')]),
+    ("qwen3_coder", '<tool_call>\n<function=python>\n<parameter=code>\ndef hello():\n    print("Hello, world!")\n\n'
+                    "hello()\n</parameter>\n</function>\n</tool_call>", None,
+     [("python", '{"code": "def hello():\\n    print(\\"Hello, world!\\")\\n\\nhello()"}')]),
+    ("qwen3_coder", "<tool_call>\n<function=html>\n<parameter=markup>\n<html>\n <head>\n  <title>Hello!</title>\n"
+                    " </head>\n</html>\n</parameter>\n</function>\n</tool_call>", None,
+     [("html", '{"markup": "<html>\\n <head>\\n  <title>Hello!</title>\\n </head>\\n</html>"}')]),
+    ("qwen3_coder", '<tool_call>\n<function=todo_list>\n<parameter=todos>\n[{"item": "Check stuff", "selected": false}]'
+                    "\n</parameter>\n</function>\n</tool_call>", None,
+     [("todo_list", '{"todos": [{"item": "Check stuff", "selected": false}]}')]),
+    ("qwen3_coder", "Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", []),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n1\n", None, None),  # stopped inside a value
+    # DeepSeek: V3.1's form as llama.cpp records it, R1's as its template writes it
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "XYZCITY"}'
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None, [("get_time", '{"city": "XYZCITY"}')]),
+    ("deepseek_v3", 'CONTENT<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Paris"}'
+                    '<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "CONTENT",
+     [("get_time", '{"city": "Paris"}'), ("get_weather", '{"city": "Paris"}')]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    f"{WEATHER}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n"
+                    '```json\n{"tz": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None,
+     [("get_weather", WEATHER), ("get_time", '{"tz": "UTC"}')]),
+    ("deepseek_v3", "The weather is fine.", "The weather is fine.", []),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"city\": ", None, None),
 ]
 
 
@@ -114,10 +150,17 @@ def test_call_ids():
     ("HuggingFaceTB-SmolLM3-3B.jinja", "hermes"),
     ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3_json"),
     ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
-    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", None),
+    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek_v3"),
+    ("Qwen3-Coder.jinja", "qwen3_coder"),
+    ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v3"),
 ])
 def test_parser_inferred_from_template(template, family):
-    assert infer_tool_parser(shared_path(f"fixtures/chat_templates/{template}").read_text()) == family
+    assert infer_tool_parser(template_source(template)) == family
+
+
+def template_source(name: str) -> str:
+    local = DATA / name  # templates not in shared/fixtures (see tests/data/README.md)
+    return local.read_text() if local.exists() else shared_path(f"fixtures/chat_templates/{name}").read_text()
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
@@ -148,6 +191,34 @@ def test_templates_render_calls_in_the_parsers_syntax(template, family):
     assert "22 degrees" in prompt
 
 
+TYPED = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"},
+    "zip": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("template, family, start, end", [
+    ("Qwen3-Coder.jinja", "qwen3_coder", "<tool_call>", "</tool_call>"),
+    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+    ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+])
+def test_calls_as_templates_write_them_read_back(template, family, start, end):
+    """A call rendered by the family's own template (what its models are trained to write) parses
+    back to the same name and arguments, typed by the tool's schema where the format is text."""
+    source = template_source(template)
+    args = {"city": "Paris", "days": 3, "hourly": True, "zip": "75001"}
+    # (content "": DeepSeek-R1's template fails on a call without content, under transformers too)
+    history = [HISTORY[0], {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]},
+        HISTORY[2]]
+    parser = get_tool_parser(family).for_tools(TYPED)
+    prompt = render_chat(source, template_messages(history, TYPED, source, parser), tools=TYPED,
+                         bos_token="<s>", eos_token="</s>")
+    written = prompt[prompt.rindex(start):prompt.rindex(end) + len(end)]  # (after the system prompt's example)
+    content, calls = parser.extract(written)
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments) == args
+
+
 @pytest.fixture(scope="module")
 def tok():
     from pocketllm.tokenizer import get_tokenizer
@@ -175,7 +246,7 @@ def structured(tok):
     return StructuredOutputs(tok, tok.vocab_size, tok.eos_token_ids)
 
 
-@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3"])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_forced_call_grammar_accepts_the_parsers_syntax(structured, family, parallel):
     import xgrammar as xgr
@@ -197,3 +268,54 @@ def test_forced_call_grammar_accepts_the_parsers_syntax(structured, family, para
     matcher = xgr.GrammarMatcher(structured.compile(named))
     assert not matcher.accept_string(one)
     assert parser.extract(one)[1] == [ToolCall("get_weather", '{"city": "Oslo"}')]
+
+
+FENCED = f'```json\n{{"name": "get_weather", "arguments": {WEATHER}}}\n```'
+# (model output, expected content, expected [(name, arguments)]) with the tools TOOLS + get_time
+FALLBACK = [
+    # Qwen2.5-Coder-1.5B-Instruct's reply to a weather question with tool_choice auto
+    (FENCED, None, [("get_weather", WEATHER)]),
+    ("I'll check the weather.\n" + FENCED + "\n", "I'll check the weather.\n", [("get_weather", WEATHER)]),
+    (f'```\n{{"name": "get_weather", "parameters": {WEATHER}}}\n```', None, [("get_weather", WEATHER)]),
+    (f'{{"name": "get_weather", "arguments": {WEATHER}}}', None, [("get_weather", WEATHER)]),
+    ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]', None,
+     [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
+    (FENCED + '\n```json\n{"name": "get_time", "arguments": {}}\n```', None,
+     [("get_weather", WEATHER), ("get_time", "{}")]),
+    ('{"type": "function", "function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}}', None,
+     [("get_weather", '{"city": "Oslo"}')]),
+    (FENCED[:-3], None, [("get_weather", WEATHER)]),  # stopped before the closing fence
+    # text, however close to a call
+    ('I would call get_weather with {"city": "Paris"}.', 'I would call get_weather with {"city": "Paris"}.', []),
+    ('```json\n{"name": "get_forecast", "arguments": {"city": "Paris"}}\n```', None, []),
+    ('```json\n{"name": "get_weather", "arguments": {"unit": "celsius"}}\n```', None, []),  # "city" is required
+    (FENCED + "\nThen I will tell you.", None, []),
+    ('```json\n{"name": "get_weather", "description": "Weather", "parameters": {"city": "Paris"}}\n```', None, []),
+    ('```python\nprint(get_weather("Paris"))\n```', None, []),
+    ('{"city": "Paris", "unit": "celsius"}', None, []),
+]
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3"])
+@pytest.mark.parametrize("text, content, calls", FALLBACK)
+def test_calls_written_as_json_are_found(family, text, content, calls):
+    """With tool_choice auto, a call written as (fenced) JSON instead of the family's syntax is a
+    call when it names one of the request's tools with valid arguments, whole and streamed; the
+    stream never shows its text as content."""
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    content = text if content is None and not calls else content
+    message, finish = ReplyParser(None, None, get_tool_parser(family).for_tools(tools)).message(text, "stop")
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
+    assert finish == ("tool_calls" if calls else "stop")
+    for step in (1, 5):
+        deltas = stream(ReplyParser(None, None, get_tool_parser(family).for_tools(tools)), text, step)
+        got_content, got_calls = assemble(deltas)
+        assert (got_content or None) == content and [tuple(c) for c in got_calls] == calls
+
+
+def test_code_blocks_that_are_not_calls_stream_as_they_come():
+    parser = ReplyParser(None, None, get_tool_parser("hermes").for_tools(TOOLS))
+    text = 'Here:\n```python\nprint(get_weather("Paris"))\n```\nand {"city": "Paris"}\n{"name": "Paris"}'
+    early = "".join(d.get("content", "") for end in range(1, len(text)) for d in parser.deltas(text[:end], False))
+    assert early == text[:-1]

@@ -50,7 +50,7 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
     chat_template: str | None = None  # overrides the model's
-    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | openai; default: inferred from the template
+    tool_call_parser: str | None = None  # a TOOL_PARSERS name; default: inferred from the template
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | openai_gptoss; default: openai_gptoss for gpt-oss
     max_request_bytes: int = 4 << 20
     body_timeout: float = 30.0  # seconds a client has to send its request body (then 408)
@@ -473,7 +473,7 @@ class OpenAIServing:
             raise P.APIError(400, "\"auto\" tool choice needs a tool-call parser: start the server with "
                                   f"--tool-call-parser ({', '.join(sorted(TOOL_PARSERS))}).", param="tool_choice",
                              code="invalid_value")
-        return parser or get_tool_parser("hermes")  # forced calls: the grammar fixes the syntax anyway
+        return (parser or get_tool_parser("hermes")).for_tools(tools)  # forced calls: the grammar fixes the syntax
 
     def _constraint(self, req, tools, parser: ToolParser | None, opened: bool | None) -> tuple[dict | None, str]:
         """`structured_outputs` for the request, and the parameter its errors belong to."""

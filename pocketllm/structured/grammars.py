@@ -123,7 +123,8 @@ def _tool_calls(value: dict) -> xgr.Grammar:
         params = _real_dates(tool.get("parameters") or {"type": "object", "properties": {}})
         # Structural tags have no compact JSON mode: one whitespace at most between JSON tokens.
         tags.append({"type": "tag", "begin": begin, "end": end,
-                     "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1}})
+                     "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1,
+                                 "style": parser.arguments_style}})
     calls = {"type": "tags_with_separator", "tags": tags, "separator": parser.separator,
              "at_least_one": True, "stop_after_first": not (value.get("parallel", True) and parser.parallel)}
     open_, close = parser.calls_delimiters
