@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import stat
 import subprocess
 
@@ -43,7 +44,20 @@ def test_a_compiler_that_refuses_the_lto_flags_builds_plainly(tmp_path, monkeypa
 
 # -- the cache: a library loaded from it runs its code ---------------------------------------------
 @pytest.fixture
-def kernel_cache(tmp_path, monkeypatch):
+def built_once(monkeypatch):
+    """Builds copy the kernels this process loaded (built by `_build`, as the tests above check)
+    instead of compiling them again: these tests are about where a library is built and loaded from."""
+    built = build.load_cpu_kernels()._name
+
+    def copy(cc, flags, out, sources=None):
+        shutil.copyfile(built, out)
+        return subprocess.CompletedProcess([cc, *flags, "-o", str(out)], 0, "", "")
+
+    monkeypatch.setattr(build, "_build", copy)
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch, built_once):
     """POCKETLLM_CACHE in `tmp_path` and a fresh `load_cpu_kernels`: (the kernels' cache directory,
     the file name the kernels are cached under there)."""
     monkeypatch.setenv("POCKETLLM_CACHE", str(tmp_path / "cache"))
@@ -92,7 +106,7 @@ def test_a_cached_library_that_others_can_write_is_not_loaded(kernel_cache, capl
         build.load_cpu_kernels()
 
 
-def test_a_cache_that_cannot_be_created_builds_privately(tmp_path, monkeypatch, caplog):
+def test_a_cache_that_cannot_be_created_builds_privately(tmp_path, monkeypatch, caplog, built_once):
     """POCKETLLM_CACHE under a regular file (unwritable even to root, whom no chmod stops): working
     kernels from a private build, not a failed load."""
     (tmp_path / "file").write_text("")

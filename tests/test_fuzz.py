@@ -16,7 +16,7 @@ from tiny_models import make_tiny_chat_model
 
 MODEL = "tiny-chat"
 # Examples per route and mode: ~1 minute on 2 cores with the one-layer model.
-EXAMPLES = {"/v1/chat/completions": 200, "/v1/completions": 200, "/tokenize": 100, "/detokenize": 60}
+EXAMPLES = {"/v1/chat/completions": 120, "/v1/completions": 120, "/tokenize": 60, "/detokenize": 40}
 
 
 @pytest.fixture(scope="module")

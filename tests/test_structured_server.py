@@ -72,7 +72,7 @@ async def collect_stream(stream) -> tuple[str, list[list[str]], str]:
 
 
 def test_json_schemas_streamed_and_not(tools_server):
-    """Each schema twice more (20 with the offline tests): response_format, not streamed, and
+    """Each schema twice more (13 with the offline tests): response_format, not streamed, and
     vLLM's structured_outputs, streamed; all requests at once, so the engine batches them."""
     _, aclient = clients(tools_server)
 

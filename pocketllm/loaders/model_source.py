@@ -62,10 +62,13 @@ class ModelSource:
             from pocketllm.loaders.dummy_loader import dummy_weights
             model.load_weights(dummy_weights(model, dtype, device, seed))
         elif self.is_gguf:
+            from pocketllm.quant.linear import int8_passes
+
+            passes = 0 if exact_kernels else int8_passes(self.config.hidden_size)
             for m in model.modules():
                 if hasattr(m, "dequantize_at_load"):
                     m.dequantize_at_load = dequantize_at_load
-                    m.int8_activations = int(not exact_kernels)
+                    m.int8_activations = passes
             model.load_weights(self.gguf.iter_weights(dtype, device))
         else:
             from pocketllm.loaders.safetensors_loader import iter_safetensors

@@ -15,7 +15,8 @@ Compute paths (``GGUFLinear.path``):
   of 256; CPUs with AVX2) take the fast variant: the activations are quantized to
   8 bits per block and each block's dot product runs on integers (not exact: within the
   activations' rounding of the exact result). ``int8_activations=2`` adds a second 8-bit
-  pass over the first one's rounding error (the output layer). Q4_0 Q4_1 Q8_0 IQ4_NL MXFP4 and
+  pass over the first one's rounding error (the output layer; every layer of a small model,
+  ``int8_passes``). Q4_0 Q4_1 Q8_0 IQ4_NL MXFP4 and
   Q4_K matrices on the fast path (rows a multiple of 8), and with AVX-512 VNNI Q6_K too, are
   repacked at load with eight rows' blocks interleaved (the same bytes, reordered; Q4_K's 6-bit
   scales unpacked to bytes: +2.8%, Q6_K with a constant per row and super-block: +1.9%; not a
@@ -86,6 +87,16 @@ _PATHS = ("auto", "c", "dense", "planes", "scratch", "int4", "int4_bf16", "trito
 # path on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 TRITON_DEVICES = {"cuda"}
 C_GEMM_ROWS = 16  # beyond this many rows, dequantize-then-BLAS beats the fused kernel
+# One 8-bit pass over the activations moves a logit by about 1% of its scale; a small model's top
+# logits are often closer than that, and greedy answers drift into loops the exact path does not
+# take. Up to this hidden size every layer of the fast path takes a second pass (its rounding error
+# to 16 bits; benchmarks/results/cpu-fast-path-answers.json).
+TWO_PASS_MAX_HIDDEN = 1024
+
+
+def int8_passes(hidden_size: int) -> int:
+    """8-bit passes over the activations on the CPU fast path, for a model of this hidden size."""
+    return 2 if hidden_size <= TWO_PASS_MAX_HIDDEN else 1
 _GROUP = 32  # int4 kernel group size = Q4_0/Q4_1 block = Q4_K sub-block
 _TEMP_FACTOR = 4  # scratch path: float chunk = SCRATCH_BYTES / this
 _LOAD_ROWS = 4096  # rows converted at once at load, bounds load-time temporaries

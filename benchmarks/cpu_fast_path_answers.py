@@ -1,0 +1,107 @@
+"""How the CPU fast path (8-bit activations) answers against the exact path, per GGUF file:
+teacher-forced top-1 agreement and KL(exact || fast) over the same 4,095 tokens of real text as
+`cpu_fast_path_accuracy.py`, and, on the default model, greedy chat answers to a dozen everyday
+prompts (how many stop on their own, how many equal the exact path's word for word, whether
+"What is the capital of France?" gets Paris). Each fast variant is a number of 8-bit passes over
+the activations (1: one rounding; 2: a second pass over the first one's rounding error; "auto":
+what the engine chooses).
+
+    python benchmarks/cpu_fast_path_answers.py [--files A.gguf B.gguf ...] \
+        > benchmarks/results/cpu-fast-path-answers.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from cpu_fast_path_accuracy import default_model, real_text
+from pocketllm import LLM, SamplingParams
+from pocketllm.bench.report import environment
+from pocketllm.quant.linear import GGUFLinear
+
+PROMPTS = [
+    "What is the capital of France?", "How many days are there in a week?", "Give me three tips for better sleep.",
+    "Translate 'good morning' into Spanish.", "What is 12 times 7?", "Write a haiku about the sea.",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?", "Suggest a name for a pet cat.",
+    "Explain what a noun is in one sentence.", "What color is the sky on a clear day?",
+    "List the first five prime numbers."]
+MAX_TOKENS = 128
+VARIANTS = ["exact", 1, 2, "auto"]
+
+
+def load(model: str, variant, **kw) -> LLM:
+    llm = LLM(model, exact_kernels=variant == "exact", enable_prefix_caching=False, **kw)
+    if isinstance(variant, int):  # every layer on `variant` passes (the output layer keeps its own)
+        for name, m in llm.engine.runner.model.named_modules():
+            if isinstance(m, GGUFLinear) and m.int8 and "embed" not in name and "lm_head" not in name:
+                m.int8 = variant
+    return llm
+
+
+def passes(llm: LLM) -> dict[int, int]:
+    """How many layers take each number of passes (0: exact)."""
+    count: dict[int, int] = {}
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, GGUFLinear):
+            count[m.int8] = count.get(m.int8, 0) + 1
+    return dict(sorted(count.items()))
+
+
+def teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """log-softmax of the predictions of tokens 1.. of `ids` (one prefill)."""
+    rt = llm.engine.runner.model
+    original, captured = rt.compute_logits, []
+    rt.compute_logits = lambda hidden: captured.append(original(hidden)) or captured[-1]
+    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0))
+    rt.compute_logits = original
+    full = torch.cat([t for t in captured if t.shape[0] > 1])[:len(ids) - 1]
+    assert full.shape[0] == len(ids) - 1, full.shape
+    return torch.log_softmax(full.double(), dim=-1)
+
+
+def answers(llm: LLM) -> list[dict]:
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+    return [{"text": o.outputs[0].text, "finish": o.outputs[0].finish_reason} for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--files", nargs="*", default=None, help="GGUF files (default: the default model)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args()
+    files = args.files or [default_model()]
+    rows = []
+    for path in files:
+        tok = LLM(path, max_model_len=64, num_kv_blocks=8).get_tokenizer()
+        ids = tok.encode(real_text())[:args.tokens]
+        kw = {"max_model_len": len(ids) + 16, "max_num_batched_tokens": len(ids)}
+        exact_llm = load(path, "exact", **kw)
+        exact = teacher_forced(exact_llm, ids)
+        exact_answers = answers(exact_llm) if path == files[0] else None
+        del exact_llm
+        row = {"file": path, "tokens_scored": exact.shape[0], "variants": {}}
+        for variant in VARIANTS:
+            llm = load(path, variant, **kw)
+            got = exact if variant == "exact" else teacher_forced(llm, ids)
+            kl = (exact.exp() * (exact - got)).sum(-1)
+            entry = {"layers_by_passes": passes(llm), "top1_agreement": (exact.argmax(-1) == got.argmax(-1)).double().mean().item(),
+                     "mean_kl_nats": kl.mean().item(), "p99_kl_nats": kl.quantile(0.99).item()}
+            if exact_answers is not None:
+                mine = exact_answers if variant == "exact" else answers(llm)
+                entry.update({"stopped": sum(a["finish"] == "stop" for a in mine),
+                              "equal_to_exact": sum(a["text"] == b["text"] for a, b in zip(mine, exact_answers)),
+                              "france": mine[0]["text"], "france_stopped": mine[0]["finish"] == "stop",
+                              "answers": mine})
+            row["variants"][str(variant)] = entry
+            del llm
+        rows.append(row)
+    print(json.dumps({**environment(), "text": "README.md + Python's LICENSE.txt", "prompts": PROMPTS,
+                      "max_tokens": MAX_TOKENS, "files": rows}, indent=1, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    main()
