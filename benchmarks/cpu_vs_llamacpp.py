@@ -38,9 +38,9 @@ GOALS = {"tg": 1.0, "pp128": 1.0, "pp512": 1.5, "batch8": 1.5}
 
 def cpu_isa() -> str:
     """The widest vector instructions this CPU has, which both engines build for."""
-    from pocketllm.kernels.cpu.build import _cpu_flags
+    from pocketllm.kernels.cpu.build import _cpu_info
 
-    return "AVX-512" if "avx512f" in _cpu_flags() else "AVX2"
+    return "AVX-512" if "avx512f" in _cpu_info().get("flags", "").split() else "AVX2"
 
 
 def llamacpp_bin(threads: int) -> Path:

@@ -146,3 +146,8 @@ def test_dates_are_real_dates():
         assert accepts(date, f'"{text}"') == real, text
     const = build({"json": {"const": {"format": "date"}}})
     assert accepts(const, '{"format":"date"}')  # (xgrammar writes a const compact)
+    # a structural tag's schemas too
+    day = {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"]}
+    tag = build({"structural_tag": {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<d>", "end": "</d>", "content": {"type": "json_schema", "json_schema": day}}}})
+    assert accepts(tag, '<d>{"day": "2024-02-29"}</d>') and not accepts(tag, '<d>{"day": "2023-02-29"}</d>')

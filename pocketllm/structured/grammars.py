@@ -101,6 +101,19 @@ def _real_dates(node):
     return node
 
 
+def _tag_dates(node):
+    """A structural tag with `_real_dates` applied to each of its schemas."""
+    if isinstance(node, list):
+        return [_tag_dates(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: _real_dates(v) if k == "json_schema" else _tag_dates(v) for k, v in node.items()}
+
+
+def _structural_tag(tag: dict) -> xgr.Grammar:
+    return xgr.Grammar.from_structural_tag(_tag_dates(tag))
+
+
 def _json_schema(schema: dict) -> xgr.Grammar:
     # Compact JSON (", " and ": "), as templates render it: free whitespace lets a model pad forever.
     return xgr.Grammar.from_json_schema(json.dumps(_real_dates(schema)), any_whitespace=False, strict_mode=True)
@@ -138,7 +151,7 @@ def _tool_calls(value: dict) -> xgr.Grammar:
 
 
 _BUILDERS = {"json": _json_schema, "json_object": _json_object, "regex": xgr.Grammar.from_regex,
-             "choice": _choice, "grammar": xgr.Grammar.from_ebnf, "structural_tag": xgr.Grammar.from_structural_tag,
+             "choice": _choice, "grammar": xgr.Grammar.from_ebnf, "structural_tag": _structural_tag,
              "tool_calls": _tool_calls}
 
 
