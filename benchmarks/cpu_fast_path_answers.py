@@ -2,17 +2,20 @@
 teacher-forced top-1 agreement and KL(exact || fast) over the same 4,095 tokens of real text as
 `cpu_fast_path_accuracy.py`, and, on the default model, greedy chat answers to a dozen everyday
 prompts (how many stop on their own, how many equal the exact path's word for word, whether
-"What is the capital of France?" gets Paris). Each fast variant is a number of 8-bit passes over
-the activations (1: one rounding; 2: a second pass over the first one's rounding error; "auto":
-what the engine chooses).
+"What is the capital of France?" gets Paris). Variants: "exact"; 1, every layer on one 8-bit pass
+over its activations and the output layer on two (the fast path before small models took two
+everywhere); "default", what the engine chooses (`int8_passes`). With --llama-simple, llama.cpp's
+greedy answers to the same prompts on the first file (`llama-simple`, its CPU build: it also
+multiplies on 8-bit activations).
 
-    python benchmarks/cpu_fast_path_answers.py [--files A.gguf B.gguf ...] \
+    python benchmarks/cpu_fast_path_answers.py [--files A.gguf B.gguf ...] [--llama-simple BIN] \
         > benchmarks/results/cpu-fast-path-answers.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 
 import torch
 
@@ -28,7 +31,7 @@ PROMPTS = [
     "Explain what a noun is in one sentence.", "What color is the sky on a clear day?",
     "List the first five prime numbers."]
 MAX_TOKENS = 128
-VARIANTS = ["exact", 1, 2, "auto"]
+VARIANTS = ["exact", 1, "default"]
 
 
 def load(model: str, variant, **kw) -> LLM:
@@ -68,10 +71,22 @@ def answers(llm: LLM) -> list[dict]:
     return [{"text": o.outputs[0].text, "finish": o.outputs[0].finish_reason} for o in outs]
 
 
+def llamacpp_answers(binary: str, model: str, tok) -> list[str]:
+    out = []
+    for p in PROMPTS:
+        prompt = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        done = subprocess.run([binary, "-m", model, "-n", str(MAX_TOKENS), prompt], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0 and done.stdout.startswith(prompt), done.stderr[-2000:]
+        out.append(done.stdout[len(prompt):].removesuffix("\n"))  # (it ends its output with a newline)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--files", nargs="*", default=None, help="GGUF files (default: the default model)")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--llama-simple", default=None, help="llama.cpp's llama-simple, for its answers")
     args = ap.parse_args()
     files = args.files or [default_model()]
     rows = []
@@ -98,6 +113,10 @@ def main() -> None:
                               "answers": mine})
             row["variants"][str(variant)] = entry
             del llm
+        if exact_answers is not None and args.llama_simple:
+            theirs = llamacpp_answers(args.llama_simple, path, tok)
+            row["llama.cpp"] = {"equal_to_exact_up_to_eos": sum(t == a["text"] for t, a in zip(theirs, exact_answers)),
+                                "france": theirs[0], "answers": theirs}
         rows.append(row)
     print(json.dumps({**environment(), "text": "README.md + Python's LICENSE.txt", "prompts": PROMPTS,
                       "max_tokens": MAX_TOKENS, "files": rows}, indent=1, ensure_ascii=False))
