@@ -57,7 +57,8 @@ def teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
     rt = llm.engine.runner.model
     original, captured = rt.compute_logits, []
     rt.compute_logits = lambda hidden: captured.append(original(hidden)) or captured[-1]
-    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0))
+    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
+                 use_tqdm=False)
     rt.compute_logits = original
     full = torch.cat([t for t in captured if t.shape[0] > 1])[:len(ids) - 1]
     assert full.shape[0] == len(ids) - 1, full.shape

@@ -4,15 +4,18 @@ schemas, tool calls, JSON objects and regexes on a byte-level BPE and a Sentence
 vocabulary finds no invalid output; then the same through the engine with random-weight models."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
+import openai
 import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
 import json_fuzz
 from fixtures import default_model_gguf, shared_path
+from live_server import Server
 from pocketllm import LLM, SamplingParams
 from pocketllm.structured.backend import StructuredOutputs
 from pocketllm.structured.grammars import build
@@ -122,6 +125,62 @@ def test_random_weights_at_temperature_one_give_valid_json(tiny_chat):
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), PERSON)
     llm.engine.check_no_leaks()
+
+
+LOOKUP = {"name": "lookup", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string", "maxLength": 20}, "limit": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["query", "limit"], "additionalProperties": False}}
+
+
+def test_live_server_streams_valid_json_and_tool_calls_under_speculation(tmp_path_factory):
+    """The server with n-gram speculative decoding, a random-weight model at temperature 1.0:
+    streamed schema-constrained choices (n=3) and required tool calls (n=2, streamed and not)
+    all stop, parse and validate."""
+    model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+    server = Server("--served-model-name", "m", "--tool-call-parser", "hermes", "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}', model=model,
+                    engine_flags=["--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]).wait_ready()
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=600)
+    messages = [{"role": "user", "content": "A person, as JSON: name, age, tags."}]
+    tools = [{"type": "function", "function": LOOKUP}]
+
+    async def streamed(seed: int, n: int, **kw) -> list[tuple[str, list, str]]:
+        choices: dict[int, list] = {}
+        async for chunk in await client.chat.completions.create(
+                model="m", messages=messages, n=n, temperature=1.0, seed=seed, max_tokens=600, stream=True, **kw):
+            for c in chunk.choices:
+                content, calls, finish = choices.setdefault(c.index, ["", [], None])
+                choices[c.index][0] += c.delta.content or ""
+                for tc in c.delta.tool_calls or []:
+                    if tc.id is not None:
+                        calls.append([tc.function.name, ""])
+                    calls[tc.index][1] += tc.function.arguments or ""
+                choices[c.index][2] = c.finish_reason or finish
+        return [tuple(choices[i]) for i in sorted(choices)]
+
+    async def main():
+        async with client:
+            fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+            json_jobs = [streamed(seed, 3, response_format=fmt) for seed in range(4)]
+            call_jobs = [streamed(100 + seed, 2, tools=tools, tool_choice="required") for seed in range(2)]
+            plain = client.chat.completions.create(model="m", messages=messages, n=2, temperature=1.0, seed=200,
+                                                   max_tokens=600, tools=tools, tool_choice="required")
+            return await asyncio.gather(asyncio.gather(*json_jobs), asyncio.gather(*call_jobs), plain)
+
+    try:
+        json_streams, call_streams, plain = asyncio.run(main())
+        for content, calls, finish in [c for s in json_streams for c in s]:
+            assert finish == "stop" and not calls, (finish, content)
+            jsonschema.validate(json.loads(content), PERSON)
+        calls = [(call, finish) for s in call_streams for _, cs, finish in s for call in cs]
+        calls += [([tc.function.name, tc.function.arguments], c.finish_reason) for c in plain.choices
+                  for tc in c.message.tool_calls]
+        assert len(calls) >= 6
+        for (name, arguments), finish in calls:
+            assert name == "lookup" and finish == "tool_calls"
+            jsonschema.validate(json.loads(arguments), LOOKUP["parameters"])
+    finally:
+        assert server.stop() == 0
 
 
 def test_dates_are_real_dates():
