@@ -62,8 +62,8 @@ SCHEMAS = {
         "required": ["i", "x", "n"], "additionalProperties": False},
     "pattern_and_format": {"type": "object", "properties": {
         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "day": {"type": "string", "format": "date"},
-        "id": {"type": "string", "format": "uuid"}},
-        "required": ["zip", "day", "id"], "additionalProperties": False},
+        "id": {"type": "string", "format": "uuid"}, "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}},
+        "required": ["zip", "day", "id", "code"], "additionalProperties": False},
     "optional_and_const": {"type": "object", "properties": {
         "kind": {"const": "event"}, "title": {"type": "string", "maxLength": 6}, "n": {"type": "boolean"}},
         "required": ["kind"], "additionalProperties": False},

@@ -88,9 +88,32 @@ _DATE_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}T{_TIME}$"}
 _VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
 
 
+# xgrammar ignores minLength/maxLength beside a pattern. A pattern that is one character class
+# repeated (pydantic's constr(pattern=r"^[a-z]+$", max_length=8)) takes the bounds into its repetition.
+_CLASS_RUN = re.compile(r"\^?(\[(?:[^\]\\]|\\.)+\]|\\[dwsDWS])([*+?]|\{(\d+)(,(\d*))?\})?\$?")
+_RUNS = {None: (1, 1), "*": (0, None), "+": (1, None), "?": (0, 1)}
+
+
+def _bounded_pattern(node: dict) -> dict:
+    m = _CLASS_RUN.fullmatch(node["pattern"])
+    if m is None:
+        return node
+    if m.group(3) is not None:
+        lo, hi = int(m.group(3)), (int(m.group(5)) if m.group(5) else None) if m.group(4) else int(m.group(3))
+    else:
+        lo, hi = _RUNS[m.group(2)]
+    lo = max(lo, node.get("minLength", 0))
+    his = [h for h in (hi, node.get("maxLength")) if h is not None]
+    hi = min(his) if his else None
+    if hi is not None and lo > hi:
+        return node  # unsatisfiable: left to the compiler
+    rest = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
+    return {**rest, "pattern": f"^{m.group(1)}{{{lo},{'' if hi is None else hi}}}$"}
+
+
 def _real_dates(node):
     """`node` (a schema or part of one) with each `format: date / date-time` string without a pattern
-    given the pattern of real dates."""
+    given the pattern of real dates, and length bounds moved into the patterns they apply to."""
     if isinstance(node, list):
         return [_real_dates(v) for v in node]
     if not isinstance(node, dict):
@@ -98,6 +121,8 @@ def _real_dates(node):
     node = {k: v if k in _VALUES else _real_dates(v) for k, v in node.items()}
     if node.get("format") in _DATE_PATTERNS and "pattern" not in node:
         node["pattern"] = _DATE_PATTERNS[node.pop("format")]
+    if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
+        node = _bounded_pattern(node)
     return node
 
 
