@@ -13,7 +13,6 @@ if "torch" not in sys.modules and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os
 
 from pocketllm.config import EngineArgs  # noqa: E402
 from pocketllm.errors import ConfigurationError, RequestError, UnsupportedFeatureError  # noqa: E402
-from pocketllm.llm import LLM  # noqa: E402
 from pocketllm.logging_config import configure_logging  # noqa: E402
 from pocketllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pocketllm.sampling_params import SamplingParams  # noqa: E402
@@ -21,6 +20,16 @@ from pocketllm.sampling_params import SamplingParams  # noqa: E402
 __version__ = "0.1.0"
 
 configure_logging()
+
+
+def __getattr__(name: str):
+    # LLM imports torch (about 2 s): only on first use, so that `pocketllm --help` and light
+    # commands start at once.
+    if name == "LLM":
+        from pocketllm.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pocketllm' has no attribute {name!r}")
 
 
 def get_tokenizer(path, chat_template: str | None = None):

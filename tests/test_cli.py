@@ -44,7 +44,7 @@ def key_file(tmp_path):
 
 MISTAKES = [
     (["serve", NOWHERE], [NOWHERE, "does not exist"]),
-    (["generate", "hi", "--model", NOWHERE], ["does not exist"]),
+    (["generate", NOWHERE, "hi"], ["does not exist"]),
     (["chat", NOWHERE], ["does not exist"]),
     (["serve", "--max-model-len", "0"], ["max_model_len must be >= 1"]),
     (["generate", "hi", "--max-tokens", "-5"], ["max_tokens", "-5"]),
@@ -148,3 +148,29 @@ def test_the_errors_name_the_flag_and_the_python_argument():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigurationError, match=r"--device cpu \(device='cpu' in Python\)"):
             resolve_device("cuda")
+
+
+def test_help_does_not_import_torch():
+    """`pocketllm --help` and a command's --help answer without loading torch (about 2 s)."""
+    for argv in (["--help"], ["generate", "--help"], ["serve", "--help"]):
+        code = ("import sys; from pocketllm.cli.main import main\n"
+                "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+                "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'pocketllm' in m)")
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parents[1])
+        assert done.returncode == 0, done.stderr
+        assert "usage: pocketllm" in done.stdout
+
+
+def test_every_command_takes_the_model_first():
+    """`serve MODEL`, `chat MODEL`, `generate MODEL PROMPT` (and without MODEL, the default one)."""
+    for argv in (["serve", "m.gguf"], ["chat", "m.gguf"], ["generate", "m.gguf", "hi"], ["bench", "latency", "m.gguf"]):
+        assert build_parser(argv).parse_args(argv).model == "m.gguf", argv
+    args = build_parser(["generate", "hi"]).parse_args(["generate", "hi"])
+    assert (args.model, args.prompt) == (None, "hi")
+
+
+def test_generate_runs_a_model_named_first(capsys):
+    assert main(["generate", str(default_model_gguf()), "The capital of France is", "--max-tokens", "4",
+                 "--temperature", "0", "--max-model-len", "64", "--num-kv-blocks", "8"]) == 0
+    assert capsys.readouterr().out.strip()

@@ -900,3 +900,20 @@ def test_offline_generate_checks_requests_before_running(tiny_models):
     with pytest.raises(RequestError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[-100000])
     llm.engine.check_no_leaks()
+
+
+def test_a_reply_without_max_tokens_is_bounded_by_the_server_default(tmp_path):
+    """A chat request without max_tokens stops at --default-max-tokens with finish_reason "length",
+    streamed or not, instead of running to the end of the context."""
+    cfg = ServerConfig(model_name=MODEL, default_max_tokens=7)
+    engine = LLMEngine(EngineArgs(model=str(make_tiny_chat_model(tmp_path)), dtype="float32", num_kv_blocks=64))
+    with in_process(create_app(AsyncLLM(engine), cfg)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        ask = {"model": MODEL, "messages": CHAT["messages"], "extra_body": {"ignore_eos": True}}
+        r = client.chat.completions.create(**ask)
+        assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
+        chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 7
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        longer = client.chat.completions.create(**ask, max_tokens=12)  # what a request asks for wins
+        assert longer.usage.completion_tokens == 12

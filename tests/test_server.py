@@ -392,7 +392,9 @@ def test_other_errors(server, client, model):
     assert error_of(httpx.post(url, json={"model": model, "prompt": [1, 10**9]}), 400)["param"] == "prompt"
     assert error_of(httpx.post(url, json={"model": model, "prompt": []}), 400)["param"] == "prompt"
     assert error_of(httpx.post(url, json={"model": model, "prompt": "x", "top_p": 0}), 400)["param"] == "top_p"
-    assert error_of(httpx.post(url, json={"model": "gpt-9", "prompt": "x"}), 404)["code"] == "model_not_found"
+    missing = error_of(httpx.post(url, json={"model": "gpt-9", "prompt": "x"}), 404)
+    assert missing["code"] == "model_not_found" and missing["param"] == "model"
+    assert f"this server serves `{model}`" in missing["message"]  # what to ask for instead
     too_long = "word " * 3000
     assert error_of(httpx.post(url, json={"model": model, "prompt": too_long}), 400)["code"] == \
         "context_length_exceeded"

@@ -54,15 +54,12 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
         if f.name == "model":
-            if positional_model:
-                parser.add_argument("model", nargs="?", default=None, help=_HELP["model"])
-            else:
-                group.add_argument("--model", default=None, help=_HELP["model"])
+            parser.add_argument("model", nargs="?", default=None, help=_HELP["model"])
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]

@@ -6,12 +6,15 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from pocketllm.cli.args import add_engine_args, engine_args_from
 from pocketllm.cli.serve import load_engine, read_chat_template
-from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.errors import ConfigurationError
 from pocketllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine imports torch: only when a command runs it
+    from pocketllm.engine.llm_engine import LLMEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:

@@ -11,8 +11,8 @@ from pocketllm.errors import ConfigurationError, RequestError
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    add_engine_args(parser)  # [MODEL] first, as `serve` and `chat` take it
     parser.add_argument("prompt", help="the text to complete")
-    add_engine_args(parser, positional_model=False)
     add_sampling_arguments(parser)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message of a chat")
     parser.add_argument("--chat-template", default=None, metavar="FILE",

@@ -11,13 +11,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pocketllm.cli.args import add_engine_args, engine_args_from
 from pocketllm.config import EngineArgs
-from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.errors import ConfigurationError
 from pocketllm.structured.reasoning import REASONING_PARSERS
 from pocketllm.structured.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:  # the engine imports torch: only when a command runs it
+    from pocketllm.engine.llm_engine import LLMEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -55,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--max-grammar-compile-time", type=float, default=10.0, metavar="SECONDS",
                         help="a request's grammar (JSON schema, regex, tools...) that takes longer to compile gets "
                              "400 and its compilation is stopped (default: 10)")
+    parser.add_argument("--default-max-tokens", type=int, default=2048, metavar="N",
+                        help="the most tokens a reply gets when its request sets no max_tokens, so that a model "
+                             "that loops stops (default: 2048; 0: up to the end of the context)")
     parser.add_argument("--max-queue-time", type=float, default=60.0, metavar="SECONDS",
                         help="a request that waited this long without starting gets 503 with Retry-After "
                              "(default: 60)")
@@ -131,6 +137,8 @@ def check_limits(args: argparse.Namespace) -> None:
     if not args.max_grammar_compile_time > 0:
         raise ConfigurationError(f"--max-grammar-compile-time must be a positive number of seconds; got "
                                  f"{args.max_grammar_compile_time}")
+    if args.default_max_tokens < 0:
+        raise ConfigurationError(f"--default-max-tokens must be 0 (no bound) or more; got {args.default_max_tokens}")
 
 
 def load_engine(engine_args: EngineArgs) -> LLMEngine:
@@ -156,6 +164,8 @@ def load_engine(engine_args: EngineArgs) -> LLMEngine:
     # they are built walks them again and again (~1 s of full collections for the default model).
     gc.disable()
     try:
+        from pocketllm.engine.llm_engine import LLMEngine
+
         return LLMEngine(engine_args)
     finally:
         gc.enable()
@@ -192,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         max_connections=args.max_connections, header_timeout=args.request_header_timeout,
         max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids,
         max_logit_bias=args.max_logit_bias, max_messages=args.max_messages, max_tools=args.max_tools,
-        max_grammar_compile_time=args.max_grammar_compile_time)
+        max_grammar_compile_time=args.max_grammar_compile_time, default_max_tokens=args.default_max_tokens)
     host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}/v1"
 

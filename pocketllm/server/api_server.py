@@ -67,6 +67,7 @@ class ServerConfig:
     max_messages: int = 2048
     max_tools: int = 128
     max_grammar_compile_time: float = 10.0  # seconds; then 400 (the compilation is stopped)
+    default_max_tokens: int = 2048  # a reply's bound when its request sets none (0: the context's end)
     drain_retry_after: int = 5  # Retry-After of the 503s answered while draining
 
 
@@ -367,8 +368,8 @@ class OpenAIServing:
     # -- building a job --------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.model_name:
-            raise P.APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
-                             code="model_not_found")
+            raise P.APIError(404, f"The model `{name}` does not exist or you do not have access to it; "
+                                  f"this server serves `{self.cfg.model_name}`.", param="model", code="model_not_found")
 
     def _check_request_size(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> None:
         """Refuse, before any work, what would make each step costly for everyone: too many stop
@@ -593,7 +594,10 @@ class OpenAIServing:
         limit = self.engine.max_model_len
         longest = max(len(ids) for _, ids in prompts)
         asked = req.max_new_tokens if chat else req.max_tokens
-        max_tokens = asked if asked is not None else limit - longest
+        if asked is not None:
+            max_tokens = asked
+        else:  # bounded by default, so that a model that loops does not run to the end of the context
+            max_tokens = min(limit - longest, self.cfg.default_max_tokens or limit)
         where = "messages" if chat else "prompt"
         if max_tokens < 1:
             raise P.APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
