@@ -917,3 +917,21 @@ def test_a_reply_without_max_tokens_is_bounded_by_the_server_default(tmp_path):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         longer = client.chat.completions.create(**ask, max_tokens=12)  # what a request asks for wins
         assert longer.usage.completion_tokens == 12
+
+
+def test_a_base_model_says_where_its_prompts_go(tmp_path, caplog):
+    """A model without a chat template: a warning at start-up, and chat requests get a 400 that
+    names /v1/completions and --chat-template; completions work."""
+    model = make_tiny_chat_model(tmp_path)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = LLMEngine(EngineArgs(model=str(model), dtype="float32", num_kv_blocks=64))
+    with caplog.at_level(logging.WARNING, logger="pocketllm"):
+        app = create_app(AsyncLLM(engine), ServerConfig(model_name=MODEL))
+    assert "has no chat template" in caplog.text and "/v1/completions" in caplog.text
+    with in_process(app) as url:
+        err = assert_error(httpx.post(url + "/v1/chat/completions", json=CHAT), 400)
+        assert err["param"] == "messages" and "/v1/completions" in err["message"]
+        assert "--chat-template" in err["message"]
+        assert httpx.post(url + "/v1/completions", json=COMPLETION).status_code == 200

@@ -349,6 +349,9 @@ class OpenAIServing:
         if cfg.tool_call_parser is not None:
             get_tool_parser(cfg.tool_call_parser)  # an unknown name fails at start-up
         model_template = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
+        if self.engine.tokenizer is not None and not (cfg.chat_template or model_template):
+            log.warning("%s has no chat template (a base model?): /v1/chat/completions will answer 400; send "
+                        "prompts to /v1/completions, or give a template with --chat-template FILE", cfg.model_name)
         reasoning = cfg.reasoning_parser or infer_reasoning_parser(cfg.chat_template or model_template)
         self.reasoning = get_reasoning_parser(reasoning) if reasoning else None
         # One thread prepares the large requests (parse, render, tokenize), one after the other:
@@ -437,11 +440,14 @@ class OpenAIServing:
         if reserved:
             raise P.APIError(400, f"Invalid 'chat_template_kwargs': {reserved} are set by the request itself.",
                              param="chat_template_kwargs", code="invalid_value")
+        if template is None:
+            raise P.APIError(400, "This model has no chat template (a base model?): send a prompt to "
+                                  "/v1/completions, or start the server with --chat-template FILE.",
+                             param="messages", code="invalid_value")
         try:
-            if template is not None:
-                parser = self._tool_parser(template) or get_tool_parser("hermes")
-                dicts = template_messages(dicts, tools, template, parser)
-                tools = template_tools(tools, template)
+            parser = self._tool_parser(template) or get_tool_parser("hermes")
+            dicts = template_messages(dicts, tools, template, parser)
+            tools = template_tools(tools, template)
             # A longer text than max_chars cannot fit the context; the template is also bounded in time.
             with render_limits(max_chars=self._max_prompt_chars):
                 return self._tokenizer().apply_chat_template(
