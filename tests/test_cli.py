@@ -170,7 +170,12 @@ def test_every_command_takes_the_model_first():
     assert (args.model, args.prompt) == (None, "hi")
 
 
-def test_generate_runs_a_model_named_first(capsys):
-    assert main(["generate", str(default_model_gguf()), "The capital of France is", "--max-tokens", "4",
-                 "--temperature", "0", "--max-model-len", "64", "--num-kv-blocks", "8"]) == 0
-    assert capsys.readouterr().out.strip()
+def test_generate_runs_a_model_named_first_and_says_when_it_is_cut(capsys):
+    args = ["generate", str(default_model_gguf()), "The capital of France is", "--temperature", "0",
+            "--max-model-len", "64", "--num-kv-blocks", "8", "--max-tokens"]
+    assert main(args + ["4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() and "[stopped at 4 tokens" in out.err
+    assert main(["generate", "--chat", str(default_model_gguf()), "Say hi.", "--max-tokens", "48",
+                 "--temperature", "0", "--max-model-len", "128", "--num-kv-blocks", "16"]) == 0
+    assert "[stopped at" not in capsys.readouterr().err  # a reply that ends on its own

@@ -37,19 +37,25 @@ def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
 
 
-def stream_text(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
-    """Text deltas of one request; closing the iterator early aborts it."""
+def stream_text(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[str, str | None]]:
+    """(text delta, finish reason once finished) of one request; closing the iterator early aborts it."""
     request_id = engine.add_request(None, {"prompt_token_ids": prompt_ids}, params)
     sent = 0
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
-                text = out.outputs[0].text
-                if text[sent:]:
-                    yield text[sent:]
+                text, finish = out.outputs[0].text, out.outputs[0].finish_reason
+                if text[sent:] or finish:
+                    yield text[sent:], finish
                     sent = len(text)
     finally:
         engine.abort_request(request_id)
+
+
+def say_if_cut(finish: str | None, params: SamplingParams) -> None:
+    """A reply cut by the token limit says so (on stderr), not only by stopping."""
+    if finish == "length":
+        print(f"[stopped at {params.max_tokens} tokens: --max-tokens or the context]", file=sys.stderr, flush=True)
 
 
 def render(engine: LLMEngine, messages: list[dict], chat_template: str | None) -> list[int]:
@@ -92,12 +98,13 @@ def run(args: argparse.Namespace) -> int:
             history.pop()
             continue
         params = dataclasses.replace(base_params, max_tokens=min(base_params.max_tokens, room))
-        reply = ""
+        reply, finish = "", None
         try:
-            for delta in stream_text(engine, ids, params):
+            for delta, finish in stream_text(engine, ids, params):
                 reply += delta
                 print(delta, end="", flush=True)
         except KeyboardInterrupt:  # stops this reply, keeps the conversation
             pass
         print()
+        say_if_cut(finish, params)
         history.append({"role": "assistant", "content": reply})

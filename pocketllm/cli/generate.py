@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 
 from pocketllm.cli.args import add_engine_args, engine_args_from
-from pocketllm.cli.chat import add_sampling_arguments, render, sampling_params_from, stream_text
+from pocketllm.cli.chat import add_sampling_arguments, render, sampling_params_from, say_if_cut, stream_text
 from pocketllm.cli.serve import load_engine, read_chat_template
 from pocketllm.errors import ConfigurationError, RequestError
 
@@ -34,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     if room < 1:
         raise RequestError(f"the prompt has {len(ids)} tokens; the model's context holds {engine.max_model_len}")
     params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-    for delta in stream_text(engine, ids, params):
+    finish = None
+    for delta, finish in stream_text(engine, ids, params):
         print(delta, end="", flush=True)
     print()
+    say_if_cut(finish, params)
     return 0
