@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -179,3 +180,35 @@ def test_generate_runs_a_model_named_first_and_says_when_it_is_cut(capsys):
     assert main(["generate", "--chat", str(default_model_gguf()), "Say hi.", "--max-tokens", "48",
                  "--temperature", "0", "--max-model-len", "128", "--num-kv-blocks", "16"]) == 0
     assert "[stopped at" not in capsys.readouterr().err  # a reply that ends on its own
+
+
+def test_log_lines_do_not_run_into_the_loading_counter():
+    """On a terminal, `Loading MODEL ... 1.2s` is redrawn in place; a log line written meanwhile
+    starts on a cleared line, not after the counter."""
+    import pty
+    import re
+
+    main_fd, sub_fd = pty.openpty()
+    done = subprocess.run([sys.executable, "-m", "pocketllm.cli.main", "generate", str(default_model_gguf()), "Hi",
+                           "--max-tokens", "2", "--max-model-len", "64", "--num-kv-blocks", "8"],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=sub_fd, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    os.close(sub_fd)
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        raw += chunk
+    os.close(main_fd)
+    assert done.returncode == 0, raw[-2000:]
+    text = raw.decode(errors="replace")
+    assert "Loading" in text and "INFO pocketllm: Loaded" in text
+    # what each line shows: the text after its last carriage return or erase-line
+    shown = [re.split(r"\r|\x1b\[K", line)[-1] for line in text.replace("\r\n", "\n").split("\n")]
+    assert any(line.startswith("INFO pocketllm: Loaded") for line in shown), shown
+    assert not any(re.search(r"\d\.\ds\s*INFO", line) for line in text.replace("\r\n", "\n").split("\n")
+                   if "\x1b[K" not in line), text

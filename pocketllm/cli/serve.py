@@ -148,15 +148,32 @@ def load_engine(engine_args: EngineArgs) -> LLMEngine:
         engine_args.model = str(pull_default_model())  # shows its own download progress
     name = Path(engine_args.model).name
     done = threading.Event()
+    lock = threading.Lock()
 
     def show() -> None:
         t0 = time.monotonic()
         while not done.wait(0.25):
-            print(f"\rLoading {name} ... {time.monotonic() - t0:.1f}s", end="", file=sys.stderr, flush=True)
+            with lock:
+                print(f"\rLoading {name} ... {time.monotonic() - t0:.1f}s", end="", file=sys.stderr, flush=True)
         print(f"\rLoading {name} ... done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
+    # A log line while the counter shows: first handler, the counter's line is cleared (and the
+    # counter waits); last handler, the counter may draw again, below the log line.
+    class Clear(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lock.acquire()
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+
+    class Release(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lock.release()
+
+    logger = logging.getLogger("pocketllm")
+    clear, release = Clear(), Release()
     shower = threading.Thread(target=show, daemon=True)
     if sys.stderr.isatty():
+        logger.handlers.insert(0, clear)
+        logger.addHandler(release)
         shower.start()
     else:
         print(f"Loading {name} ...", file=sys.stderr, flush=True)
@@ -169,6 +186,8 @@ def load_engine(engine_args: EngineArgs) -> LLMEngine:
         return LLMEngine(engine_args)
     finally:
         gc.enable()
+        logger.removeHandler(clear)
+        logger.removeHandler(release)
         done.set()
         if shower.is_alive():
             shower.join()
