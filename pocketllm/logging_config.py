@@ -7,8 +7,9 @@ printed twice. POCKETLLM_CONFIGURE_LOGGING=0 leaves logging alone (as VLLM_CONFI
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from pocketllm import envs
 
 FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -28,7 +29,7 @@ class _DefaultHandler(logging.StreamHandler):
 
 def configure_logging() -> None:
     """Add the default handler once; the level is INFO unless the application set one."""
-    if os.environ.get("POCKETLLM_CONFIGURE_LOGGING", "1") == "0":
+    if envs.get("POCKETLLM_CONFIGURE_LOGGING") == "0":
         return
     logger = logging.getLogger("pocketllm")
     if any(isinstance(h, _DefaultHandler) for h in logger.handlers):

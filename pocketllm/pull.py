@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pocketllm import envs
 from pocketllm.errors import ConfigurationError
 
 log = logging.getLogger("pocketllm")
@@ -45,9 +46,7 @@ MODELS = {"default": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL}
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("POCKETLLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pocketllm")
-    return Path(root) / "models"
+    return envs.cache_root() / "models"
 
 
 def sha256_of(path: Path) -> str:

@@ -9,6 +9,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pocketllm import envs
+
 
 def _command() -> str:
     """How this process was started: the CLI as ``pocketllm ...``, a benchmark script as ``python ...``."""
@@ -22,7 +24,7 @@ def environment() -> dict:
     import torch
 
     # A copy of the tree without .git (a remote benchmark machine) names its commit in the environment.
-    commit = os.environ.get("POCKETLLM_COMMIT") or subprocess.run(
+    commit = envs.get("POCKETLLM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip() or None
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True, cwd=Path(__file__).parent).stdout.strip())

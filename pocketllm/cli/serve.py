@@ -5,7 +5,6 @@ import argparse
 import errno
 import gc
 import logging
-import os
 import socket
 import sys
 import threading
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pocketllm import envs
 from pocketllm.cli.args import add_engine_args, engine_args_from
 from pocketllm.config import EngineArgs
 from pocketllm.errors import ConfigurationError
@@ -109,7 +109,7 @@ def api_key_of(args: argparse.Namespace) -> str | None:
         if not key:
             raise ConfigurationError(f"the API key file {args.api_key_file} has no key on its first line")
         return key
-    return args.api_key or os.environ.get("POCKETLLM_API_KEY") or None
+    return args.api_key or envs.get("POCKETLLM_API_KEY") or None
 
 
 def check_port(host: str, port: int) -> None:

@@ -22,6 +22,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from pocketllm import envs
+
 log = logging.getLogger("pocketllm")
 _SOURCES = [Path(__file__).with_name(n) for n in ("gguf_gemm.c", "layer_ops.c", "llama_decode.c")]
 
@@ -55,7 +57,7 @@ ISA_LEVELS = ("none", "avx2", "avx2-bmi2", "avx2-vnni", "avx512")
 def _arch_flags(isa: str = "native") -> list[str]:
     """Compiler flags for the highest level this CPU has, capped at ``isa`` (or the environment's
     POCKETLLM_CPU_ISA): ``native`` takes all it has."""
-    cap = os.environ.get("POCKETLLM_CPU_ISA", "native") if isa == "native" else isa
+    cap = envs.get("POCKETLLM_CPU_ISA") if isa == "native" else isa
     if cap != "native" and cap not in ISA_LEVELS:
         raise ValueError(f"unknown instruction-set level {cap!r}; known: native, {', '.join(ISA_LEVELS)}")
     top = len(ISA_LEVELS) if cap == "native" else ISA_LEVELS.index(cap)
@@ -76,9 +78,7 @@ def _arch_flags(isa: str = "native") -> list[str]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("POCKETLLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pocketllm")
-    return Path(root) / "kernels"
+    return envs.cache_root() / "kernels"
 
 
 def _writable_by_others(path: Path) -> bool:
@@ -170,7 +170,7 @@ def _cache_name(cc: str, flags: list[str]) -> str:
 def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     """The kernels built for this CPU (``isa`` caps the instruction set: see ISA_LEVELS), or None
     without a C compiler (or where the build fails: logged)."""
-    if os.environ.get("POCKETLLM_DISABLE_C_KERNELS") == "1":
+    if envs.flag("POCKETLLM_DISABLE_C_KERNELS"):
         return None
     cc = compiler()
     if cc is None:

@@ -16,6 +16,8 @@ from functools import cache
 
 import torch
 
+from pocketllm import envs
+
 log = logging.getLogger("pocketllm")
 _lock = threading.Lock()
 
@@ -78,7 +80,7 @@ def _loadable() -> bool:
 def available() -> bool:
     """Whether CUDA C kernels can be compiled and launched here (a CUDA device, NVRTC, the driver);
     ``POCKETLLM_DISABLE_CUDA_C=1`` turns them off (the Triton kernels run instead)."""
-    if os.environ.get("POCKETLLM_DISABLE_CUDA_C") == "1" or not torch.cuda.is_available():
+    if envs.flag("POCKETLLM_DISABLE_CUDA_C") or not torch.cuda.is_available():
         return False
     return _loadable()
 
