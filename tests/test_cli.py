@@ -82,7 +82,8 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0
-    assert capsys.readouterr().out == f"pocketllm {pocketllm.__version__}\n"
+    here = Path(pocketllm.__file__).resolve().parent
+    assert capsys.readouterr().out == f"pocketllm {pocketllm.__version__} (the pocketllm-engine distribution, from {here})\n"
 
 
 @pytest.mark.parametrize("argv, usage", [(["serve", "--bogus"], "usage: pocketllm serve"),

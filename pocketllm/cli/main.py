@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from pocketllm import __version__
 from pocketllm.errors import PocketLLMError
 
+_HERE = Path(__file__).resolve().parents[1]  # the package: a clone's checkout, or site-packages
 # command -> (module with `add_arguments(parser, command)` and `run(args) -> int | None`, help)
 _COMMANDS = {
     "serve": ("pocketllm.cli.serve", "serve the OpenAI-compatible API (the default model if none is given)"),
@@ -39,8 +41,8 @@ def _add_debug(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pocketllm", description="PocketLLM inference engine")
-    parser.add_argument("--version", action="version", version=f"pocketllm {__version__}",
-                        help="print the version and exit")
+    parser.add_argument("--version", action="version", help="print the version and where it runs from, and exit",
+                        version=f"pocketllm {__version__} (the pocketllm-engine distribution, from {_HERE})")
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     words = [a for a in argv if not a.startswith("-")]
