@@ -319,3 +319,20 @@ def test_code_blocks_that_are_not_calls_stream_as_they_come():
     text = 'Here:\n```python\nprint(get_weather("Paris"))\n```\nand {"city": "Paris"}\n{"name": "Paris"}'
     early = "".join(d.get("content", "") for end in range(1, len(text)) for d in parser.deltas(text[:end], False))
     assert early == text[:-1]
+
+
+def test_holding_back_costs_linear_time_over_a_stream(monkeypatch):
+    """Text already shown is never looked at again: over a streamed reply of pretty-printed JSON
+    (hundreds of lines that open with "{"), each line is weighed as a call a bounded number of times."""
+    from pocketllm.structured.tool_parsers import JsonFallback
+
+    looked = []
+    original = JsonFallback._may_become_calls
+    monkeypatch.setattr(JsonFallback, "_may_become_calls", lambda self, text, pos: looked.append(pos) or
+                        original(self, text, pos))
+    doc = json.dumps({"items": [{"a": i, "b": [1, {"c": "x"}]} for i in range(200)]}, indent=2)
+    parser = ReplyParser(None, None, get_tool_parser("hermes").for_tools(TOOLS))
+    content, calls = assemble(stream(parser, doc, 4))
+    assert content == doc and not calls
+    lines = sum(line.lstrip().startswith(("{", "[")) for line in doc.splitlines())
+    assert len(looked) <= 2 * lines, (len(looked), lines)

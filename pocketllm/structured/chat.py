@@ -126,7 +126,7 @@ class ReplyParser:
                 content, done = self.tools.extract(content)
                 content, calls = content or "", [(c.name, c.arguments) for c in done]
             else:
-                content, calls = self.tools.extract_partial(content)
+                content, calls = self.tools.extract_partial(content, self._sent_content)
         out = []
         if len(reasoning) > self._sent_reasoning:
             out.append({"reasoning_content": reasoning[self._sent_reasoning:]})

@@ -172,7 +172,10 @@ class JsonFallback:
             fence = _FENCE.match(text, pos)
             end = text.find("```", fence.end()) if fence else -1
             end = len(text) if end < 0 else end  # (a model may stop before the closing fence)
-            values, stop = self._values(text[:end], fence.end() if fence else pos)
+            start = fence.end() if fence else pos
+            if not self._may_open_call(text[:end], start):
+                return None
+            values, stop = self._values(text[:end], start)
             found = self._calls(values)
             if found is None or stop != end:
                 return None
@@ -180,9 +183,10 @@ class JsonFallback:
             pos = end + 3 if fence else end
         return calls or None
 
-    def _may_open_call(self, text: str) -> bool:
-        """Whether an unfinished JSON text may still become a call (its first key and name tell)."""
-        pos = _skip_ws(text, 0)
+    def _may_open_call(self, text: str, pos: int) -> bool:
+        """Whether the JSON text at text[pos], complete or not, may be a call: its first key and the
+        name tell (a cheap look at its head before anything is decoded)."""
+        pos = _skip_ws(text, pos)
         if text.startswith("[", pos):
             pos = _skip_ws(text, pos + 1)
         if pos == len(text):
@@ -219,22 +223,26 @@ class JsonFallback:
                                                       and "json".startswith(head[3:].strip().lower()))
                 end = text.find("```", fence.end())
                 body = text[:end] if end >= 0 else text
+                if not self._may_open_call(body, fence.end()):
+                    return False
                 values, stop = self._values(body, fence.end())
                 if values and self._calls(values) is None:
                     return False
                 if end < 0:  # the body, or its closing fence, is being written
-                    return "```".startswith(text[stop:]) or self._may_open_call(text[stop:])
+                    return "```".startswith(text[stop:]) or self._may_open_call(text, stop)
                 if stop != end:
                     return False
                 pos = end + 3
                 continue
+            if not self._may_open_call(text, pos):
+                return False
             values, stop = self._values(text, pos)
             if values and self._calls(values) is None:
                 return False
             if stop == len(text) or text.startswith("`", stop) and stop > pos:
                 pos = stop
                 continue
-            return self._may_open_call(text[stop:])
+            return self._may_open_call(text, stop)
         return True
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]] | None:
@@ -245,9 +253,11 @@ class JsonFallback:
                 return _content(text[:m.start(1)]), calls
         return None
 
-    def hold(self, text: str) -> str:
-        """`text` without the tail that may still become calls."""
-        for m in _CANDIDATE.finditer(text):
+    def hold(self, text: str, shown: int = 0) -> str:
+        """`text` without the tail that may still become calls. `shown`: how much of it was shown
+        already; nothing before it can become a call any more (what may not become a call cannot
+        later), so the search starts there and a stream costs linear time."""
+        for m in _CANDIDATE.finditer(text, shown):
             if self._may_become_calls(text, m.start(1)):
                 return text[:m.start(1)]
         return text
@@ -278,12 +288,13 @@ class ToolParser:
                 return found
         return content, calls
 
-    def extract_partial(self, text: str) -> tuple[str, list[tuple[str | None, str]]]:
+    def extract_partial(self, text: str, shown: int = 0) -> tuple[str, list[tuple[str | None, str]]]:
         """(content so far, [(name, arguments so far)]) of an unfinished output; both only grow. Text
-        that may still become a call written as JSON is held back until it is known."""
+        that may still become a call written as JSON is held back until it is known (`shown`: how
+        much content the caller showed already)."""
         content, calls = self._extract_partial(text)
         if not calls and self.fallback is not None:
-            content = self.fallback.hold(content)
+            content = self.fallback.hold(content, shown)
         return content, calls
 
     def for_tools(self, tools: list[dict]) -> ToolParser:
