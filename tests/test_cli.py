@@ -213,3 +213,10 @@ def test_log_lines_do_not_run_into_the_loading_counter():
     assert any(line.startswith("INFO pocketllm: Loaded") for line in shown), shown
     assert not any(re.search(r"\d\.\ds\s*INFO", line) for line in text.replace("\r\n", "\n").split("\n")
                    if "\x1b[K" not in line), text
+
+
+def test_bench_latency_prints_what_one_batch_waits_for(capsys):
+    assert main(["bench", "latency", str(default_model_gguf()), "--input-len", "16", "--output-len", "4",
+                 "--num-iters", "1", "--max-model-len", "64", "--num-kv-blocks", "8"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if "ttft_p50_s" in line)
+    assert header.split() == ["concurrency", "ttft_p50_s", "prefill_tok_s", "decode_tok_s", "e2e_p50_s"]

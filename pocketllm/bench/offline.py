@@ -116,8 +116,11 @@ def run(args: argparse.Namespace) -> int:
         r["speedup_vs_first"] = r["output_tok_s"] / base
         top = max(r["step_overhead_ms"], key=int, default=None)
         r["overhead_ms_p50_at_max"] = r["step_overhead_ms"][top]["p50"] if top else None
-    print_table(results, ["concurrency", "num_prompts", "elapsed_s", "output_tok_s", "decode_tok_s",
-                          "prefill_tok_s", "ttft_p50_s", "speedup_vs_first", "overhead_ms_p50_at_max"])
+    if args.bench == "latency":  # one batch: what a user of it waits for
+        print_table(results, ["concurrency", "ttft_p50_s", "prefill_tok_s", "decode_tok_s", "e2e_p50_s"])
+    else:
+        print_table(results, ["concurrency", "num_prompts", "elapsed_s", "output_tok_s", "decode_tok_s",
+                              "prefill_tok_s", "ttft_p50_s", "speedup_vs_first", "overhead_ms_p50_at_max"])
     write_json(args.output_json, {**environment(), "benchmark": args.bench,
                                   "model": engine.args.model, "dtype": engine.dtype_name,
                                   "input_len": args.input_len, "output_len": args.output_len,
