@@ -23,6 +23,19 @@ if not torch.cuda.is_available():
 
 from tiny_models import CONFIGS, make_model
 
+# The files that take most of the suite's time (the Triton interpreter, servers and ranks started
+# per test, fuzzers): `pytest -m "not slow"` leaves them out, a run of about five minutes on two
+# cores instead of fifteen. CI runs everything.
+SLOW_FILES = {"test_triton_gguf.py", "test_robustness.py", "test_tensor_parallel.py", "test_triton_kernels.py",
+              "test_structured_fuzz.py", "test_speculative.py", "test_sliding_window_kv.py", "test_fuzz.py",
+              "test_structured_server.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):

@@ -94,6 +94,13 @@ C_GEMM_ROWS = 16  # beyond this many rows, dequantize-then-BLAS beats the fused 
 TWO_PASS_MAX_HIDDEN = 1024
 
 
+# Where a layer takes two passes, more than C_GEMM_ROWS rows (a prompt) on a matrix of at most this
+# many weights go through the exact product instead: the default model prefills 128 tokens at 326
+# tok/s on two passes and 591 exactly (benchmarks/results/README.md). Larger matrices (an output
+# layer over a big vocabulary, at every step of a large batch) keep the passes: not measured there.
+EXACT_ROWS_MAX_WEIGHTS = 1 << 22
+
+
 def int8_passes(hidden_size: int) -> int:
     """8-bit passes over the activations on the CPU fast path, for a model of this hidden size."""
     return 2 if hidden_size <= TWO_PASS_MAX_HIDDEN else 1
@@ -412,15 +419,18 @@ class GGUFLinear(torch.nn.Module):
             return y.reshape(*lead, self.out_features)
         x2 = x2.to(self._store.dtype if self.path == "dense" else torch.float32)
         if self.path == "c":
-            if self._rows is None:  # interleaved rows (repack_x8)
+            if self.int8 == 2 and x2.shape[0] > C_GEMM_ROWS and self.out_features * self.in_features <= EXACT_ROWS_MAX_WEIGHTS:
+                # A prompt's rows on a small matrix: dequantizing it once for BLAS costs less than
+                # two 8-bit passes over each row, and is exact.
+                y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(x2, self._dequantized(c)))
+            elif self._rows is None:  # interleaved rows (repack_x8)
                 y = gguf_ops.gemm_x8(x2, self._store[0], self.out_features, self.qtype, self.int8)
             elif self.int8:
                 y = gguf_ops.gemm(x2, self._rows, self.qtype, int8=self.int8)
             elif x2.shape[0] <= C_GEMM_ROWS:
                 y = gguf_ops.gemm(x2, self._rows, self.qtype)
             else:
-                y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(
-                    x2, gguf_ops.dequant_row_ptrs(self._rows[c], self.qtype, self.in_features)))
+                y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(x2, self._dequantized(c)))
         elif self.path == "dense":
             y = F.linear(x2, self._store)
         elif self.path == "planes":
@@ -433,6 +443,13 @@ class GGUFLinear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+    def _dequantized(self, rows: slice) -> torch.Tensor:
+        """Rows of W, exactly, from the C path's layout (interleaved or a row pointer table)."""
+        if self._rows is None:
+            ids = torch.arange(rows.start, rows.stop, dtype=torch.int64)
+            return gguf_ops.dequant_rows_x8(self._store[0], self.qtype, self.out_features, self.in_features, ids)
+        return gguf_ops.dequant_row_ptrs(self._rows[rows], self.qtype, self.in_features)
 
     def _dequant_rows(self, rows: slice) -> torch.Tensor:
         blocks = self._store[rows].reshape(-1, type_size(self.qtype))
