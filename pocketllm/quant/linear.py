@@ -92,8 +92,6 @@ C_GEMM_ROWS = 16  # beyond this many rows, dequantize-then-BLAS beats the fused 
 # take. Up to this hidden size every layer of the fast path takes a second pass (its rounding error
 # to 16 bits; benchmarks/results/cpu-fast-path-answers.json).
 TWO_PASS_MAX_HIDDEN = 1024
-
-
 # Where a layer takes two passes, more than C_GEMM_ROWS rows (a prompt) on a matrix of at most this
 # many weights go through the exact product instead: the default model prefills 128 tokens at 326
 # tok/s on two passes and 591 exactly (benchmarks/results/README.md). Larger matrices (an output
@@ -104,6 +102,8 @@ EXACT_ROWS_MAX_WEIGHTS = 1 << 22
 def int8_passes(hidden_size: int) -> int:
     """8-bit passes over the activations on the CPU fast path, for a model of this hidden size."""
     return 2 if hidden_size <= TWO_PASS_MAX_HIDDEN else 1
+
+
 _GROUP = 32  # int4 kernel group size = Q4_0/Q4_1 block = Q4_K sub-block
 _TEMP_FACTOR = 4  # scratch path: float chunk = SCRATCH_BYTES / this
 _LOAD_ROWS = 4096  # rows converted at once at load, bounds load-time temporaries
@@ -419,7 +419,8 @@ class GGUFLinear(torch.nn.Module):
             return y.reshape(*lead, self.out_features)
         x2 = x2.to(self._store.dtype if self.path == "dense" else torch.float32)
         if self.path == "c":
-            if self.int8 == 2 and x2.shape[0] > C_GEMM_ROWS and self.out_features * self.in_features <= EXACT_ROWS_MAX_WEIGHTS:
+            small = self.out_features * self.in_features <= EXACT_ROWS_MAX_WEIGHTS
+            if self.int8 == 2 and small and x2.shape[0] > C_GEMM_ROWS:
                 # A prompt's rows on a small matrix: dequantizing it once for BLAS costs less than
                 # two 8-bit passes over each row, and is exact.
                 y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(x2, self._dequantized(c)))

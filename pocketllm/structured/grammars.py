@@ -98,8 +98,9 @@ def _bounded_pattern(node: dict) -> dict:
     m = _CLASS_RUN.fullmatch(node["pattern"])
     if m is None:
         return node
-    if m.group(3) is not None:
-        lo, hi = int(m.group(3)), (int(m.group(5)) if m.group(5) else None) if m.group(4) else int(m.group(3))
+    if m.group(3) is not None:  # {a}, {a,} or {a,b}
+        lo = int(m.group(3))
+        hi = lo if m.group(4) is None else int(m.group(5)) if m.group(5) else None
     else:
         lo, hi = _RUNS[m.group(2)]
     lo = max(lo, node.get("minLength", 0))
@@ -111,14 +112,14 @@ def _bounded_pattern(node: dict) -> dict:
     return {**rest, "pattern": f"^{m.group(1)}{{{lo},{'' if hi is None else hi}}}$"}
 
 
-def _real_dates(node):
+def _fixed_schema(node):
     """`node` (a schema or part of one) with each `format: date / date-time` string without a pattern
     given the pattern of real dates, and length bounds moved into the patterns they apply to."""
     if isinstance(node, list):
-        return [_real_dates(v) for v in node]
+        return [_fixed_schema(v) for v in node]
     if not isinstance(node, dict):
         return node
-    node = {k: v if k in _VALUES else _real_dates(v) for k, v in node.items()}
+    node = {k: v if k in _VALUES else _fixed_schema(v) for k, v in node.items()}
     if node.get("format") in _DATE_PATTERNS and "pattern" not in node:
         node["pattern"] = _DATE_PATTERNS[node.pop("format")]
     if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
@@ -126,22 +127,22 @@ def _real_dates(node):
     return node
 
 
-def _tag_dates(node):
-    """A structural tag with `_real_dates` applied to each of its schemas."""
+def _fixed_tag(node):
+    """A structural tag with `_fixed_schema` applied to each of its schemas."""
     if isinstance(node, list):
-        return [_tag_dates(v) for v in node]
+        return [_fixed_tag(v) for v in node]
     if not isinstance(node, dict):
         return node
-    return {k: _real_dates(v) if k == "json_schema" else _tag_dates(v) for k, v in node.items()}
+    return {k: _fixed_schema(v) if k == "json_schema" else _fixed_tag(v) for k, v in node.items()}
 
 
 def _structural_tag(tag: dict) -> xgr.Grammar:
-    return xgr.Grammar.from_structural_tag(_tag_dates(tag))
+    return xgr.Grammar.from_structural_tag(_fixed_tag(tag))
 
 
 def _json_schema(schema: dict) -> xgr.Grammar:
     # Compact JSON (", " and ": "), as templates render it: free whitespace lets a model pad forever.
-    return xgr.Grammar.from_json_schema(json.dumps(_real_dates(schema)), any_whitespace=False, strict_mode=True)
+    return xgr.Grammar.from_json_schema(json.dumps(_fixed_schema(schema)), any_whitespace=False, strict_mode=True)
 
 
 def _json_object(_) -> xgr.Grammar:
@@ -158,7 +159,7 @@ def _tool_calls(value: dict) -> xgr.Grammar:
     tags = []
     for tool in value["tools"]:
         begin, end = parser.call_delimiters(tool["name"])
-        params = _real_dates(tool.get("parameters") or {"type": "object", "properties": {}})
+        params = _fixed_schema(tool.get("parameters") or {"type": "object", "properties": {}})
         # Structural tags have no compact JSON mode: one whitespace at most between JSON tokens.
         tags.append({"type": "tag", "begin": begin, "end": end,
                      "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1,
