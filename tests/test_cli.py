@@ -220,3 +220,11 @@ def test_bench_latency_prints_what_one_batch_waits_for(capsys):
                  "--num-iters", "1", "--max-model-len", "64", "--num-kv-blocks", "8"]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if "ttft_p50_s" in line)
     assert header.split() == ["concurrency", "ttft_p50_s", "prefill_tok_s", "decode_tok_s", "e2e_p50_s"]
+
+
+def test_generate_chat_on_a_base_model_is_refused_before_loading(capsys):
+    """The vocabulary-only GGUF below has no chat template (and no weights: loading it would fail
+    with another message)."""
+    assert main(["generate", "--chat", str(shared_path("fixtures/vocab/ggml-vocab-gpt-2.gguf")), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and "--chat-template FILE" in err and "leave out --chat" in err

@@ -8,6 +8,7 @@ from pocketllm.cli.args import add_engine_args, engine_args_from
 from pocketllm.cli.chat import add_sampling_arguments, render, sampling_params_from, say_if_cut, stream_text
 from pocketllm.cli.serve import load_engine, read_chat_template
 from pocketllm.errors import ConfigurationError, RequestError
+from pocketllm.tokenizer import has_chat_template
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -23,6 +24,10 @@ def run(args: argparse.Namespace) -> int:
     # Checked before the model loads.
     chat_template = read_chat_template(args.chat_template)
     params = sampling_params_from(args)
+    source = args.tokenizer or args.model
+    if args.chat and chat_template is None and source is not None and has_chat_template(source) is False:
+        raise ConfigurationError(f"{source} has no chat template (a base model?): leave out --chat to complete the "
+                                 "prompt as it is, or give a template with --chat-template FILE")
     engine = load_engine(engine_args_from(args))
     if engine.tokenizer is None:
         raise ConfigurationError("this model has no tokenizer; it cannot take a text prompt")

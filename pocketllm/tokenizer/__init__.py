@@ -6,7 +6,7 @@ from pathlib import Path
 from pocketllm.errors import ConfigurationError
 from pocketllm.tokenizer.base import Tokenizer
 
-__all__ = ["Tokenizer", "get_tokenizer"]
+__all__ = ["Tokenizer", "get_tokenizer", "has_chat_template"]
 
 
 def get_tokenizer(path: str | os.PathLike, chat_template: str | None = None) -> Tokenizer:
@@ -25,6 +25,20 @@ def get_tokenizer(path: str | os.PathLike, chat_template: str | None = None) -> 
     if chat_template is not None:
         tokenizer.chat_templates = {"default": chat_template}
     return tokenizer
+
+
+def has_chat_template(path: str | os.PathLike) -> bool | None:
+    """Whether a model directory or GGUF file names a chat template, read from its metadata alone
+    (no tokenizer built); None where `path` is neither."""
+    from pocketllm.tokenizer.gguf_vocab import gguf_chat_templates
+    from pocketllm.tokenizer.hf import dir_chat_templates
+
+    path = Path(path)
+    if path.is_dir():
+        return bool(dir_chat_templates(path))
+    if path.is_file() and _is_gguf(path):
+        return bool(gguf_chat_templates(path))
+    return None
 
 
 def _is_gguf(path: Path) -> bool:

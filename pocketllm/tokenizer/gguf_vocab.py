@@ -54,6 +54,10 @@ class _Metadata:
         return templates | ({"default": default} if default is not None else {})
 
 
+def gguf_chat_templates(path: str | os.PathLike) -> dict[str, str]:
+    return _Metadata(gguf.GGUFReader(path)).named_chat_templates()
+
+
 def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return tokenizer_from_gguf(gguf.GGUFReader(path))
 

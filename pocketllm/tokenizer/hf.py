@@ -37,6 +37,10 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer:
     )
 
 
+def dir_chat_templates(directory: Path) -> dict[str, str]:
+    return _chat_templates(directory, _read_json(directory / "tokenizer_config.json"))
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
