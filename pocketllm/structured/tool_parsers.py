@@ -509,7 +509,8 @@ class Qwen3CoderToolParser(ToolParser):
         </tool_call>
 
     A value is a string where the tool's schema says so, else JSON where it reads as JSON (numbers,
-    booleans, objects, arrays), else a string. A JSON call object inside <tool_call> is read too."""
+    booleans, objects, arrays), else a Python literal (the template writes values with Jinja's
+    `string`: True, {'a': 1}), else a string. A JSON call object inside <tool_call> is read too."""
 
     name = "qwen3_coder"
     separator = "\n"
