@@ -196,9 +196,9 @@ def test_live_server_streams_valid_json_and_tool_calls_under_speculation(tmp_pat
         calls = [(call, finish) for s in call_streams for _, cs, finish in s for call in cs]
         calls += [([tc.function.name, tc.function.arguments], c.finish_reason) for c in plain.choices
                   for tc in c.message.tool_calls]
-        assert len(calls) == 6
+        assert len(calls) == 6, calls
         for (name, arguments), finish in calls:
-            assert name == "lookup" and finish == "tool_calls"
+            assert name == "lookup" and finish == "tool_calls", (name, finish, arguments)
             jsonschema.validate(json.loads(arguments), LOOKUP["parameters"])
     finally:
         assert server.stop() == 0
