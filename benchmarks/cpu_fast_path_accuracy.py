@@ -38,10 +38,19 @@ def prompt_logits(model: str, ids: list[int], exact: bool) -> torch.Tensor:
     """log-softmax [len(ids) - 1, vocab] of the predictions of tokens 1.. (one prefill pass)."""
     llm = LLM(model, exact_kernels=exact, max_model_len=len(ids) + 16, enable_prefix_caching=False,
               max_num_batched_tokens=len(ids))
+    return teacher_forced(llm, ids)
+
+
+def teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """prompt_logits on a loaded engine (its context must hold `ids` in one step)."""
     rt = llm.engine.runner.model
     original, captured = rt.compute_logits, []
     rt.compute_logits = lambda hidden: captured.append(original(hidden)) or captured[-1]
-    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
+    try:
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
+                     use_tqdm=False)
+    finally:
+        rt.compute_logits = original
     # the prompt's rows come in chunks, in order; the one sampled row is a call of its own
     full = torch.cat([t for t in captured if t.shape[0] > 1])
     assert full.shape[0] == len(ids) - 1, full.shape

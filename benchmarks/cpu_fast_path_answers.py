@@ -19,7 +19,7 @@ import subprocess
 
 import torch
 
-from cpu_fast_path_accuracy import default_model, real_text
+from cpu_fast_path_accuracy import default_model, real_text, teacher_forced
 from pocketllm import LLM, SamplingParams
 from pocketllm.bench.report import environment
 from pocketllm.quant.linear import GGUFLinear
@@ -50,19 +50,6 @@ def passes(llm: LLM) -> dict[int, int]:
         if isinstance(m, GGUFLinear):
             count[m.int8] = count.get(m.int8, 0) + 1
     return dict(sorted(count.items()))
-
-
-def teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """log-softmax of the predictions of tokens 1.. of `ids` (one prefill)."""
-    rt = llm.engine.runner.model
-    original, captured = rt.compute_logits, []
-    rt.compute_logits = lambda hidden: captured.append(original(hidden)) or captured[-1]
-    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
-                 use_tqdm=False)
-    rt.compute_logits = original
-    full = torch.cat([t for t in captured if t.shape[0] > 1])[:len(ids) - 1]
-    assert full.shape[0] == len(ids) - 1, full.shape
-    return torch.log_softmax(full.double(), dim=-1)
 
 
 def answers(llm: LLM) -> list[dict]:
