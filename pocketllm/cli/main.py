@@ -39,10 +39,20 @@ def _add_debug(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
 
 
+class _Version(argparse.Action):
+    """argparse's own version action wraps to the terminal's width; a path must stay on one line."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"pocketllm {__version__} (the pocketllm-engine distribution, from {_HERE})")
+        parser.exit()
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pocketllm", description="PocketLLM inference engine")
-    parser.add_argument("--version", action="version", help="print the version and where it runs from, and exit",
-                        version=f"pocketllm {__version__} (the pocketllm-engine distribution, from {_HERE})")
+    parser.add_argument("--version", action=_Version, help="print the version and where it runs from, and exit")
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     words = [a for a in argv if not a.startswith("-")]
