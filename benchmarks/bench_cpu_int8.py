@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 import time
 
+import gguf
 import numpy as np
 import torch
-import gguf
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.bench.report import environment
@@ -43,7 +43,8 @@ def random_weights(rng: np.random.Generator, qtype: T, n: int, k: int) -> torch.
 def main() -> None:
     torch.set_num_threads(2)
     env = environment()
-    print(f"# commit {env['commit']}{' (dirty)' if env['dirty'] else ''}, {env['machine']['cpu']}, {env['date']}; 2 threads; mean of repeated calls")
+    dirty = " (dirty)" if env["dirty"] else ""
+    print(f"# commit {env['commit']}{dirty}, {env['machine']['cpu']}, {env['date']}; 2 threads; mean of repeated calls")
     print("type   N      K     B   exact ms  int8 ms  x8 ms  fast/exact  fast weight GB/s")
     rng = np.random.default_rng(0)
     types = [T[name] for name in sys.argv[1:]] or [T.Q4_0, T.Q4_1, T.Q8_0, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K,

@@ -23,11 +23,11 @@ import triton
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.bench.report import environment
+from pocketllm.core.gguf_types import row_nbytes
 from pocketllm.kernels.cuda import gguf_gemv as cg
 from pocketllm.kernels.triton import gguf as kg
 from pocketllm.kernels.triton.int8_act import quantize_activations
 from pocketllm.loaders.dummy_gguf import _random_blocks
-from pocketllm.quant.gguf_types import row_nbytes
 
 # Llama-3.1-8B: qkv, o, gate+up, down, k or v; the output layer for Q6_K
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)]

@@ -38,8 +38,8 @@ def main():
                 y = fn(x, w0)
                 top = min(m, 64)
                 row[f"{name}_same_bits_as_64_rows"] = bool(torch.equal(y[:top], base[name][:top]))
-            row["max_rel_diff"] = float(((invariant_linear(x, w0).float() - F.linear(x, w0).float()).abs().max()
-                                         / F.linear(x, w0).float().abs().max()))
+            row["max_rel_diff"] = float((invariant_linear(x, w0).float() - F.linear(x, w0).float()).abs().max()
+                                         / F.linear(x, w0).float().abs().max())
             print(json.dumps(row), flush=True)
             out.append(row)
         del ws, w0

@@ -1,11 +1,15 @@
 """RMSNorm (1 row of 4096, residual) and the gated activation (1 row of 14336) with and without writing the
 8-bit form (int8_act), RMSNorm by num_warps: us a launch inside a CUDA graph of 100 launches; and the
 separate quantization launch the form replaces. Needs a CUDA GPU:  python benchmarks/bench_norm_int8.py"""
-import torch, triton
+import torch
 from triton.testing import do_bench_cudagraph
+
 from pocketllm.kernels.triton import fused, int8_act
+
 dev = "cuda"
-x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16); r = torch.randn_like(x); w = torch.randn(4096, device=dev, dtype=torch.bfloat16)
+x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+r = torch.randn_like(x)
+w = torch.randn(4096, device=dev, dtype=torch.bfloat16)
 out, ro = torch.empty_like(x), torch.empty_like(x)
 q = int8_act.Int8Activations.empty(1, 4096, dev)
 def norm(nw, int8):

@@ -25,11 +25,11 @@ import torch
 import triton
 from gguf import GGMLQuantizationType as T
 
+from pocketllm.core.gguf_types import row_nbytes
 from pocketllm.kernels.triton import gguf as kg
 from pocketllm.kernels.triton import gguf_mma as mma
 from pocketllm.kernels.triton import gguf_q8 as q8
 from pocketllm.loaders.dummy_gguf import _random_blocks
-from pocketllm.quant.gguf_types import row_nbytes
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
 

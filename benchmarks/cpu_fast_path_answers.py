@@ -17,9 +17,8 @@ import argparse
 import json
 import subprocess
 
-import torch
-
 from cpu_fast_path_accuracy import default_model, real_text, teacher_forced
+
 from pocketllm import LLM, SamplingParams
 from pocketllm.bench.report import environment
 from pocketllm.quant.linear import GGUFLinear
@@ -91,7 +90,8 @@ def main() -> None:
             llm = load(path, variant, **kw)
             got = exact if variant == "exact" else teacher_forced(llm, ids)
             kl = (exact.exp() * (exact - got)).sum(-1)
-            entry = {"layers_by_passes": passes(llm), "top1_agreement": (exact.argmax(-1) == got.argmax(-1)).double().mean().item(),
+            entry = {"layers_by_passes": passes(llm),
+                     "top1_agreement": (exact.argmax(-1) == got.argmax(-1)).double().mean().item(),
                      "mean_kl_nats": kl.mean().item(), "p99_kl_nats": kl.quantile(0.99).item()}
             if exact_answers is not None:
                 mine = exact_answers if variant == "exact" else answers(llm)

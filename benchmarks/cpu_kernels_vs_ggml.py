@@ -2,7 +2,8 @@
 type, on activations it quantized with its ``from_float``), one thread each, on the same weights: the
 kernels alone, without either engine's graph, threads or other layers, so that a file's decode gap can
 be put on its matmuls or elsewhere. PocketLLM's kernel is the one decode runs: the interleaved eight-row
-layout (``x8``) for the types that have it (the output layer's too), else the row kernel. Weights are a GGUF file's tensors (or random blocks); the two are
+layout (``x8``) for the types that have it (the output layer's too), else the row kernel. Weights are a GGUF
+file's tensors (or random blocks); the two are
 timed alternately, median over rounds of each one's best call, and their outputs compared.
 
     python benchmarks/cpu_kernels_vs_ggml.py --file model.IQ1_M.gguf --tensors blk.0.ffn_gate.weight,blk.0.ffn_down.weight
@@ -110,7 +111,8 @@ def main() -> None:
             times["pocketllm"].append(best_of(ours, args.calls))
             times["llama.cpp"].append(best_of(theirs, args.calls))
         med = {w: sorted(v)[len(v) // 2] for w, v in times.items()}
-        print(f"{name} {qtype.name} {n}x{k}{' (x8)' if packed is not None else ''}: PocketLLM {med['pocketllm']:.3f} ms, llama.cpp {med['llama.cpp']:.3f} ms"
+        x8 = " (x8)" if packed is not None else ""
+        print(f"{name} {qtype.name} {n}x{k}{x8}: PocketLLM {med['pocketllm']:.3f} ms, llama.cpp {med['llama.cpp']:.3f} ms"
               f" -> {med['llama.cpp'] / med['pocketllm']:.2f}x; outputs differ by {rel:.1e} of the largest; rounds "
               + " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times["pocketllm"], times["llama.cpp"])), flush=True)
 

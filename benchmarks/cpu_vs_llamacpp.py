@@ -105,7 +105,7 @@ def pocketllm(path: Path, exact: bool, reps: int, figures=FIGURES) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# PocketLLM vs llama.cpp on the CPU, same files, back to back",
+    lines = ["# PocketLLM vs llama.cpp on the CPU, same files, back to back",
              "",
              f"{report['machine']['cpu']}, {report['threads']} threads, commit {report['commit']}"
              f"{' (dirty)' if report['dirty'] else ''}, {report['date']}. llama.cpp built from ../shared/peers "
@@ -114,7 +114,8 @@ def markdown(report: dict) -> str:
     for path_name in report["paths"]:
         figures = report.get("figures", FIGURES)
         titles = {"tg": "decode, 1 stream", "pp128": "prefill 128", "pp512": "prefill 512", "batch8": "8 sequences"}
-        lines += [f"## PocketLLM {path_name} path", "", "| file | " + " | ".join(f"{titles[k]} [>={GOALS[k]}x]" for k in figures) + " | weights / file |",
+        heads = " | ".join(f"{titles[k]} [>={GOALS[k]}x]" for k in figures)
+        lines += [f"## PocketLLM {path_name} path", "", "| file | " + heads + " | weights / file |",
                   "|---|" + "---|" * (len(figures) + 1)]
         for row in report["files"]:
             ours, peer = row[path_name], row["llama.cpp"]

@@ -15,9 +15,9 @@ from cpu_kernels_vs_ggml import best_of
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.bench.report import environment
+from pocketllm.core.gguf_types import row_nbytes
 from pocketllm.kernels.cpu import gguf_ops
 from pocketllm.loaders.dummy_gguf import _random_blocks
-from pocketllm.quant.gguf_types import row_nbytes
 
 SHAPES = [(8960, 1536, 1), (1536, 8960, 1), (8960, 1536, 4), (8960, 1536, 64)]
 

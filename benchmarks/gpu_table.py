@@ -86,7 +86,8 @@ def gguf_table(d: Path) -> list[str]:
     return [
         f"GGUF files (random weights, `pocketllm dummy-gguf`; commit `{first.get('commit')}"
         f"{'+wip' if first.get('dirty') else ''}`, {first.get('date')}): "
-        "PocketLLM in bf16 and llama.cpp (CUDA, sm_90a, flash attention, all layers on the GPU) on the same files in the same device call; "
+        "PocketLLM in bf16 and llama.cpp (CUDA, sm_90a, flash attention, all layers on the GPU) "
+        "on the same files in the same device call; "
         "512-token prompts, 128 generated; batch 1 from `pocketllm bench latency` and `llama-bench` (pp512/tg128), "
         "64 sequences from `pocketllm bench throughput` and `llama-batched-bench`. Ceiling: the file's tensor bytes + "
         f"mean KV read per step at {BANDWIDTH / 1e12:.1f} TB/s. Memory: PocketLLM's GPU weight bytes / the file's "

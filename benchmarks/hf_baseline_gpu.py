@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from pocketllm.bench.report import environment
-from pocketllm.models.shapes import SHAPES
+from pocketllm.core.shapes import SHAPES
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import json_fuzz  # noqa: E402
 from fixtures import default_model_gguf, shared_path  # noqa: E402
+
 from pocketllm.structured.backend import StructuredOutputs  # noqa: E402
 from pocketllm.tokenizer.gguf_vocab import load_gguf_tokenizer  # noqa: E402
 

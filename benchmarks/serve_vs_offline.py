@@ -69,7 +69,7 @@ def cpu_seconds(pids: set[int]) -> float:
 class Foreign:
     """CPU time used by processes other than this one and its children while a measurement ran."""
 
-    def __enter__(self) -> "Foreign":
+    def __enter__(self) -> Foreign:
         self.pids = process_tree(os.getpid())
         self.t0, self.busy0, self.own0 = time.monotonic(), busy_seconds(), cpu_seconds(self.pids)
         return self

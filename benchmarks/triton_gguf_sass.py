@@ -40,7 +40,7 @@ _DIVISIBLE = ["x_ptr", "xq_ptr", "xd_ptr", "xs_ptr", "stride_xq", "stride_xd", "
 
 def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", cfg: dict | None = None, k: int = 4096):
     """(cubin, weights a thread decodes per loop step) of one kernel variant."""
-    _, _, targs = kg._type_args(qtype, k)
+    _, _, targs = kg.type_args(qtype, k)
     if regime == "gemv":
         fn, c = kg._gemv_kernel, dict(kg.GEMV_CONFIG, **(cfg or {}))
         extra = {"STAGES": c["num_stages"], "HAS_C": qtype in kg._OFFSET_TYPES, "GROUPED": False}
@@ -68,7 +68,8 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
         consts = dict(**targs, BLOCK_N=c["BLOCK_N"], **extra)
     else:
         consts = dict(**targs, BLOCK_N=c["BLOCK_N"], BPI=bpi, **extra)
-    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*i32" if qtype in kg._LATTICE else "*fp32", "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+    ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*i32" if qtype in kg._LATTICE else "*fp32",
+            "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
             "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i64", "pairs_ptr": "*i32",
             "experts_ptr": "*i32"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}

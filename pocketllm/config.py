@@ -54,7 +54,7 @@ class EngineArgs:
         self.validate()
 
     @property
-    def speculative(self) -> "SpeculativeConfig | None":
+    def speculative(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     def validate(self) -> None:
@@ -102,11 +102,11 @@ class EngineArgs:
                  f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
 
     def _named_shape(self, model: str | None = None) -> bool:
-        from pocketllm.models.shapes import SHAPES
+        from pocketllm.core.shapes import SHAPES
         return (model or self.model) in SHAPES
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -142,7 +142,7 @@ class SpeculativeConfig:
             "draft_model": {"num_speculative_tokens", "model", "row_invariant"}}
 
     @classmethod
-    def parse(cls, raw: "str | dict") -> "SpeculativeConfig":
+    def parse(cls, raw: str | dict) -> SpeculativeConfig:
         where = "speculative_config"
         if isinstance(raw, str):
             try:
@@ -213,7 +213,7 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ConfigurationError("config.json has no 'architectures' entry")
@@ -265,7 +265,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_hf_dir(cls, path: str | os.PathLike) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.exists():
             raise ConfigurationError(f"{path} has no config.json; is it a Hugging Face model directory?")

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-
 from fixtures import default_model_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ class Server:
             [sys.executable, "-m", "pocketllm.cli.main", "serve", str(model or default_model_gguf()), "--port",
              str(self.port), *engine_flags, *flags], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 180) -> "Server":
+    def wait_ready(self, timeout: float = 180) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

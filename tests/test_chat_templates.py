@@ -5,11 +5,11 @@ import time
 
 import jinja2
 import pytest
+from fixtures import shared_names, shared_path
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
 from pocketllm.tokenizer import Tokenizer
-from fixtures import shared_names, shared_path
 
 TEMPLATES = shared_names("fixtures/chat_templates", "*.jinja")
 

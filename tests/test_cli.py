@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures import default_model_gguf, shared_path
 
 import pocketllm
-from fixtures import default_model_gguf, shared_path
 from pocketllm.cli import args as cli_args
 from pocketllm.cli.main import build_parser, main
 from pocketllm.config import EngineArgs

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from fixtures import default_model_gguf
+
 from pocketllm import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    " * 20]

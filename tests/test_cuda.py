@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import prompts_of
 from reference import captured_logits, hf_greedy, hf_last_logits
-from pocketllm import LLM, SamplingParams
 from tiny_models import VOCAB
+
+from pocketllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

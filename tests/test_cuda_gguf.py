@@ -71,8 +71,8 @@ def test_geometry_is_the_packed_layout():
         _, _, body = kg._LAYOUT[qtype]
         bs, ts = gguf.GGML_QUANT_SIZES[qtype]
         assert (g["BLOCK"], g["BODY"], g["HDR"]) == (bs, body, ts - body)
-        if g["LUT"]:  # the grid's words in _value_table (after 128 sign words)
-            assert g["LUT"] == kg._value_table(torch.device("cpu"), qtype).numel() - 128
+        if g["LUT"]:  # the grid's words in value_table (after 128 sign words)
+            assert g["LUT"] == kg.value_table(torch.device("cpu"), qtype).numel() - 128
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -82,11 +82,11 @@ def test_decoders_equal_the_dequantized_product(qtype, host_decoders):
     raw = torch.from_numpy(realistic_blocks(rng, qtype, n, k))
     w = dequantize(raw, qtype, (n, k)).double().numpy()
     packed = np.ascontiguousarray(kg.pack_gguf(raw, qtype, k).numpy())
-    _, hdr_start, _ = kg._type_args(qtype, k)
+    _, hdr_start, _ = kg.type_args(qtype, k)
     x = torch.from_numpy(rng.standard_normal((1, k), np.float32))  # quantized by the Triton kernel (interpreted on a CPU)
     xq, xd, xs = (t.cpu().numpy() for t in quantize_activations(x.cuda() if torch.cuda.is_available() else x))
     xdeq = (xq.astype(np.float64).reshape(-1, 32) * xd.astype(np.float64).reshape(-1, 1)).reshape(k)
-    tab = np.ascontiguousarray(kg._value_table(torch.device("cpu"), qtype).numpy()[128:].view(np.uint32))
+    tab = np.ascontiguousarray(kg.value_table(torch.device("cpu"), qtype).numpy()[128:].view(np.uint32))
     fn = getattr(host_decoders, f"host_{cg.DECODERS[qtype]}")
     fn.restype = ctypes.c_float
     p = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
@@ -193,12 +193,12 @@ def test_mmq_tiles_are_the_dequantized_weights(qtype, host_tiles):
     raw = torch.from_numpy(realistic_blocks(np.random.default_rng(qtype.value), qtype, n, k))
     w = dequantize(raw, qtype, (n, k)).numpy()
     packed = np.ascontiguousarray(kg.pack_gguf(raw, qtype, k).numpy())
-    lut = np.ascontiguousarray(kg._value_table(torch.device("cpu"), qtype).numpy().view(np.uint32))
+    lut = np.ascontiguousarray(kg.value_table(torch.device("cpu"), qtype).numpy().view(np.uint32))
     fn = getattr(host_tiles, f"host_tile_{cg.DECODERS[qtype]}")
     p = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     for r in range(n):
         out = np.empty(k, np.float32)
-        fn(p(packed[r]), kg._type_args(qtype, k)[1], k // 256, p(lut), p(out))
+        fn(p(packed[r]), kg.type_args(qtype, k)[1], k // 256, p(lut), p(out))
         np.testing.assert_allclose(out, w[r], rtol=0, atol=1e-6 * float(np.abs(w[r]).max()))
 
 
@@ -238,7 +238,7 @@ def test_mmq_x16_types_have_7_bit_codes(qtype, host_tiles):
     n, k = 8, 1024
     raw = torch.from_numpy(realistic_blocks(np.random.default_rng(qtype.value + 1), qtype, n, k))
     packed = np.ascontiguousarray(kg.pack_gguf(raw, qtype, k).numpy())
-    lut = np.ascontiguousarray(kg._value_table(torch.device("cpu"), qtype).numpy().view(np.uint32))
+    lut = np.ascontiguousarray(kg.value_table(torch.device("cpu"), qtype).numpy().view(np.uint32))
     name = cg.DECODERS[qtype]
     bias = gguf_mmq.define(qtype, "BIAS")
     fn = getattr(host_tiles, f"host_codes_{name}")
@@ -246,7 +246,7 @@ def test_mmq_x16_types_have_7_bit_codes(qtype, host_tiles):
     lo, hi = 127, -128
     for r in range(n):
         codes = np.empty(k, np.int8)
-        fn(p(packed[r]), kg._type_args(qtype, k)[1], k // 256, p(lut), p(codes))
+        fn(p(packed[r]), kg.type_args(qtype, k)[1], k // 256, p(lut), p(codes))
         lo, hi = min(lo, int(codes.min())), max(hi, int(codes.max()))
     assert 0 <= lo + bias and hi + bias <= 127, (lo, hi, bias)
 

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
+from fixtures import default_model_gguf
 from openai import OpenAI
 
-from fixtures import default_model_gguf
 from pocketllm.pull import DEFAULT_MODEL
 
 

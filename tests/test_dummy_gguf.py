@@ -11,11 +11,11 @@ from gguf import GGUFReader
 from reference import captured_logits
 
 from pocketllm import LLM, SamplingParams
+from pocketllm.core.gguf_types import SUPPORTED_TYPES
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.loaders.dummy_gguf import _FLOATS, _SCALE_FIELDS, write_dummy_gguf
 from pocketllm.quant import mixes
 from pocketllm.quant.dequant import dequantize
-from pocketllm.quant.gguf_types import SUPPORTED_TYPES
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=8,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
@@ -126,8 +126,8 @@ def test_engine_generates_from_a_dummy_file(arch, tmp_path):
 def test_mixture_of_experts_shapes():
     """The named MoE shapes' tensors: a router and stacked [experts, rows, cols] expert matrices per
     layer, and the published parameter counts (Qwen3-30B-A3B 30.5B, Mixtral-8x7B 46.7B, gpt-oss-20b 20.9B)."""
+    from pocketllm.core.shapes import SHAPES
     from pocketllm.loaders.dummy_gguf import _tensor_shapes
-    from pocketllm.models.shapes import SHAPES
 
     for name, arch, billions in (("qwen3-30b-a3b", "qwen3moe", 30.5), ("mixtral-8x7b", "llama", 46.7),
                                  ("gpt-oss-20b", "gpt-oss", 20.9)):

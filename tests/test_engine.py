@@ -5,8 +5,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import prompts_of
+
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.errors import ConfigurationError, RequestError, UnsupportedFeatureError

@@ -9,9 +9,8 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis import GenerationMode
-
 from live_server import Server
+from schemathesis import GenerationMode
 from tiny_models import make_tiny_chat_model
 
 MODEL = "tiny-chat"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fixtures import default_model_gguf
 from reference import captured_logits, hf_greedy, hf_last_logits
+
 from pocketllm import LLM, SamplingParams
 
 CHATS = [

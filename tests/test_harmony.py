@@ -8,13 +8,13 @@ import json
 import re
 
 import pytest
+from test_tool_parsers import assemble as assemble_content
+from tiny_harmony import TEMPLATE
 
 from pocketllm.structured.chat import ReplyParser, template_messages, template_tools, tool_constraint
 from pocketllm.structured.reasoning import get_reasoning_parser, infer_reasoning_parser
 from pocketllm.structured.tool_parsers import ToolCall, get_tool_parser, infer_tool_parser
 from pocketllm.tokenizer.chat_template import render_chat
-from test_tool_parsers import assemble as assemble_content
-from tiny_harmony import TEMPLATE
 
 THOUGHTS = "I'm\nthinking"
 CONTENT = "Hello, world!\nWhat's up?"
@@ -211,9 +211,10 @@ def test_rendered_call_is_read_back():
 
 @pytest.fixture(scope="module")
 def o200k(tmp_path_factory):
+    from tiny_harmony import reference_tokenizer, write_gguf_vocab
+
     from pocketllm.structured.backend import StructuredOutputs
     from pocketllm.tokenizer import get_tokenizer
-    from tiny_harmony import reference_tokenizer, write_gguf_vocab
 
     tok = get_tokenizer(write_gguf_vocab(reference_tokenizer(), tmp_path_factory.mktemp("o200k") / "o200k.gguf"))
     return tok, StructuredOutputs(tok, tok.vocab_size, tok.eos_token_ids)

@@ -13,7 +13,6 @@ import gguf
 import jsonschema
 import openai
 import pytest
-
 from live_server import Server, collect_chat_stream
 from tiny_harmony import make_harmony_model
 

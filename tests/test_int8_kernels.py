@@ -13,16 +13,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from fixtures import default_model_gguf
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from fixtures import default_model_gguf
 from pocketllm import LLM, SamplingParams
+from pocketllm.core.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.kernels.cpu import gguf_ops
 from pocketllm.kernels.cpu.build import _arch_flags, compiler, load_cpu_kernels
-from pocketllm.quant.quantize import quantize
-from pocketllm.quant.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.quant.linear import GGUFLinear, int8_passes
+from pocketllm.quant.quantize import quantize
 
 LATTICE_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 INT8_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS,

@@ -1,10 +1,10 @@
 """Block pool, prefix cache and scheduler invariants on exact block ids (no model needed)."""
 from __future__ import annotations
 
+from pocketllm.core.kv_layout import NO_BLOCK, KVLayout
+from pocketllm.core.request import Request, RequestStatus
 from pocketllm.engine.block_pool import BlockPool
-from pocketllm.engine.kv_cache_manager import NO_BLOCK, KVCacheManager, hash_block
-from pocketllm.engine.kv_groups import KVLayout
-from pocketllm.engine.request import Request, RequestStatus
+from pocketllm.engine.kv_cache_manager import KVCacheManager, hash_block
 from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.sampling_params import SamplingParams
 

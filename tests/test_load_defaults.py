@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fixtures import default_model_gguf
+
 from pocketllm import LLM, ConfigurationError
 
 # The default model has 8192 positions, 30 layers and 3 KV heads of 64: a block of 16 tokens of

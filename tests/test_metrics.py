@@ -9,17 +9,17 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import prompts_of
 from live_server import in_process
+from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import make_model
+
 from pocketllm import SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.server.api_server import ServerConfig, create_app
 from pocketllm.server.async_llm import AsyncLLM
 from pocketllm.server.metrics import ServerMetrics
-from tiny_models import make_model
 
 MODEL = "tiny-metrics"
 

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import prompts_of
 from reference import captured_logits, hf_greedy, hf_last_logits
+
 from pocketllm import LLM, SamplingParams
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.moe import SparseMoE
@@ -240,8 +240,8 @@ def test_named_shapes_build_the_published_parameter_counts(shape, billions):
     """The runtimes of the named MoE shapes (random-weight benchmarks: `--load-format dummy`),
     built on the meta device: the published total parameter counts."""
     from pocketllm.config import EngineArgs, ModelConfig
+    from pocketllm.core.shapes import SHAPES
     from pocketllm.models.registry import select_runtime
-    from pocketllm.models.shapes import SHAPES
 
     cfg = ModelConfig.from_hf_dict(SHAPES[shape])
     runtime = select_runtime(cfg, EngineArgs.from_kwargs(model=shape, load_format="dummy"), "cpu", "bfloat16")

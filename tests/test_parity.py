@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import prompts_of
 from reference import captured_logits, hf_greedy, hf_last_logits
+
 from pocketllm import LLM, SamplingParams
 
 LENGTHS = [1, 5, 17, 33, 48, 70]

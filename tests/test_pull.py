@@ -7,9 +7,9 @@ import json
 import shutil
 
 import pytest
+from fixtures import SHARED
 
 import pocketllm.pull as pull_module
-from fixtures import SHARED
 from pocketllm.pull import DEFAULT_MODEL, pull
 
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
+from pocketllm.core import gguf_types
+from pocketllm.core.gguf_types import SUPPORTED_TYPES
 from pocketllm.errors import UnsupportedFeatureError
-from pocketllm.quant import gguf_types
 from pocketllm.quant.dequant import dequantize
-from pocketllm.quant.gguf_types import SUPPORTED_TYPES
 
 T = gguf.GGMLQuantizationType
 ALL = sorted(SUPPORTED_TYPES, key=lambda t: t.value)

@@ -16,14 +16,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from test_quant_dequant import F16_FIELDS, random_blocks
 
+from pocketllm.core.gguf_types import SUPPORTED_TYPES
 from pocketllm.kernels.cpu import gguf_ops
-
 from pocketllm.quant import linear as qlinear
 from pocketllm.quant.dequant import AFFINE_TYPES, affine_fields, dequantize
-from pocketllm.quant.gguf_types import SUPPORTED_TYPES
 from pocketllm.quant.linear import INT4_TYPES, GGUFLinear, gguf_embedding_lookup
-from test_quant_dequant import F16_FIELDS, random_blocks
 
 T = gguf.GGMLQuantizationType
 ALL = sorted(SUPPORTED_TYPES, key=lambda t: t.value)

@@ -3,8 +3,8 @@ and the grammar that lets reasoning run free before the constraint."""
 from __future__ import annotations
 
 import pytest
-
 from fixtures import default_model_gguf, shared_path
+
 from pocketllm.structured.chat import ReplyParser
 from pocketllm.structured.reasoning import get_reasoning_parser
 from pocketllm.structured.tool_parsers import get_tool_parser

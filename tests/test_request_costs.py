@@ -13,22 +13,22 @@ import httpx
 import openai
 import pytest
 import torch
-
 from conftest import prompts_of
 from fixtures import default_model_gguf
 from live_server import Server
 from reference import plain_penalties
+from tiny_models import make_tiny_chat_model
+
 from pocketllm.config import EngineArgs
+from pocketllm.core.request import Request
 from pocketllm.engine.detokenizer import IncrementalDetokenizer, StopStrings
 from pocketllm.engine.llm_engine import LLMEngine
-from pocketllm.engine.request import Request
 from pocketllm.errors import RequestError
+from pocketllm.runner.draft_position import DraftPosition
 from pocketllm.runner.sampler import apply_penalties
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.server.async_llm import AsyncLLM, QueueFullError
-from pocketllm.speculative.draft_position import DraftPosition
 from pocketllm.tokenizer.gguf_vocab import load_gguf_tokenizer
-from tiny_models import make_tiny_chat_model
 
 MODEL = "tiny-chat"
 

@@ -23,9 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 from conftest import prompts_of
 from live_server import ROOT, Server, free_port, in_process
+from tiny_models import make_tiny_chat_model
+
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
@@ -33,7 +34,6 @@ from pocketllm.errors import EngineDeadError, RequestError, RequestFailedError
 from pocketllm.runner.sampler import Sampler
 from pocketllm.server.api_server import ServerConfig, create_app, warn_if_exposed
 from pocketllm.server.async_llm import AsyncLLM, EngineClosedError
-from tiny_models import make_tiny_chat_model
 
 MODEL = "tiny-chat"
 TINY_FLAGS = ["--max-model-len", "2048", "--num-kv-blocks", "1024", "--served-model-name", MODEL]

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import prompts_of
 from reference import plain_penalties
+
 from pocketllm import LLM, SamplingParams
-from pocketllm.engine.request import Request
+from pocketllm.core.request import Request
 from pocketllm.runner.sampler import Sampler, apply_penalties
 
 

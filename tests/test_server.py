@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 from conftest import prompts_of
 from fixtures import default_model_gguf
 from live_server import ENGINE_FLAGS, ROOT, Server, in_process
+
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine

@@ -4,11 +4,11 @@ Gemma 3 and gpt-oss have windows of 8 tokens), and the blocks it holds counted e
 from __future__ import annotations
 
 import pytest
-
 from conftest import prompts_of
 from reference import captured_logits, hf_greedy, hf_last_logits
+
 from pocketllm import LLM, SamplingParams
-from pocketllm.engine.kv_cache_manager import NO_BLOCK
+from pocketllm.core.kv_layout import NO_BLOCK
 from pocketllm.errors import ConfigurationError
 
 HYBRID = ["gemma3", "gpt_oss"]

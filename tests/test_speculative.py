@@ -13,16 +13,16 @@ import re
 import jsonschema
 import pytest
 import torch
-
 from conftest import prompts_of
 from fixtures import default_model_gguf
+from reference import hf_greedy
+from test_parity import LENGTHS, NEW, run, tight_blocks
+from test_quantize import tokenizer_files  # noqa: F401  (a fixture)
+
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs, SpeculativeConfig
 from pocketllm.errors import ConfigurationError
 from pocketllm.speculative.ngram import NgramProposer
-from test_parity import LENGTHS, NEW, run, tight_blocks
-from test_quantize import tokenizer_files  # noqa: F401  (a fixture)
-from reference import hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -118,7 +118,8 @@ def test_draft_length_proposes_drafts_while_they_pay_for_their_rows():
         alpha = (hits + 1) / (hits + misses + 1.25)
         want = sum(1 for i in range(1, 5) if alpha ** i > cheap)
         assert dl.limit(req, dl.cost()) == want
-    assert [dl.limit(SimpleNamespace(draft_hits=h, draft_misses=m), dl.cost()) for h, m in ((0., 0.), (20., 0.), (0., 20.))] == [3, 4, 0]
+    counts = ((0., 0.), (20., 0.), (0., 20.))
+    assert [dl.limit(SimpleNamespace(draft_hits=h, draft_misses=m), dl.cost()) for h, m in counts] == [3, 4, 0]
     for _ in range(200):  # all steps of one row: the fit has no spread and the prior comes back
         dl.observe_step(1, 1, 0.012)
     assert dl.cost() == 0.3
@@ -196,8 +197,9 @@ def test_a_draft_model_catches_up_after_its_drafts_were_dropped(tiny_models):
 def test_a_lower_bit_gguf_of_the_model_drafts_for_it(tiny_models, tokenizer_files, tmp_path):
     """The Q8_0 GGUF of the model (its tokenizer written into the file) drafting for the float32
     checkpoint: the same tokens as transformers, most drafts kept."""
-    from pocketllm.loaders.gguf_writer import write_gguf
     from test_quantize import with_tokenizer
+
+    from pocketllm.loaders.gguf_writer import write_gguf
 
     model, path = tiny_models["llama"]
     src = with_tokenizer(path, tokenizer_files, tmp_path / "llama")
@@ -408,8 +410,8 @@ def test_grammars_hold_under_speculation(default_llms, monkeypatch):
     monkeypatch.setattr(spec.engine.draft_length, "limit", lambda req, cost: 4)
     tok = plain.get_tokenizer()
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "people": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9999999},
-                                                          "maxItems": 4}},
+                                               "people": {"type": "array", "maxItems": 4,
+                                                          "items": {"type": "integer", "minimum": 0, "maximum": 9999999}}},
               "required": ["city", "people"], "additionalProperties": False}
     cases = [({"json": schema}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
              ({"regex": r"(Rome|Paris) is the capital of [A-Z][a-z]+\."},

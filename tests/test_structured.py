@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import jsonschema
 import pytest
-
 from fixtures import default_model_gguf, shared_path
 from live_server import in_process
+
 from pocketllm import LLM, RequestError, SamplingParams
 from pocketllm.server.api_server import ServerConfig, create_app
 from pocketllm.server.async_llm import AsyncLLM
@@ -200,7 +200,7 @@ def test_prefix_cache_hit_keeps_constraint(llm):
 def test_preempted_request_keeps_its_matcher(llm, caplog):
     """Preempted mid-output, a request recomputes its KV from prompt and output tokens; the matcher
     must not see those tokens again (it would reject them), and greedy output must not change."""
-    from pocketllm.engine.scheduler import SchedulerOutput
+    from pocketllm.core.scheduler_output import SchedulerOutput
 
     engine, schema = llm.engine, SCHEMAS["object_array"]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs={"json": schema})

@@ -7,20 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 
+import json_fuzz
 import jsonschema
 import openai
 import pytest
 import xgrammar as xgr
-from xgrammar.testing import _is_grammar_accept_string as accepts
-
-import json_fuzz
 from fixtures import default_model_gguf, shared_path
 from live_server import Server
+from tiny_models import make_tiny_chat_model
+from xgrammar.testing import _is_grammar_accept_string as accepts
+
 from pocketllm import LLM, SamplingParams
 from pocketllm.structured.backend import StructuredOutputs
 from pocketllm.structured.grammars import build
 from pocketllm.tokenizer.gguf_vocab import load_gguf_tokenizer
-from tiny_models import make_tiny_chat_model
 
 BOUNDED = {"type": "string", "minLength": 1, "maxLength": 3}
 # JSON texts of strings, and whether they are 1 to 3 characters long once decoded (lone surrogates,
@@ -134,7 +134,8 @@ def test_length_bounds_beside_a_pattern():
 
     cases = [({"pattern": "^[a-z]+$", "minLength": 2, "maxLength": 3}, ["ab", "abc"], ["a", "abcd", "ab1"]),
              ({"pattern": r"\d{2,}", "maxLength": 4}, ["12", "1234"], ["1", "12345", "1a"]),
-             ({"pattern": "^[A-Z][a-z]*$", "maxLength": 2}, ["Ab", "Abcdef"], ["ab"])]  # not one class: the bound is lost (this notices when xgrammar keeps it)
+             ({"pattern": "^[A-Z][a-z]*$", "maxLength": 2}, ["Ab", "Abcdef"], ["ab"])]
+    # (the last is not one class: its bound is lost, and the case notices when xgrammar keeps it)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for schema, good, bad in cases:

@@ -10,7 +10,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
 from live_server import Server, collect_chat_stream
 from test_server import error_of
 from test_structured import SCHEMAS

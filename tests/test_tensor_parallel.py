@@ -5,15 +5,15 @@ shapes that do not split are refused before loading."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import prompts_of
+from reference import hf_greedy
+from test_parity import LENGTHS, NEW, tight_blocks
+from test_quantize import tokenizer_files  # noqa: F401  (a fixture)
+
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs, ModelConfig
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
 from pocketllm.models.capabilities import RuntimeCapabilities, check_tensor_parallel
-from reference import hf_greedy
-from test_parity import LENGTHS, NEW, tight_blocks
-from test_quantize import tokenizer_files  # noqa: F401  (a fixture)
 
 
 def generate(path, prompts, **engine_args):
@@ -66,9 +66,10 @@ def test_a_gguf_file_splits_at_block_boundaries(tmp_path, tokenizer_files):
     its tokens, and logprobs no further from one rank's than the fast path is from the exact one
     (a rank rounds its share of the activations on its own). Q4_K_M (blocks of 256) would split
     them at 2 ranks, and is refused before loading."""
-    from pocketllm.loaders.gguf_writer import write_gguf
     from test_quantize import with_tokenizer
     from tiny_models import make_llama256
+
+    from pocketllm.loaders.gguf_writer import write_gguf
 
     _, path = make_llama256(tmp_path)
     src = with_tokenizer(path, tokenizer_files, tmp_path / "src")
@@ -122,7 +123,6 @@ def test_a_server_of_three_ranks_answers_as_one(tmp_path):
     gets the completion the one-rank offline engine gives, and SIGTERM ends every rank."""
     import openai
     import psutil
-
     from fixtures import default_model_gguf
     from live_server import Server
 
@@ -213,7 +213,6 @@ def test_a_rank_that_dies_makes_the_server_exit_within_seconds(tmp_path, when):
     import threading
 
     import httpx
-
     from live_server import Server
     from tiny_models import make_tiny_chat_model
 
@@ -297,7 +296,7 @@ def test_idle_ranks_wait_past_the_rendezvous_timeout(tiny_models, monkeypatch):
     next step (an idle engine) still run it."""
     import time
 
-    from pocketllm.distributed import workers
+    from pocketllm.runner import tp_ranks as workers
 
     monkeypatch.setattr(workers, "RENDEZVOUS_TIMEOUT", 10.0)
     _, path = tiny_models["llama"]

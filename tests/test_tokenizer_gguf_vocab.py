@@ -5,10 +5,10 @@ import timeit
 
 import gguf
 import pytest
+from fixtures import default_model_gguf, shared_names, shared_path, smollm2_reference
 
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
 from pocketllm.tokenizer import get_tokenizer
-from fixtures import default_model_gguf, shared_names, shared_path, smollm2_reference
 
 VOCABS = shared_names("fixtures/vocab", "ggml-vocab-*.gguf")
 _SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -281,7 +281,6 @@ def test_gpt4o_splits_as_llama_cpp_where_its_regex_agrees(o200k):
     classes): the same words on text without non-ASCII cased letters or combining marks. Where they
     differ, the file's tokenizer.json and tiktoken are what the model was trained with."""
     import regex
-
     from tiny_harmony import LLAMA_CPP_PATTERN, O200K_PATTERN
 
     ours, _ = o200k

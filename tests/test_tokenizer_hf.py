@@ -3,11 +3,11 @@
 import json
 
 import pytest
+from fixtures import smollm2_reference
 from transformers import AutoTokenizer
 
 from pocketllm.errors import ConfigurationError
 from pocketllm.tokenizer import get_tokenizer
-from fixtures import smollm2_reference
 
 TEXTS = [
     "Hello world",

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from fixtures import default_model_gguf, shared_path
+
 from pocketllm.structured.chat import ReplyParser, template_messages, tool_constraint
 from pocketllm.structured.tool_parsers import ToolCall, get_tool_parser, infer_tool_parser
 from pocketllm.tokenizer.chat_template import render_chat

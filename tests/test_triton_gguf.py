@@ -266,7 +266,7 @@ def test_packed_layout_is_16_byte_aligned(qtype):
     """Every packed row, body region and header region starts 16-byte aligned (the kernels load
     bodies as 16-byte vectors, and Triton assumes 16-divisible row sizes aligned), for any K."""
     for k in _ALIGN_KS[kg.block_size(qtype)]:
-        n_blocks, hdr_start, targs = kg._type_args(qtype, k)
+        n_blocks, hdr_start, targs = kg.type_args(qtype, k)
         prb = kg.packed_row_nbytes(qtype, k)
         assert prb % 16 == 0 and 0 <= prb - gguf.quants.GGML_QUANT_SIZES[qtype][1] * n_blocks < 16
         assert targs["BB"] % 16 == 0 and hdr_start % 16 == 0  # every block's body, the headers
@@ -557,7 +557,7 @@ def sm90_resources(qtype, regime, dtype="bf16", block_m=16, cfg=None, k=4096):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    _, _, targs = kg._type_args(qtype, k)
+    _, _, targs = kg.type_args(qtype, k)
     c = dict(kg.kernel_config(regime, qtype), **(cfg or {}))
     if regime == "gemv":
         fn = kg._gemv_kernel
@@ -581,7 +581,8 @@ def sm90_resources(qtype, regime, dtype="bf16", block_m=16, cfg=None, k=4096):
     if regime != "mma":
         consts["BPI"] = kg._blocks_per_step(qtype, c["BLOCK_K"])
     ptrs = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "lut_ptr": "*i32" if qtype in kg._LATTICE else "*fp32",
-            "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "ids_ptr": "*i64", "pairs_ptr": "*i32", "experts_ptr": "*i32", "xq_ptr": "*i8", "xd_ptr": "*fp32",
+            "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "ids_ptr": "*i64", "pairs_ptr": "*i32", "experts_ptr": "*i32",
+            "xq_ptr": "*i8", "xd_ptr": "*fp32",
             "xs_ptr": "*fp32"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
     divisible = ["x_ptr", "w_ptr", "lut_ptr", "y_ptr", "out_ptr", "row_bytes", "hdr_start", "stride_xm",

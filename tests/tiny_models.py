@@ -102,8 +102,8 @@ def make_tiny_chat_model(root: Path, vocab: Path | None = None) -> Path:
     import json
 
     import transformers
-
     from fixtures import default_model_gguf
+
     from pocketllm.tokenizer.gguf_vocab import load_gguf_tokenizer
 
     tok = load_gguf_tokenizer(vocab or default_model_gguf())

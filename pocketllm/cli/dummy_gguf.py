@@ -7,7 +7,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    from pocketllm.models.shapes import SHAPES
+    from pocketllm.core.shapes import SHAPES
 
     parser.add_argument("out", metavar="OUT", help="GGUF file to write")
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="model shape (default llama3-8b)")

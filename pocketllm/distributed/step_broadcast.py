@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pocketllm.runner.model_runner import StepInputs
+from pocketllm.core.step import StepInputs
 
 STEP, STOP = 1, 2
 

@@ -19,10 +19,9 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pocketllm.core.kv_layout import NO_BLOCK
+from pocketllm.core.request import Request
 from pocketllm.engine.block_pool import BlockPool, KVBlock
-from pocketllm.engine.request import Request
-
-NO_BLOCK = -1  # a sliding group's table entry behind its window: no block, never read
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:

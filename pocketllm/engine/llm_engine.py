@@ -7,21 +7,22 @@ import logging
 import numbers
 import time
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from pocketllm.config import EngineArgs
+from pocketllm.core.request import Request, RequestStatus
+from pocketllm.core.scheduler_output import SchedulerOutput
 from pocketllm.distributed.parallel_state import TPGroup, tensor_parallel
 from pocketllm.engine.detokenizer import StopStrings
 from pocketllm.engine.kv_cache_manager import KVCacheManager
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
-from pocketllm.engine.request import Request, RequestStatus
-from pocketllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
 from pocketllm.models.registry import select_runtime
 from pocketllm.outputs import RequestOutput
+from pocketllm.runner.memory import weight_bytes
 from pocketllm.runner.model_runner import LaunchedStep, ModelRunner
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured.backend import StructuredOutputs
@@ -40,7 +41,7 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
 
-    def copy(self) -> "SpecDecodingStats":
+    def copy(self) -> SpecDecodingStats:
         return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                                  list(self.accepted_per_pos))
 
@@ -109,35 +110,6 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _tensors_in(value) -> Iterator[torch.Tensor]:
-    """The tensors an attribute of a module holds: GGUF layers keep theirs in plain attributes."""
-    from pocketllm.layers.linear import QuantizedTensor
-
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors_in(v)
-    elif isinstance(value, QuantizedTensor):
-        yield value.data
-    elif callable(getattr(value, "tensors", None)):  # the CPU layouts of GGUF blocks
-        yield from value.tensors()
-
-
-def weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
-    """Bytes of the model's parameters, buffers and GGUF blocks on ``device``; memory shared by
-    several (tied embeddings, views of one file) is counted once.  Off the CPU, host-side views of
-    the file (a table's GGUF source kept for a tied output layer) are not weights held there."""
-    held: dict[tuple, int] = {}
-    for m in model.modules():
-        for value in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
-            for t in _tensors_in(value):
-                if t.device.type == device.type:
-                    key = (t.device, t.data_ptr())
-                    held[key] = max(held.get(key, 0), t.numel() * t.element_size())
-    return sum(held.values())
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         t_start = time.perf_counter()
@@ -189,7 +161,7 @@ class LLMEngine:
         self.ranks = None
         group = TPGroup()
         if tp > 1:
-            from pocketllm.distributed.workers import RankProcesses
+            from pocketllm.runner.tp_ranks import RankProcesses
 
             self.ranks = RankProcesses(args, self.device.type, self.dtype_name, self.max_model_len)
             self._finalizer = weakref.finalize(self, self.ranks.shutdown)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pocketllm.core.request import Request
 from pocketllm.engine.detokenizer import IncrementalDetokenizer, StopStrings
-from pocketllm.engine.request import Request
 from pocketllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pocketllm.runner.sampler import SampledToken
 

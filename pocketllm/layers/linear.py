@@ -31,7 +31,7 @@ class QuantizedTensor:
 
     def columns(self, first: int, count: int) -> QuantizedTensor:
         """Weights ``first .. first + count`` of every row: whole GGUF blocks."""
-        from pocketllm.quant.gguf_types import block_size, type_size
+        from pocketllm.core.gguf_types import block_size, type_size
 
         bs, ts = block_size(self.qtype), type_size(self.qtype)
         assert first % bs == 0 and count % bs == 0, f"columns {first}+{count} split a block of {bs}"

@@ -26,11 +26,11 @@ from gguf import GGMLQuantizationType
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.loaders.gguf_writer import (
     WriteResult,
-    _arch_of,
-    _minimal_vocab,
-    _rope_parameters,
+    arch_of,
     expert_count,
     llama3_rope_factors,
+    minimal_vocab,
+    rope_parameters,
     write_file,
 )
 from pocketllm.quant import mixes
@@ -151,7 +151,7 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
     out = [("token_embd.weight", (v, h)), ("output_norm.weight", (h,))]
     if not hp.get("tie_word_embeddings", False):
         out.append(("output.weight", (v, h)))
-    rope = _rope_parameters(hp)
+    rope = rope_parameters(hp)
     if arch == "llama" and (rope.get("rope_type") or "").lower() == "llama3":
         out.append(("rope_freqs.weight", (hd // 2,)))
     for i in range(hp["num_hidden_layers"]):
@@ -181,11 +181,11 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", file_type: str = "Q4_K_M", *,
                      seed: int = 0, std: float = 0.02, pure: bool = False, progress=None) -> WriteResult:
-    """Write a random-weight GGUF of ``shape`` (a name of ``pocketllm.models.shapes.SHAPES`` or a
+    """Write a random-weight GGUF of ``shape`` (a name of ``pocketllm.core.shapes.SHAPES`` or a
     Hugging Face config dict) in ``file_type`` (llama.cpp's names: Q4_K_M, IQ2_XXS, ...) to ``out``.
     ``pure``: every quantizable tensor in the file type's main type (llama-quantize --pure), e.g.
     all MXFP4 with MXFP4_MOE, which gives dense models' tensors Q8_0."""
-    from pocketllm.models.shapes import SHAPES
+    from pocketllm.core.shapes import SHAPES
 
     t0 = time.perf_counter()
     if isinstance(shape, str):
@@ -195,8 +195,8 @@ def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", fi
     else:
         name, hp = "dummy", dict(shape)
     ft_name, ftype, _ = mixes.parse_file_type(file_type)
-    arch = _arch_of(hp)
-    rope = _rope_parameters(hp)
+    arch = arch_of(hp)
+    rope = rope_parameters(hp)
     tensors = sorted(_tensor_shapes(arch, hp), key=lambda t: mixes.layer_order(t[0]))
     n_head = hp["num_attention_heads"]
     types = mixes.tensor_types(tensors, ftype, n_layer=hp["num_hidden_layers"], n_head=n_head,
@@ -225,5 +225,5 @@ def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", fi
         return data.astype(np.float32 if qt == T.F32 else np.float16)
 
     tokenizer = write_file(out, arch, f"{name} (random weights)", hp, rope, hp["vocab_size"], ftype, n_params,
-                           lambda w: _minimal_vocab(hp["vocab_size"], w), tensors, types, tensor_data, progress)
+                           lambda w: minimal_vocab(hp["vocab_size"], w), tensors, types, tensor_data, progress)
     return WriteResult(out, ft_name, types, n_params, out.stat().st_size, time.perf_counter() - t0, tokenizer)

@@ -30,7 +30,7 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
 }
 
-_GLOBAL_NAMES = {
+GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
@@ -178,8 +178,8 @@ class GGUFModelFile:
         if name == "rope_freqs.weight":
             return None
         stem, _, kind = name.rpartition(".")
-        if stem in _GLOBAL_NAMES:
-            return f"{_GLOBAL_NAMES[stem]}.{kind}"
+        if stem in GLOBAL_NAMES:
+            return f"{GLOBAL_NAMES[stem]}.{kind}"
         m = _BLOCK.match(name)
         table = layer_names(self.arch)
         if m is not None and m.group(2) in EXPERT_NAMES:  # one name per expert: "{}" for its index

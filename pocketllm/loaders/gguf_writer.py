@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
-from pocketllm.loaders.gguf_loader import _GLOBAL_NAMES, ARCHITECTURES, layer_names
+from pocketllm.loaders.gguf_loader import ARCHITECTURES, GLOBAL_NAMES, layer_names
 from pocketllm.quant import mixes
 from pocketllm.quant.quantize import SUPPORTED, quantize
 
@@ -66,7 +66,7 @@ def load_hparams(model_dir: Path) -> dict:
     return {**cfg, **(cfg.get("text_config") or {})}
 
 
-def _arch_of(hp: dict) -> str:
+def arch_of(hp: dict) -> str:
     archs = hp.get("architectures") or []
     for a in archs:
         if a in HF_TO_GGUF_ARCH:
@@ -75,7 +75,7 @@ def _arch_of(hp: dict) -> str:
         f"cannot quantize architecture {archs}; supported: {', '.join(sorted(HF_TO_GGUF_ARCH))}")
 
 
-def _rope_parameters(hp: dict) -> dict:
+def rope_parameters(hp: dict) -> dict:
     """The converter's TextModel.__init__ normalisation of rope settings (flat or per attention type)."""
     rope = dict(hp.get("rope_parameters") or hp.get("rope_scaling") or {})
     if "full_attention" not in rope and "sliding_attention" not in rope:
@@ -427,7 +427,7 @@ def _sentencepiece_vocab(model_dir: Path, vocab_size: int, w: gguf.GGUFWriter, a
     return "tokenizer.model (llama / SentencePiece)"
 
 
-def _minimal_vocab(vocab_size: int, w: gguf.GGUFWriter) -> str:
+def minimal_vocab(vocab_size: int, w: gguf.GGUFWriter) -> str:
     """A directory without a tokenizer still gets a loadable one: GPT-2's 256 byte tokens, one merge (two
     spaces), the rest unused. Enough for token-id prompts and byte-level text; not the model's real vocabulary."""
     if vocab_size < 257:
@@ -469,7 +469,7 @@ def add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int, arch: st
                 "directory's tokenizer.model")
         return _byte_level_vocab(model_dir, vocab_size, w, arch)
     logger.warning("%s has no tokenizer; writing a byte-level stand-in vocabulary", model_dir)
-    return _minimal_vocab(vocab_size, w)
+    return minimal_vocab(vocab_size, w)
 
 
 def _is_sentencepiece_json(model_dir: Path) -> bool:
@@ -482,7 +482,7 @@ def _is_sentencepiece_json(model_dir: Path) -> bool:
 
 # ---- tensors -----------------------------------------------------------------------------------------------
 
-_HF_GLOBAL = {hf: g for g, hf in _GLOBAL_NAMES.items()}
+_HF_GLOBAL = {hf: g for g, hf in GLOBAL_NAMES.items()}
 _HF_LAYER = {arch: {hf: g for g, hf in layer_names(arch).items()} for arch in ARCHITECTURES}
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # one expert's matrix (Qwen3-MoE's names, Mixtral's): stacked into blk.N.ffn_*_exps
@@ -569,7 +569,7 @@ def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
     names = [t.name for t in out]
     if len(set(names)) != len(names):
         raise ConfigurationError(f"{model_dir} holds some tensors twice")
-    rope = _rope_parameters(hp)
+    rope = rope_parameters(hp)
     if arch == "llama" and (rope.get("full_attention", rope).get("rope_type") or "").lower() == "llama3":
         factors = llama3_rope_factors(hp, rope.get("full_attention", rope))
         out.append(_Tensor("rope_freqs.weight", factors.shape, lambda: factors))
@@ -636,8 +636,8 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, file_type: str = 
         raise ConfigurationError(f"{model_dir} is not a directory; give a Hugging Face model directory")
     ft_name, ftype, _ = mixes.parse_file_type(file_type)
     hp = load_hparams(model_dir)
-    arch = _arch_of(hp)
-    rope = _rope_parameters(hp)
+    arch = arch_of(hp)
+    rope = rope_parameters(hp)
     _open.cache_clear()  # handles of an earlier file at these paths
     tensors = _collect_tensors(model_dir, arch, hp)
     vocab_size = hp.get("vocab_size") or next(t.shape[0] for t in tensors if t.name == "token_embd.weight")

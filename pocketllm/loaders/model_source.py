@@ -25,8 +25,8 @@ class ModelSource:
         return self.gguf is not None
 
     @classmethod
-    def open(cls, model: str, load_format: str) -> "ModelSource":
-        from pocketllm.models.shapes import SHAPES
+    def open(cls, model: str, load_format: str) -> ModelSource:
+        from pocketllm.core.shapes import SHAPES
 
         path = Path(model)
         dummy = load_format == "dummy"

@@ -45,7 +45,7 @@ class CausalLM(torch.nn.Module):
     @classmethod
     def layer_windows(cls, cfg: ModelConfig) -> list[int | None]:
         """Each layer's attention: None (full) or its sliding window in tokens. The KV layout
-        (pocketllm.engine.kv_groups) is built from it, before the model is."""
+        (pocketllm.core.kv_layout) is built from it, before the model is."""
         return [None] * cfg.num_layers
 
     @classmethod

@@ -91,7 +91,7 @@ def check_tensor_parallel(cfg, tp: int, quant_types: set[str], caps: RuntimeCapa
                                       "pick a size that divides each")
     from gguf import GGMLQuantizationType
 
-    from pocketllm.quant.gguf_types import block_size
+    from pocketllm.core.gguf_types import block_size
 
     blocks = {q: block_size(GGMLQuantizationType[q]) for q in quant_types if q in GGMLQuantizationType.__members__}
     inputs = {"o_proj": cfg.num_heads * cfg.head_dim // tp,

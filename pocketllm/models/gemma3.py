@@ -2,7 +2,7 @@
 rotary bases, q/k RMSNorm, GeGLU, a scaled embedding and four norms per layer (Gemma's
 RMSNorm multiplies by 1 + w).
 
-KV memory: the sliding-window layers form their own KV groups (pocketllm.engine.kv_groups), whose
+KV memory: the sliding-window layers form their own KV groups (pocketllm.core.kv_layout), whose
 block tables keep only the window (`sliding_window_kv="window"`); the global layers keep the whole
 sequence.
 """

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-
 from gguf import GGMLQuantizationType
 
 from pocketllm.config import ModelConfig

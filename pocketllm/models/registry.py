@@ -8,7 +8,7 @@ import importlib
 from dataclasses import dataclass
 
 from pocketllm.config import EngineArgs, ModelConfig
-from pocketllm.engine.kv_groups import KVLayout
+from pocketllm.core.kv_layout import KVLayout
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.models.capabilities import PLATFORMS, SLIDING_WINDOW_KV, RuntimeCapabilities, check, check_tensor_parallel
 

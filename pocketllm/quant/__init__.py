@@ -1,8 +1,9 @@
 """GGUF quantized weights: exact dequantization and linear/embedding layers (CPU kernels; on CUDA the
 Triton kernels of pocketllm/kernels/triton/gguf.py)."""
 
+from pocketllm.core.gguf_types import SUPPORTED_TYPES, block_size, type_size
+
 from .dequant import dequantize
-from .gguf_types import SUPPORTED_TYPES, block_size, type_size
 from .linear import GGUFLinear, gguf_embedding_lookup
 
 __all__ = [

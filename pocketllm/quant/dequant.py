@@ -20,7 +20,7 @@ import gguf.quants as gq
 import torch
 from gguf import GGMLQuantizationType
 
-from .gguf_types import check_supported, row_nbytes
+from pocketllm.core.gguf_types import check_supported, row_nbytes
 
 T = GGMLQuantizationType
 QK_K = 256

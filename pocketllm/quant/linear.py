@@ -67,10 +67,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from pocketllm.core.gguf_types import block_size, check_supported, row_nbytes, type_size
 from pocketllm.kernels.cpu import gguf_ops
 
 from .dequant import AFFINE_TYPES, Affine, affine_fields, as_bytes, dequantize, dequantize_blocks
-from .gguf_types import block_size, check_supported, row_nbytes, type_size
 
 T = GGMLQuantizationType
 
@@ -282,7 +282,7 @@ class GGUFLinear(torch.nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         int8_activations: int = 0,
-    ) -> "GGUFLinear":
+    ) -> GGUFLinear:
         """Wrap raw GGUF bytes of an ``[out_features, in_features]`` weight.
 
         ``data_uint8`` may be a list of row blocks of the same type (a fused projection's parts,

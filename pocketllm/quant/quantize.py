@@ -351,7 +351,9 @@ def _q8_0(blocks: np.ndarray, search: bool) -> np.ndarray:
     L = _codes(x, d, -127, 127)
     if search:  # least-squares refit of the scale for these codes, kept where it lowers the error
         d_ls = _safe_div(_dot(x, L), _dot(L, L))
-        err = lambda s: _dot(x - _f16(s) * L, x - _f16(s) * L)
+        def err(s):
+            return _dot(x - _f16(s) * L, x - _f16(s) * L)
+
         d = np.where(err(d_ls) < err(d), d_ls, d)
     return np.concatenate([_f16_bytes(d), _rows(L.astype(np.int8).view(np.uint8), len(d))], axis=1)
 
@@ -402,7 +404,7 @@ def _q5_1(blocks, search):
 # ---- K-quants (256-wide super-blocks, rows [B, 256]) --------------------------------------------------------
 
 def _sub_codes(x, d, sc, dmin, mn, nmax):
-    """Codes of column sub-blocks x [sub, B*nsub] for stored super-block scales d, dmin [B] and 
+    """Codes of column sub-blocks x [sub, B*nsub] for stored super-block scales d, dmin [B] and
     sub-block scales/mins sc, mn [B, nsub] (x ~ d*sc*L - dmin*mn)."""
     ds = (_f16(d)[:, None] * sc).reshape(-1)
     ms = (_f16(dmin)[:, None] * mn).reshape(-1).astype(np.float32)

@@ -1,7 +1,7 @@
 """Turns a SchedulerOutput into one flattened varlen forward and samples the rows that end.
 
 The KV cache is allocated here once, a K and a V tensor per place of the KV layout's groups
-(pocketllm.engine.kv_groups; one per layer without sliding-window layers), and bound to the model's
+(pocketllm.core.kv_layout; one per layer without sliding-window layers), and bound to the model's
 attention layers. Each KV group gets its own slots and block tables in the step's metadata.
 On the CPU attention runs in torch over per-request masks (a sliding group's tables start at its
 window); on CUDA it runs in the Triton kernels over flat metadata tensors, and pure-decode steps
@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pocketllm.core.kv_layout import NO_BLOCK, KVLayout
+from pocketllm.core.scheduler_output import SchedulerOutput
+from pocketllm.core.step import StepInputs
 from pocketllm.distributed.parallel_state import TPGroup, get_tp
-from pocketllm.engine.kv_cache_manager import NO_BLOCK
-from pocketllm.engine.kv_groups import KVLayout
-from pocketllm.engine.scheduler import SchedulerOutput
 from pocketllm.layers.attention import AttentionMetadata, PrefillSpan
 from pocketllm.models.base import CausalLM
+from pocketllm.runner.draft_position import DraftPosition
 from pocketllm.runner.sampler import DeviceSample, SampledToken, Sampler, token_logprobs
-from pocketllm.speculative.draft_position import DraftPosition
 
 
 @dataclass
@@ -34,28 +34,6 @@ class RunnerOutput:
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> why it could not be sampled
     forward_time: float = 0.0  # seconds spent in the model and sampler (launch and wait)
     prepare_time: float = 0.0  # seconds spent building inputs
-
-
-@dataclass
-class StepInputs:
-    """The step flattened on the host: one row of `rows` per scheduled request, decodes first."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[list[int]]  # per KV group: each token's cache slot
-    rows: list[tuple[int, int]]  # (query_len, context_len)
-    tables: list[list[list[int]]]  # per KV group, per row: block ids covering the context (NO_BLOCK behind a window)
-    num_decodes: int  # decode rows (query length 1), a request with drafts making several
-    logits_rows: list[int]  # token rows whose logits are sampled
-    sampling: list  # their requests, a DraftPosition for each draft's row
-    # decode rows whose input token is still in flight: (token row, row in the previous step's sample)
-    pending: list[tuple[int, int]] = field(default_factory=list)
-    # prompt logprobs to score: (request, its first scored position, that position's token row,
-    # the next prompt token of each scored position)
-    prompt_scores: list[tuple] = field(default_factory=list)
-    # per decode row, its index among its request's rows (0, 1, .. for a token and its drafts): the
-    # attention kernel reads a run's keys once (empty: every request has one row, or TP ranks' copies)
-    chain_pos: list[int] = field(default_factory=list)
 
 
 @dataclass

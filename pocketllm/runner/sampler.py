@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pocketllm.engine.request import Request
+from pocketllm.core.request import Request
 from pocketllm.structured.backend import apply_grammar_masks
 
 
@@ -31,7 +31,7 @@ class DeviceSample:
     failed: dict[int, Exception] = field(default_factory=dict)  # rows that could not be sampled
     _copied: object = None  # the CUDA event after the copies
 
-    def start_copy(self) -> "DeviceSample":
+    def start_copy(self) -> DeviceSample:
         if self.tokens.is_cuda:
             def pinned(t: torch.Tensor) -> torch.Tensor:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -193,7 +193,7 @@ class RowState:
     num_counted: int = 0
 
     @classmethod
-    def of(cls, req: Request, vocab: int, device: torch.device) -> "RowState":
+    def of(cls, req: Request, vocab: int, device: torch.device) -> RowState:
         state = req.sampling_state
         if state is None or state.device != device:
             state = cls._build(req, vocab, device)
@@ -201,7 +201,7 @@ class RowState:
         return state
 
     @classmethod
-    def _build(cls, req: Request, vocab: int, device: torch.device) -> "RowState":
+    def _build(cls, req: Request, vocab: int, device: torch.device) -> RowState:
         p = req.params
         state = cls(device)
         if p.logit_bias:
@@ -220,7 +220,7 @@ class RowState:
             state.counts = torch.zeros(vocab, device=device)
         return state
 
-    def penalties_caught_up(self, req: Request) -> "RowState":
+    def penalties_caught_up(self, req: Request) -> RowState:
         """The counts with the request's output tokens added since the last step."""
         outputs = _owner(req).output_token_ids
         if len(outputs) > self.num_counted:

@@ -15,8 +15,8 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from urllib.parse import urlsplit
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import jinja2
 import uvicorn

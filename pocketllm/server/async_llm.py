@@ -83,7 +83,7 @@ class EngineStats:
     last_step: object = None
 
 
-def _deliver(items: list[tuple["RequestStream", RequestOutput | BaseException]]) -> None:
+def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
     """On the event loop: hand one step's outputs to their streams."""
     for stream, item in items:
         stream._push(item)
@@ -101,7 +101,7 @@ class RequestStream:
     """The outputs of one request, in order; since they are cumulative, only the newest one waits
     to be read. `close()` aborts the request if it has not finished."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, owner: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self.finished = False
         self._owner = owner
@@ -119,7 +119,7 @@ class RequestStream:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:

@@ -135,7 +135,7 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self, arrival: float) -> "RequestTimer":
+    def timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from pocketllm.engine.request import Request, RequestStatus
-from pocketllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pocketllm.core.request import Request, RequestStatus
+from pocketllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pocketllm.errors import ConfigurationError
 from pocketllm.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ class DraftModel:
         """Checks the draft against the target engine (vocabulary, context, capabilities) and
         reads its shape; no weight is read yet."""
         from pocketllm.config import EngineArgs
-        from pocketllm.engine.kv_groups import KVLayout
+        from pocketllm.core.kv_layout import KVLayout
         from pocketllm.loaders.model_source import ModelSource
         from pocketllm.models.registry import select_runtime
         from pocketllm.runner.model_runner import ModelRunner
@@ -153,7 +153,7 @@ class DraftModel:
         return sh
 
     def weight_bytes(self) -> int:
-        from pocketllm.engine.llm_engine import weight_bytes
+        from pocketllm.runner.memory import weight_bytes
 
         return weight_bytes(self.model, self.target.device)
 

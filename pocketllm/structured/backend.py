@@ -12,15 +12,15 @@ from collections import OrderedDict
 import torch
 
 from pocketllm.errors import RequestError
-from pocketllm.structured import harmony
 from pocketllm.structured.spec import cache_key, kind_of
+from pocketllm.tokenizer import harmony_tokens
 
 log = logging.getLogger("pocketllm")
 
 # Special tokens vanish from decoded text, so grammars may not emit them; these stay usable because
 # tool-call and reasoning syntaxes are written with them (and gpt-oss's harmony messages).
 _MARKERS = frozenset({"[TOOL_CALLS]", "<|python_tag|>", "<tool_call>", "</tool_call>", "<think>", "</think>",
-                      *harmony.MARKUP})
+                      *harmony_tokens.MARKUP})
 
 
 def _flatten(node: dict | None) -> list[dict]:

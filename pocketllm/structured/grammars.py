@@ -34,7 +34,7 @@ _SHORT_ESCAPE = r'"\\" [\"\\/bfnrt]'
 _U_ESCAPE_RULES = r"""
 pocketllm_u_escape ::= [0-9a-cA-Ce-fE-F] pocketllm_hex pocketllm_hex pocketllm_hex | [dD] [0-7] pocketllm_hex pocketllm_hex | [dD] [89abAB] pocketllm_hex pocketllm_hex "\\u" [dD] [c-fC-F] pocketllm_hex pocketllm_hex
 pocketllm_hex ::= [0-9a-fA-F]
-"""
+"""  # noqa: E501  (one rule: its alternatives on one line)
 
 
 def _string_chain(name: str, lo: int, hi: int) -> list[str]:

@@ -14,10 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 from pocketllm.structured.streaming import hold_back
+from pocketllm.tokenizer.harmony_tokens import CALL, CHANNEL, END, MESSAGE, RETURN, START
 
-START, CHANNEL, MESSAGE, CONSTRAIN, END = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"
-CALL, RETURN = "<|call|>", "<|return|>"
-MARKUP = (START, CHANNEL, MESSAGE, CONSTRAIN, END)  # a message's special tokens, kept in decoded text
 _ENDS = (END, CALL, RETURN)
 _FUNCTIONS = "functions."
 # The header's fields; a recipient may come before the channel or after it.

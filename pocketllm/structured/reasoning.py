@@ -8,6 +8,7 @@ from pocketllm.errors import ConfigurationError
 from pocketllm.structured import harmony
 from pocketllm.structured.streaming import hold_back
 from pocketllm.structured.tool_parsers import HarmonyToolParser, ToolParser
+from pocketllm.tokenizer import harmony_tokens
 
 
 class ReasoningParser:
@@ -77,8 +78,9 @@ class HarmonyReasoningParser(ReasoningParser):
     def grammar_prefix(self, opened: bool | None, calls: bool = False) -> dict:
         # One analysis message may come first; then the answer's header, unless the constraint is
         # forced calls, whose grammar writes their own headers.
-        return {"start": f"{harmony.CHANNEL}analysis{harmony.MESSAGE}", "end": f"{harmony.END}{harmony.START}assistant",
-                "open": False, "then": "" if calls else f"{harmony.CHANNEL}final{harmony.MESSAGE}"}
+        h = harmony_tokens
+        return {"start": f"{h.CHANNEL}analysis{h.MESSAGE}", "end": f"{h.END}{h.START}assistant",
+                "open": False, "then": "" if calls else f"{harmony_tokens.CHANNEL}final{harmony_tokens.MESSAGE}"}
 
     def split(self, text: str, opened: bool | None, final: bool = True) -> tuple[str, str]:
         # the whole reply goes on: its content parser reads no analysis message into content or calls

@@ -28,6 +28,7 @@ import jsonschema
 from pocketllm.errors import ConfigurationError
 from pocketllm.structured import harmony
 from pocketllm.structured.streaming import hold_back
+from pocketllm.tokenizer import harmony_tokens
 
 _DECODER = json.JSONDecoder()
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -474,7 +475,7 @@ class HarmonyToolParser(ToolParser):
     cut short: harmony has no markup to fall back to as content."""
 
     name = "openai"
-    separator = harmony.CALL + harmony.START + "assistant"
+    separator = harmony_tokens.CALL + harmony_tokens.START + "assistant"
     needs_special_tokens = True
     parallel = False
     json_fallback = False  # harmony has no free text in which a call could hide

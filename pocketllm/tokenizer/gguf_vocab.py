@@ -13,7 +13,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
-from pocketllm.structured import harmony
+from pocketllm.tokenizer import harmony_tokens as harmony
 from pocketllm.tokenizer.base import Tokenizer
 from pocketllm.tokenizer.gguf_pre import pre_tokenizer_for
 

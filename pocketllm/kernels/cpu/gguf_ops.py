@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pocketllm.core.gguf_types import block_size
 from pocketllm.kernels.cpu.build import load_cpu_kernels
-from pocketllm.quant.gguf_types import block_size
 
 
 def supports(qtype: int) -> bool:

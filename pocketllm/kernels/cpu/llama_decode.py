@@ -39,13 +39,11 @@ def _f32_ptr(t: torch.Tensor, keep: list) -> int:
 
 
 def _proj(linear, keep: list) -> _Proj | None:
-    """A Linear layer's GGUF parts, if every one is on the fast path's kernels."""
-    from pocketllm.layers.linear import ConcatLinear
-    from pocketllm.quant.linear import GGUFLinear
-
+    """A Linear layer's GGUF parts, if every one is on the fast path's kernels (a part that is, a
+    GGUF layer, says so by its `fast_path_weights`; a fused projection lists its `parts`)."""
     q = linear.quantized
-    parts = list(q.parts) if isinstance(q, ConcatLinear) else [q]
-    weights = [p.fast_path_weights() if isinstance(p, GGUFLinear) else None for p in parts]
+    parts = list(getattr(q, "parts", None) or [q])
+    weights = [p.fast_path_weights() if hasattr(p, "fast_path_weights") else None for p in parts]
     if len(parts) > 3 or any(w is None for w in weights):
         return None
     proj = _Proj(nparts=len(parts), n=sum(p.out_features for p in parts), k=parts[0].in_features)
@@ -67,7 +65,7 @@ class LlamaDecoder:
         self._lib = load_cpu_kernels()
 
     @classmethod
-    def build(cls, model) -> "LlamaDecoder | None":
+    def build(cls, model) -> LlamaDecoder | None:
         lib = load_cpu_kernels()
         layers = model.model.layers
         # (layers of several KV groups read several block tables: the one call has one)
@@ -124,7 +122,7 @@ class DecodeExperts:
         self._lib = load_cpu_kernels()
 
     @classmethod
-    def build(cls, experts) -> "DecodeExperts | None":
+    def build(cls, experts) -> DecodeExperts | None:
         e0 = experts[0]
         act = getattr(e0, "act_code", None)  # 0 SiLU, 1 GELU (tanh), 3 clamped SwiGLU: the C activations
         if load_cpu_kernels() is None or act not in (0, 1, 3):

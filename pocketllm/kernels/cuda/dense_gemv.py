@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..triton.gguf import _num_sms
+from ..triton.gguf import num_sms
 from . import runtime
 
 log = logging.getLogger("pocketllm")
@@ -45,7 +45,7 @@ def tile(n: int, k: int, blocks_y: int, device: torch.device) -> tuple[int, int]
     passes as 128 threads allow, and R shrinks until the blocks fill the GPU twice over."""
     nt = min(128, -(-(k // 8) // 32) * 32)
     r = 4
-    while r > 1 and -(-n // r) * blocks_y < 2 * 4 * _num_sms(device):
+    while r > 1 and -(-n // r) * blocks_y < 2 * 4 * num_sms(device):
         r //= 2
     return r, nt
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..triton.gguf import _num_sms, _type_args, _value_table
+from ..triton.gguf import num_sms, type_args, value_table
 from . import runtime
 
 log = logging.getLogger("pocketllm")
@@ -90,8 +90,8 @@ def gemv(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, packed: torch.Ten
         return None
     y = torch.empty((rows, n), dtype=dtype, device=packed.device)
     tiles = (n + r - 1) // r
-    blocks = min(tiles, w * _num_sms(packed.device)) if w else tiles
-    kern.launch((blocks, rows, 1), nt, packed, xq, xd, xs, y, y if ids is None else ids, _value_table(packed.device, qtype),
-                n, packed.shape[1], _type_args(qtype, k)[1], k // g["BLOCK"], x_div, xq.stride(0), xd.stride(0),
+    blocks = min(tiles, w * num_sms(packed.device)) if w else tiles
+    kern.launch((blocks, rows, 1), nt, packed, xq, xd, xs, y, y if ids is None else ids, value_table(packed.device, qtype),
+                n, packed.shape[1], type_args(qtype, k)[1], k // g["BLOCK"], x_div, xq.stride(0), xd.stride(0),
                 y.stride(0))
     return y

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..triton.gguf import _num_sms, _type_args, _value_table
+from ..triton.gguf import num_sms, type_args, value_table
 from ..triton.split_sum import sum_splits
 from . import gguf_gemv, runtime
 
@@ -56,7 +56,7 @@ def usable(qtype: GGMLQuantizationType, device: torch.device, k: int = KB) -> bo
 
 
 def splits_for(tiles: int, n_steps: int, device: torch.device) -> int:
-    return max(1, min(n_steps, math.ceil(WAVES * _num_sms(device) / tiles)))
+    return max(1, min(n_steps, math.ceil(WAVES * num_sms(device) / tiles)))
 
 
 def block_m(m: int) -> int:
@@ -68,7 +68,7 @@ def x16_block_m(m: int, n: int, device: torch.device) -> int:
     """The bf16 variant's rows a block: ``block_m``, but 32 where blocks of 64 would not fill the GPU once
     (results/h200-cuda-mmq-x16.txt, 64 rows: 6144 weight rows 0.91x the time with 32, 28672 1.22x)."""
     bm = block_m(m)
-    return 32 if bm == 64 and math.ceil(n / BN) * math.ceil(m / 64) < _num_sms(device) else bm
+    return 32 if bm == 64 and math.ceil(n / BN) * math.ceil(m / 64) < num_sms(device) else bm
 
 
 def shared_bytes(qtype: GGMLQuantizationType, bm: int, x16: bool = False) -> int:
@@ -130,6 +130,6 @@ def _launch(qtype, bm, moe_rows, x16, grid, packed, xq, xd, xs, out, k, n, m, pa
                    MMQ_BM=bm, MMQ_PAD=group(qtype), MMQ_MOE=int(moe_rows), MMQ_K32=int(qtype in _K32),
                    MMQ_X16=int(x16), **(dict(MMQ_BIAS=f"{up}_BIAS") if x16 else {}))
     kern = runtime.kernel(source(), name, defines, packed.device)
-    kern.launch(grid, 128, packed, xq, xd, xs, out, _value_table(packed.device, qtype), n, m, packed.shape[1],
-                _type_args(qtype, k)[1], -(-k // KB), xq.stride(0), xd.stride(0), pairs, experts, x_div, k // 32,
+    kern.launch(grid, 128, packed, xq, xd, xs, out, value_table(packed.device, qtype), n, m, packed.shape[1],
+                type_args(qtype, k)[1], -(-k // KB), xq.stride(0), xd.stride(0), pairs, experts, x_div, k // 32,
                 shared=shared_bytes(qtype, bm, x16))

@@ -203,7 +203,7 @@ def _merge_splits_kernel(part_acc, part_ml, out_ptr, xq_ptr, xd_ptr, xs_ptr, str
 _SMS: dict = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: pretend to be an H100/H200
     if device not in _SMS:
@@ -225,7 +225,7 @@ def _tickets(device: torch.device) -> torch.Tensor:
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Key splits per decode row: DECODE_SPLITS where one program per (row, KV head) would fill at
     most one of each multiprocessor's two program slots, else none."""
-    return DECODE_SPLITS if num_seqs * num_kv_heads <= _num_sms(device) else 1
+    return DECODE_SPLITS if num_seqs * num_kv_heads <= num_sms(device) else 1
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,7 +12,7 @@ One small ``@triton.jit`` helper per type family (``_q4_k``, ``_q6_k``, ``_q8_0`
 chunks of 16 consecutive weights of a tile of rows, as ``(v, a, c)``: codes as floats ``v``
 [rows, chunks, 4, 4] and the chunk's scale ``a`` and offset ``c``, weights ``v * a + c`` with
 dequant.py's products.  A chunk's codes are four int32 words of the body, split by shifts; codes
-become floats by the exponent trick (``_u2f``: Hopper converts integers at an eighth of its FMA
+become floats by the exponent trick (``u2f``: Hopper converts integers at an eighth of its FMA
 rate).  The kernels walk K a step of whole blocks at a time, so which group and bits a lane
 reads is fixed: all shift amounts are hoisted out of the loop.
 
@@ -59,36 +59,36 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from pocketllm.quant.gguf_types import block_size, row_nbytes, type_size
+from pocketllm.core.gguf_types import block_size, row_nbytes, type_size
 
 T = GGMLQuantizationType
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # type ids as the kernels see them (globals a kernel reads must be constexpr)
-_Q4_0 = tl.constexpr(int(T.Q4_0))
-_Q4_1 = tl.constexpr(int(T.Q4_1))
-_Q5_0 = tl.constexpr(int(T.Q5_0))
-_Q5_1 = tl.constexpr(int(T.Q5_1))
-_Q8_0 = tl.constexpr(int(T.Q8_0))
-_Q2_K = tl.constexpr(int(T.Q2_K))
-_Q3_K = tl.constexpr(int(T.Q3_K))
-_Q4_K = tl.constexpr(int(T.Q4_K))
-_Q5_K = tl.constexpr(int(T.Q5_K))
-_Q6_K = tl.constexpr(int(T.Q6_K))
-_IQ4_NL = tl.constexpr(int(T.IQ4_NL))
-_IQ4_XS = tl.constexpr(int(T.IQ4_XS))
-_MXFP4 = tl.constexpr(int(T.MXFP4))
-_IQ2_XXS = tl.constexpr(int(T.IQ2_XXS))
-_IQ2_XS = tl.constexpr(int(T.IQ2_XS))
-_IQ2_S = tl.constexpr(int(T.IQ2_S))
-_IQ3_XXS = tl.constexpr(int(T.IQ3_XXS))
-_IQ3_S = tl.constexpr(int(T.IQ3_S))
-_IQ1_S = tl.constexpr(int(T.IQ1_S))
-_IQ1_M = tl.constexpr(int(T.IQ1_M))
+Q4_0 = tl.constexpr(int(T.Q4_0))
+Q4_1 = tl.constexpr(int(T.Q4_1))
+Q5_0 = tl.constexpr(int(T.Q5_0))
+Q5_1 = tl.constexpr(int(T.Q5_1))
+Q8_0 = tl.constexpr(int(T.Q8_0))
+Q2_K = tl.constexpr(int(T.Q2_K))
+Q3_K = tl.constexpr(int(T.Q3_K))
+Q4_K = tl.constexpr(int(T.Q4_K))
+Q5_K = tl.constexpr(int(T.Q5_K))
+Q6_K = tl.constexpr(int(T.Q6_K))
+IQ4_NL = tl.constexpr(int(T.IQ4_NL))
+IQ4_XS = tl.constexpr(int(T.IQ4_XS))
+MXFP4 = tl.constexpr(int(T.MXFP4))
+IQ2_XXS = tl.constexpr(int(T.IQ2_XXS))
+IQ2_XS = tl.constexpr(int(T.IQ2_XS))
+IQ2_S = tl.constexpr(int(T.IQ2_S))
+IQ3_XXS = tl.constexpr(int(T.IQ3_XXS))
+IQ3_S = tl.constexpr(int(T.IQ3_S))
+IQ1_S = tl.constexpr(int(T.IQ1_S))
+IQ1_M = tl.constexpr(int(T.IQ1_M))
 _FP4_X2 = tl.constexpr(0xC8643210 - (1 << 32))  # nibble i: twice E2M1 magnitude i (an int32)
-_KS = tl.constexpr(128)  # lattice tables (_value_table): where the grid's int32 words start
-_IQ1_DELTA = tl.constexpr(float(gq.IQ1_S.delta))
+KS = tl.constexpr(128)  # lattice tables (value_table): where the grid's int32 words start
+IQ1_DELTA = tl.constexpr(float(gq.IQ1_S.delta))
 
 
 # ---- field loads ------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ _IQ1_DELTA = tl.constexpr(float(gq.IQ1_S.delta))
 # loaded as four int32 words and split by shifts: 16-byte loads, a shift and a mask per code.
 
 @triton.jit
-def _u8(p, mask):
+def u8(p, mask):
     """The byte at ``p`` as int32 (0 where masked off)."""
     return tl.load(p, mask=mask, other=0).to(tl.int32)
 
@@ -106,11 +106,11 @@ def _u8(p, mask):
 @triton.jit
 def _half_byte(p, i, mask):
     """4-bit field ``i`` of the bytes at ``p`` (low nibble first), as int32."""
-    return (_u8(p + i // 2, mask) >> (4 * (i % 2))) & 15
+    return (u8(p + i // 2, mask) >> (4 * (i % 2))) & 15
 
 
 @triton.jit
-def _f16(p, mask):
+def f16(p, mask):
     """The little-endian fp16 at byte pointer ``p`` as float32 (headers keep fp16 fields 2-aligned)."""
     return tl.load(p.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
 
@@ -126,7 +126,7 @@ def _bits(p, shift, nbits: tl.constexpr, mask):
 
 
 @triton.jit
-def _u2f(u, bias: tl.constexpr = 0.0):
+def u2f(u, bias: tl.constexpr = 0.0):
     """int32 ``0 <= u < 2**23`` to float32 ``u - bias``, exactly: ``u`` as the mantissa of 2**23,
     minus 2**23 + bias (one FADD; Hopper converts integers at 16 per clock per SM, FADDs at 128)."""
     return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
@@ -165,49 +165,49 @@ def _table(lut_ptr, q):
 @triton.jit
 def _q8_0(b, h, s, j0, mask):
     # h: fp16 d | b: 32 int8 codes (flipping the sign bit makes them offset-128 bytes)
-    return _u2f(_bits(b + j0, 0, 8, mask) ^ 0x80, 128.0), _f16(h, mask), 0.0
+    return u2f(_bits(b + j0, 0, 8, mask) ^ 0x80, 128.0), f16(h, mask), 0.0
 
 
 @triton.jit
 def _q4_0(b, h, s, j0, mask):
     # h: fp16 d | b: 16 bytes of nibbles
-    return _u2f(_nibbles(b, j0, mask), 8.0), _f16(h, mask), 0.0
+    return u2f(_nibbles(b, j0, mask), 8.0), f16(h, mask), 0.0
 
 
 @triton.jit
 def _q4_1(b, h, s, j0, mask):
     # h: fp16 d, fp16 m | b: 16 bytes of nibbles
-    return _u2f(_nibbles(b, j0, mask)), _f16(h, mask), _f16(h + 2, mask)
+    return u2f(_nibbles(b, j0, mask)), f16(h, mask), f16(h + 2, mask)
 
 
 @triton.jit
 def _q5_0(b, h, s, j0, mask):
     # h: fp16 d, 32 high bits | b: 16 bytes of nibbles
     q = _nibbles(b, j0, mask) | (_q5_high(h + 2, j0, mask) << 4)
-    return _u2f(q, 16.0), _f16(h, mask), 0.0
+    return u2f(q, 16.0), f16(h, mask), 0.0
 
 
 @triton.jit
 def _q5_1(b, h, s, j0, mask):
     # h: fp16 d, fp16 m, 32 high bits | b: 16 bytes of nibbles
     q = _nibbles(b, j0, mask) | (_q5_high(h + 4, j0, mask) << 4)
-    return _u2f(q), _f16(h, mask), _f16(h + 2, mask)
+    return u2f(q), f16(h, mask), f16(h + 2, mask)
 
 
 @triton.jit
 def _iq4_nl(b, h, s, j0, mask, lut_ptr):
     # h: fp16 d | b: 16 bytes of nibbles indexing the value table
-    return _table(lut_ptr, _nibbles(b, j0, mask)), _f16(h, mask), 0.0
+    return _table(lut_ptr, _nibbles(b, j0, mask)), f16(h, mask), 0.0
 
 
 @triton.jit
-def _fp4_x2(c):
+def fp4_x2(c):
     """Twice the E2M1 magnitude of FP4 codes ``c`` (int32; the sign bit 3 ignored): 0 1 2 3 4 6 8 12."""
     return ((tl.zeros_like(c) + _FP4_X2) >> ((c & 7) * 4)) & 15
 
 
 @triton.jit
-def _e8m0_half(e):
+def e8m0_half(e):
     """Half the E8M0 scale of exponent byte ``e`` (int32) as float32: ggml_e8m0_to_fp32_half (the
     value tables hold twice the E2M1 values)."""
     return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
@@ -216,14 +216,14 @@ def _e8m0_half(e):
 @triton.jit
 def _mxfp4(b, h, s, j0, mask, lut_ptr):
     # h: e8m0 exponent | b: 16 bytes of nibbles indexing the value table
-    return _table(lut_ptr, _nibbles(b, j0, mask)), _e8m0_half(_u8(h, mask)), 0.0
+    return _table(lut_ptr, _nibbles(b, j0, mask)), e8m0_half(u8(h, mask)), 0.0
 
 
 @triton.jit
-def _scale_min_k4(p, s, mask):
+def scale_min_k4(p, s, mask):
     """Q4_K / Q5_K: the 6-bit scale and min of sub-block s from the 12 bytes at ``p``."""
     t = s % 4
-    a, c, e = _u8(p + t, mask), _u8(p + 4 + t, mask), _u8(p + 8 + t, mask)
+    a, c, e = u8(p + t, mask), u8(p + 4 + t, mask), u8(p + 8 + t, mask)
     first = s < 4
     sc = tl.where(first, a & 63, (e & 0xF) | ((a >> 2) & 0x30))
     mn = tl.where(first, c & 63, (e >> 4) | ((c >> 2) & 0x30))
@@ -233,17 +233,17 @@ def _scale_min_k4(p, s, mask):
 @triton.jit
 def _q4_k(b, h, s, j0, mask):
     # h: fp16 d, fp16 dmin, 12 bytes of scales/mins | b: 128 bytes, sub-blocks 2i, 2i+1 share 32
-    sc, mn = _scale_min_k4(h + 4, s, mask)
+    sc, mn = scale_min_k4(h + 4, s, mask)
     q = _bits(b + 32 * (s // 2) + j0, 4 * (s % 2), 4, mask)
-    return _u2f(q), _f16(h, mask) * _u2f(sc), -(_f16(h + 2, mask) * _u2f(mn))
+    return u2f(q), f16(h, mask) * u2f(sc), -(f16(h + 2, mask) * u2f(mn))
 
 
 @triton.jit
 def _q5_k(b, h, s, j0, mask):
     # as Q4_K; b: 32 bytes of high bits (bit s of byte j), then the 128 bytes of nibbles
-    sc, mn = _scale_min_k4(h + 4, s, mask)
+    sc, mn = scale_min_k4(h + 4, s, mask)
     q = _bits(b + 32 + 32 * (s // 2) + j0, 4 * (s % 2), 4, mask) | (_bits(b + j0, s, 1, mask) << 4)
-    return _u2f(q), _f16(h, mask) * _u2f(sc), -(_f16(h + 2, mask) * _u2f(mn))
+    return u2f(q), f16(h, mask) * u2f(sc), -(f16(h + 2, mask) * u2f(mn))
 
 
 @triton.jit
@@ -252,8 +252,8 @@ def _q6_k(b, h, s, j0, mask):
     half, t = s // 8, s % 8
     lo = _bits(b + 64 * half + 16 * (t % 4) + j0, 4 * (t // 4), 4, mask)
     hi = _bits(b + 128 + 32 * half + 16 * (t % 2) + j0, 2 * (t // 2), 2, mask)
-    sc = _u2f(_u8(h + s, mask) ^ 0x80, 128.0)
-    return _u2f(lo | (hi << 4), 32.0), _f16(h + 16, mask) * sc, 0.0
+    sc = u2f(u8(h + s, mask) ^ 0x80, 128.0)
+    return u2f(lo | (hi << 4), 32.0), f16(h + 16, mask) * sc, 0.0
 
 
 @triton.jit
@@ -267,32 +267,32 @@ def _crumbs(p, s, j0, mask):
 @triton.jit
 def _q2_k(b, h, s, j0, mask):
     # h: 16 bytes of 4-bit scale | 4-bit min, fp16 d, fp16 dmin | b: 64 bytes of 2-bit codes
-    m = _u8(h + s, mask)
-    a = _f16(h + 16, mask) * _u2f(m & 0xF)
-    return _u2f(_crumbs(b, s, j0, mask)), a, -(_f16(h + 18, mask) * _u2f(m >> 4))
+    m = u8(h + s, mask)
+    a = f16(h + 16, mask) * u2f(m & 0xF)
+    return u2f(_crumbs(b, s, j0, mask)), a, -(f16(h + 18, mask) * u2f(m >> 4))
 
 
 @triton.jit
 def _q3_k(b, h, s, j0, mask):
     # h: 12 bytes of 6-bit scales (8 bytes of low nibbles, 4 of 2-bit highs), fp16 d
     # b: 32 bytes of high bits (bit s // 2 of byte 16 * (s % 2) + j; clear means -4), 64 of 2-bit codes
-    lo = (_u8(h + s % 8, mask) >> (4 * (s // 8))) & 0xF
-    hi = (_u8(h + 8 + s % 4, mask) >> (2 * (s // 4))) & 3
+    lo = (u8(h + s % 8, mask) >> (4 * (s // 8))) & 0xF
+    hi = (u8(h + 8 + s % 4, mask) >> (2 * (s // 4))) & 3
     q = _crumbs(b + 32, s, j0, mask) | (_bits(b + 16 * (s % 2) + j0, s // 2, 1, mask) << 2)
-    return _u2f(q, 4.0), _f16(h + 12, mask) * _u2f(lo | (hi << 4), 32.0), 0.0
+    return u2f(q, 4.0), f16(h + 12, mask) * u2f(lo | (hi << 4), 32.0), 0.0
 
 
 @triton.jit
 def _iq4_xs(b, h, s, j0, mask, lut_ptr):
     # h: fp16 d, 16-bit word of 2-bit scale highs, 4 bytes of 4-bit scale lows | b: 8 x 16 bytes
-    hi = (_u8(h + 2 + s // 4, mask) >> (2 * (s % 4))) & 3
+    hi = (u8(h + 2 + s // 4, mask) >> (2 * (s % 4))) & 3
     lo = _half_byte(h + 4, s, mask)
-    a = _f16(h, mask) * _u2f(lo | (hi << 4), 32.0)
+    a = f16(h, mask) * u2f(lo | (hi << 4), 32.0)
     return _table(lut_ptr, _nibbles(b + 16 * s, j0, mask)), a, 0.0
 
 
 # ---- the lattice types (IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S) --------------------------
-# A grid entry expands one index into 8 (IQ1, IQ2) or 4 (IQ3) weights: the table (``_value_table``)
+# A grid entry expands one index into 8 (IQ1, IQ2) or 4 (IQ3) weights: the table (``value_table``)
 # holds the grid's bytes as int32 words after llama.cpp's 128 sign masks (``ksigns``: a 7-bit index
 # plus its parity bit).  In a chunk [R, H, 4, 4] the 8-weight groups are word pairs (w // 2), and
 # weight (w % 2) * 4 + lane of its group is byte ``lane`` of word w.  Weights: v = +-grid (IQ2, IQ3)
@@ -304,13 +304,13 @@ def _lanes():
 
 
 @triton.jit
-def _u16(p, mask):
+def u16(p, mask):
     """The little-endian uint16 at byte pointer ``p`` (2-aligned) as int32."""
     return tl.load(p.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
-def _u32(p, mask):
+def u32(p, mask):
     """The little-endian 32-bit word at byte pointer ``p`` (4-aligned), as int32."""
     return tl.load(p.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
 
@@ -318,19 +318,19 @@ def _u32(p, mask):
 @triton.jit
 def _grid8(lut_ptr, e, w, lane):
     """Grid bytes of 8-wide entries ``e`` [R, H, 4, 1] (one per word pair) as int32 [R, H, 4, 4]."""
-    return (tl.load(lut_ptr + _KS + 2 * e + w % 2) >> (8 * lane)) & 0xFF
+    return (tl.load(lut_ptr + KS + 2 * e + w % 2) >> (8 * lane)) & 0xFF
 
 
 @triton.jit
 def _grid4(lut_ptr, e, lane):
     """Grid bytes of 4-wide entries ``e`` [R, H, 4, 1] (one per word) as int32 [R, H, 4, 4]."""
-    return (tl.load(lut_ptr + _KS + e) >> (8 * lane)) & 0xFF
+    return (tl.load(lut_ptr + KS + e) >> (8 * lane)) & 0xFF
 
 
 @triton.jit
 def _signed(g, masks, w, lane):
     """Grid bytes ``g`` as floats, negated where the group's sign mask [R, H, 4, 1] has their bit."""
-    v = _u2f(g)
+    v = u2f(g)
     return tl.where(((masks >> ((w % 2) * 4 + lane)) & 1) != 0, -v, v)
 
 
@@ -340,19 +340,19 @@ def _iq2_xxs(b, h, s, j0, mask, lut_ptr):
     # and a 4-bit scale
     w, lane = _lanes()
     g8 = j0 // 8 + w // 2
-    aux = _u32(b + 8 * s + 4, mask)
+    aux = u32(b + 8 * s + 4, mask)
     signs = tl.load(lut_ptr + ((aux >> (7 * g8)) & 127))
-    a = _f16(h, mask) * (0.5 + _u2f((aux >> 28) & 15)) * 0.25
-    return _signed(_grid8(lut_ptr, _u8(b + 8 * s + g8, mask), w, lane), signs, w, lane), a, 0.0
+    a = f16(h, mask) * (0.5 + u2f((aux >> 28) & 15)) * 0.25
+    return _signed(_grid8(lut_ptr, u8(b + 8 * s + g8, mask), w, lane), signs, w, lane), a, 0.0
 
 
 @triton.jit
 def _iq2_xs(b, h, s, j0, mask, lut_ptr):
     # h: fp16 d, 8 bytes of 4-bit scales | b: 16-bit words of a 9-bit grid index, 7-bit sign index
     w, lane = _lanes()
-    q = _u16(b + 4 * s + 2 * (w // 2), mask)
+    q = u16(b + 4 * s + 2 * (w // 2), mask)
     sc = _half_byte(h + 2, s, mask)
-    a = _f16(h, mask) * (0.5 + _u2f(sc)) * 0.25
+    a = f16(h, mask) * (0.5 + u2f(sc)) * 0.25
     return _signed(_grid8(lut_ptr, q & 511, w, lane), tl.load(lut_ptr + (q >> 9)), w, lane), a, 0.0
 
 
@@ -362,10 +362,10 @@ def _iq2_s(b, h, s, j0, mask, lut_ptr):
     # index lows, then 32 sign masks (one an entry)
     w, lane = _lanes()
     e = 2 * s + w // 2
-    idx = _u8(b + e, mask) | (((_u8(h + 2 + e // 4, mask) >> (2 * (e % 4))) & 3) << 8)
+    idx = u8(b + e, mask) | (((u8(h + 2 + e // 4, mask) >> (2 * (e % 4))) & 3) << 8)
     sc = _half_byte(h + 10, s, mask)
-    a = _f16(h, mask) * (0.5 + _u2f(sc)) * 0.25
-    return _signed(_grid8(lut_ptr, idx, w, lane), _u8(b + 32 + e, mask), w, lane), a, 0.0
+    a = f16(h, mask) * (0.5 + u2f(sc)) * 0.25
+    return _signed(_grid8(lut_ptr, idx, w, lane), u8(b + 32 + e, mask), w, lane), a, 0.0
 
 
 @triton.jit
@@ -373,10 +373,10 @@ def _iq3_xxs(b, h, s, j0, mask, lut_ptr):
     # h: fp16 d | b: 64 grid indices (4 weights each), then per group of 32 a word of 4 x 7-bit sign
     # indices and a 4-bit scale
     w, lane = _lanes()
-    aux = _u32(b + 64 + 4 * s, mask)
+    aux = u32(b + 64 + 4 * s, mask)
     signs = tl.load(lut_ptr + ((aux >> (7 * (j0 // 8 + w // 2))) & 127))
-    a = _f16(h, mask) * (0.5 + _u2f((aux >> 28) & 15)) * 0.5
-    return _signed(_grid4(lut_ptr, _u8(b + 8 * s + j0 // 4 + w, mask), lane), signs, w, lane), a, 0.0
+    a = f16(h, mask) * (0.5 + u2f((aux >> 28) & 15)) * 0.5
+    return _signed(_grid4(lut_ptr, u8(b + 8 * s + j0 // 4 + w, mask), lane), signs, w, lane), a, 0.0
 
 
 @triton.jit
@@ -385,9 +385,9 @@ def _iq3_s(b, h, s, j0, mask, lut_ptr):
     # 4-bit scales | b: 64 bytes of grid index lows
     w, lane = _lanes()
     e = j0 // 4 + w  # entry in the group
-    idx = _u8(b + 8 * s + e, mask) | (((_u8(h + 2 + s, mask) >> e) & 1) << 8)
-    signs = _u8(h + 10 + 4 * s + j0 // 8 + w // 2, mask)
-    a = _f16(h, mask) * _u2f(2 * _half_byte(h + 42, s, mask) + 1)
+    idx = u8(b + 8 * s + e, mask) | (((u8(h + 2 + s, mask) >> e) & 1) << 8)
+    signs = u8(h + 10 + 4 * s + j0 // 8 + w // 2, mask)
+    a = f16(h, mask) * u2f(2 * _half_byte(h + 42, s, mask) + 1)
     return _signed(_grid4(lut_ptr, idx, lane), signs, w, lane), a, 0.0
 
 
@@ -397,18 +397,18 @@ def _iq1_s(b, h, s, j0, mask, lut_ptr):
     # of the group's delta | b: 32 bytes of grid index lows.  Grid bytes hold values + 1.
     w, lane = _lanes()
     g8 = j0 // 8 + w // 2
-    qh = _u16(h + 2 + 2 * s, mask)
-    idx = _u8(b + 4 * s + g8, mask) | (((qh >> (3 * g8)) & 7) << 8)
-    delta = tl.where((qh & 0x8000) != 0, -_IQ1_DELTA, _IQ1_DELTA)
-    a = _f16(h, mask) * _u2f(2 * ((qh >> 12) & 7) + 1)
-    return _u2f(_grid8(lut_ptr, idx, w, lane), 1.0) + delta, a, 0.0
+    qh = u16(h + 2 + 2 * s, mask)
+    idx = u8(b + 4 * s + g8, mask) | (((qh >> (3 * g8)) & 7) << 8)
+    delta = tl.where((qh & 0x8000) != 0, -IQ1_DELTA, IQ1_DELTA)
+    a = f16(h, mask) * u2f(2 * ((qh >> 12) & 7) + 1)
+    return u2f(_grid8(lut_ptr, idx, w, lane), 1.0) + delta, a, 0.0
 
 
 @triton.jit
-def _iq1_m_d(h, mask):
+def iq1_m_d(h, mask):
     """IQ1_M's fp16 d, as float32: the top nibbles of the four 16-bit scale words at ``h + 16``."""
-    dbits = ((_u16(h + 16, mask) >> 12) | ((_u16(h + 18, mask) >> 8) & 0xF0)
-             | ((_u16(h + 20, mask) >> 4) & 0xF00) | (_u16(h + 22, mask) & 0xF000))
+    dbits = ((u16(h + 16, mask) >> 12) | ((u16(h + 18, mask) >> 8) & 0xF0)
+             | ((u16(h + 20, mask) >> 4) & 0xF00) | (u16(h + 22, mask) & 0xF000))
     return dbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
@@ -419,10 +419,10 @@ def _iq1_m(b, h, s, j0, mask, lut_ptr):
     w, lane = _lanes()
     e = 2 * s + w // 2
     hq = _half_byte(h, e, mask)
-    idx = _u8(b + e, mask) | ((hq & 7) << 8)
-    delta = tl.where((hq & 8) != 0, -_IQ1_DELTA, _IQ1_DELTA)
-    a = _iq1_m_d(h, mask) * _u2f(2 * ((_u16(h + 16 + 2 * (s // 4), mask) >> (3 * (s % 4))) & 7) + 1)
-    return _u2f(_grid8(lut_ptr, idx, w, lane), 1.0) + delta, a, 0.0
+    idx = u8(b + e, mask) | ((hq & 7) << 8)
+    delta = tl.where((hq & 8) != 0, -IQ1_DELTA, IQ1_DELTA)
+    a = iq1_m_d(h, mask) * u2f(2 * ((u16(h + 16 + 2 * (s // 4), mask) >> (3 * (s % 4))) & 7) + 1)
+    return u2f(_grid8(lut_ptr, idx, w, lane), 1.0) + delta, a, 0.0
 
 
 @triton.jit
@@ -435,46 +435,46 @@ def _decode(QT: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr, w_ptr, row_off
     row = w_ptr + row_off
     b = row + blk * BB
     h = row + hdr_start + blk * HB
-    if QT == _Q4_K:
+    if QT == Q4_K:
         out = _q4_k(b, h, s, j0, mask)
-    elif QT == _Q6_K:
+    elif QT == Q6_K:
         out = _q6_k(b, h, s, j0, mask)
-    elif QT == _Q5_K:
+    elif QT == Q5_K:
         out = _q5_k(b, h, s, j0, mask)
-    elif QT == _Q8_0:
+    elif QT == Q8_0:
         out = _q8_0(b, h, s, j0, mask)
-    elif QT == _Q4_0:
+    elif QT == Q4_0:
         out = _q4_0(b, h, s, j0, mask)
-    elif QT == _Q4_1:
+    elif QT == Q4_1:
         out = _q4_1(b, h, s, j0, mask)
-    elif QT == _Q5_0:
+    elif QT == Q5_0:
         out = _q5_0(b, h, s, j0, mask)
-    elif QT == _Q5_1:
+    elif QT == Q5_1:
         out = _q5_1(b, h, s, j0, mask)
-    elif QT == _Q2_K:
+    elif QT == Q2_K:
         out = _q2_k(b, h, s, j0, mask)
-    elif QT == _Q3_K:
+    elif QT == Q3_K:
         out = _q3_k(b, h, s, j0, mask)
-    elif QT == _IQ4_XS:
+    elif QT == IQ4_XS:
         out = _iq4_xs(b, h, s, j0, mask, lut_ptr)
-    elif QT == _IQ4_NL:
+    elif QT == IQ4_NL:
         out = _iq4_nl(b, h, s, j0, mask, lut_ptr)
-    elif QT == _IQ2_XXS:
+    elif QT == IQ2_XXS:
         out = _iq2_xxs(b, h, s, j0, mask, lut_ptr)
-    elif QT == _IQ2_XS:
+    elif QT == IQ2_XS:
         out = _iq2_xs(b, h, s, j0, mask, lut_ptr)
-    elif QT == _IQ2_S:
+    elif QT == IQ2_S:
         out = _iq2_s(b, h, s, j0, mask, lut_ptr)
-    elif QT == _IQ3_XXS:
+    elif QT == IQ3_XXS:
         out = _iq3_xxs(b, h, s, j0, mask, lut_ptr)
-    elif QT == _IQ3_S:
+    elif QT == IQ3_S:
         out = _iq3_s(b, h, s, j0, mask, lut_ptr)
-    elif QT == _IQ1_S:
+    elif QT == IQ1_S:
         out = _iq1_s(b, h, s, j0, mask, lut_ptr)
-    elif QT == _IQ1_M:
+    elif QT == IQ1_M:
         out = _iq1_m(b, h, s, j0, mask, lut_ptr)
     else:
-        tl.static_assert(QT == _MXFP4, "type without a Triton decoder")
+        tl.static_assert(QT == MXFP4, "type without a Triton decoder")
         out = _mxfp4(b, h, s, j0, mask, lut_ptr)
     return out
 
@@ -679,7 +679,7 @@ _LATTICE = {T.IQ2_XXS: 0, T.IQ2_XS: 0, T.IQ2_S: 0, T.IQ3_XXS: 0, T.IQ3_S: 0, T.I
 
 
 @cache
-def _value_table(device: torch.device, qtype: GGMLQuantizationType) -> torch.Tensor:
+def value_table(device: torch.device, qtype: GGMLQuantizationType) -> torch.Tensor:
     """The type's table on ``device``: the value table (float32 [16]) of IQ4_NL / IQ4_XS / MXFP4;
     for a lattice type int32 [128 + grid words]: llama.cpp's 128 sign masks (``ksigns``), then the
     grid's bytes (plus ``_LATTICE``'s bias: IQ1's values -1..1 as 0..2) as words; else a placeholder."""
@@ -696,7 +696,7 @@ def _value_table(device: torch.device, qtype: GGMLQuantizationType) -> torch.Ten
 
 
 @cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter: a few programs, so split-K still gets exercised
@@ -737,7 +737,7 @@ def pack_gguf(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,
     prb = packed_row_nbytes(qtype, k)
     out = torch.empty((n, prb), dtype=torch.uint8, device=qweight.device if device is None else device)
     out[:, rb:] = 0
-    _value_table(out.device, qtype), _num_sms(out.device)  # now: not first during a CUDA graph capture
+    value_table(out.device, qtype), num_sms(out.device)  # now: not first during a CUDA graph capture
     for r0 in range(0, n, _PACK_ROWS):
         r1 = min(n, r0 + _PACK_ROWS)
         blocks = qweight[r0:r1].to(out.device).view(r1 - r0, nb, ts)
@@ -746,7 +746,7 @@ def pack_gguf(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,
     return out
 
 
-def _type_args(qtype: GGMLQuantizationType, k: int) -> tuple[int, int, dict]:
+def type_args(qtype: GGMLQuantizationType, k: int) -> tuple[int, int, dict]:
     """(blocks per row, header start in a packed row, the kernels' type constexprs)."""
     s, _, nbody = _LAYOUT[qtype]
     nb = k // block_size(qtype)
@@ -767,13 +767,14 @@ def _split_k(n_tiles: int, n_blocks: int, bpi: int, device: torch.device, progra
     resident at once: with no more tiles than slots, the most splits (at most one per step) that
     still fit one wave (every program resident from the start, none left for a slow tail); with
     more, the fewest splits whose waves are at least WAVE_EFFICIENCY full on average
-    (P / (slots * ceil(P / slots))), else the fullest.  Splitting costs a float32 partial sum per split and output element, added in
+    (P / (slots * ceil(P / slots))), else the fullest.  Splitting costs a float32 partial sum per split and output
+    element, added in
     split order by a second kernel (deterministic)."""
-    if n_tiles >= _num_sms(device):
+    if n_tiles >= num_sms(device):
         # Measured on the H200 (benchmarks/results/h200-triton-gguf-kernels.txt at ea7eee4, split sweep): once
         # every SM has a tile, more splits only cost (Q4_K 4096x4096: 1 split 32.1 us, 2: 34.7 us).
         return 1
-    slots = max(1, programs_per_sm * _num_sms(device))
+    slots = max(1, programs_per_sm * num_sms(device))
     n_steps = triton.cdiv(n_blocks, bpi)
     best, best_eff = 1, 0.0
     for s in range(1, min(n_steps, SPLIT_MAX) + 1):
@@ -816,11 +817,11 @@ class _Plan(NamedTuple):
     out: torch.Tensor  # [splits, rows, n]: x's dtype for one split, float32 partial sums for several
 
 
-def _plan(regime: str, qtype: GGMLQuantizationType, k: int, x: torch.Tensor, rows: int, n: int,
+def launch_plan(regime: str, qtype: GGMLQuantizationType, k: int, x: torch.Tensor, rows: int, n: int,
           split_k: int | None, block_m: int | None = None) -> _Plan:
     """What a GGUF product's launch needs: the type's arguments, the kernel's configuration and the
     split of K for its output tiles (n / BLOCK_N times the rows, or rows / block_m of a tiled kernel)."""
-    n_blocks, hdr_start, targs = _type_args(qtype, k)
+    n_blocks, hdr_start, targs = type_args(qtype, k)
     cfg = kernel_config(regime, qtype)
     bpi = _blocks_per_step(qtype, 256 if regime == "mma" else cfg["BLOCK_K"])  # mma: steps of 256, parts of BLOCK_K
     if split_k is None:
@@ -832,7 +833,7 @@ def _plan(regime: str, qtype: GGMLQuantizationType, k: int, x: torch.Tensor, row
     return _Plan(n_blocks, hdr_start, targs, cfg, bpi, per_split, out)
 
 
-def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def reduce_splits(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A plan's output [splits, rows, n] as [rows, n] of ``dtype``."""
     return out[0] if out.shape[0] == 1 else _sum_splits(out, dtype)
 
@@ -909,30 +910,30 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     if regime == "gemv":
         return _gemv(x, qweight, qtype, k, n, m, split_k)
     block_m = min(max(triton.next_power_of_2(m), 16), 64)
-    plan = _plan(regime, qtype, k, x, m, n, split_k, block_m)
+    plan = launch_plan(regime, qtype, k, x, m, n, split_k, block_m)
     if regime == "mma":
         _mma().launch(x, qweight, qtype, plan, block_m)
-        return _reduce(plan.out, x.dtype)
+        return reduce_splits(plan.out, x.dtype)
     block_n, out = plan.cfg["BLOCK_N"], plan.out
     _dot_kernel[(triton.cdiv(n, block_n), out.shape[0], triton.cdiv(m, block_m))](
-        x, qweight, _value_table(x.device, qtype), out, m, n, qweight.shape[1], plan.hdr_start, plan.n_blocks,
+        x, qweight, value_table(x.device, qtype), out, m, n, qweight.shape[1], plan.hdr_start, plan.n_blocks,
         plan.per_split, x.stride(0), out.stride(0), out.stride(1), **plan.targs, BLOCK_M=block_m, BLOCK_N=block_n,
-        BPI=plan.bpi, WIDEN=_INTERPRET, num_warps=plan.cfg["num_warps"], num_stages=plan.cfg["num_stages"])
-    return _reduce(out, x.dtype)
+        BPI=plan.bpi, WIDEN=INTERPRET, num_warps=plan.cfg["num_warps"], num_stages=plan.cfg["num_stages"])
+    return reduce_splits(out, x.dtype)
 
 
 def _gemv(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int, rows: int,
           split_k: int | None = None, ids: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:
     """The float GEMV's launch for ``rows`` output rows of ``n``: x's rows, or with ``ids`` the
     pairs of ``gguf_grouped_gemv`` (x row p // x_div times matrix ids[p] of the stack)."""
-    plan = _plan("gemv", qtype, k, x, rows, n, split_k)
+    plan = launch_plan("gemv", qtype, k, x, rows, n, split_k)
     block_n, out = plan.cfg["BLOCK_N"], plan.out
     _gemv_kernel[(triton.cdiv(n, block_n), rows, out.shape[0])](
-        x, packed, _value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1],
+        x, packed, value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1],
         plan.hdr_start, plan.n_blocks, plan.per_split, x_div, x.stride(0), out.stride(0), out.stride(1),
         **plan.targs, HAS_C=qtype in _OFFSET_TYPES, BLOCK_N=block_n, BPI=plan.bpi, STAGES=plan.cfg["num_stages"],
         GROUPED=ids is not None, num_warps=plan.cfg["num_warps"])
-    return _reduce(out, x.dtype)
+    return reduce_splits(out, x.dtype)
 
 
 def gguf_grouped_gemv(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int,
@@ -973,12 +974,12 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,
         out = torch.empty((n, k), dtype=dtype, device=qweight.device)
     if out.shape != (n, k) or out.stride(1) != 1:
         raise ValueError(f"out must be a row-contiguous [{n}, {k}] tensor")
-    n_blocks, hdr_start, targs = _type_args(qtype, k)
+    n_blocks, hdr_start, targs = type_args(qtype, k)
     cfg = kernel_config("dequant", qtype)
     bpi = _blocks_per_step(qtype, cfg["BLOCK_K"])
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(n_blocks, bpi))
     if n:
-        _dequant_kernel[grid](qweight, _value_table(qweight.device, qtype), out, out if ids is None else ids, n,
+        _dequant_kernel[grid](qweight, value_table(qweight.device, qtype), out, out if ids is None else ids, n,
                               qweight.shape[1], hdr_start, n_blocks, out.stride(0), **targs, BLOCK_N=cfg["BLOCK_N"],
                               BPI=bpi, GATHER=ids is not None, num_warps=cfg["num_warps"])
     return out if rows is None else out.view(*rows.shape, k)

@@ -28,9 +28,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from pocketllm.kernels.triton.gguf import (_INTERPRET, _MXFP4, _Q4_K, _Q6_K, _Q8_0, _e8m0_half, _f16, _fp4_x2,
-                                           _scale_min_k4, _u2f, _u8)
-from pocketllm.quant.gguf_types import block_size
+from pocketllm.core.gguf_types import block_size
+from pocketllm.kernels.triton.gguf import INTERPRET, MXFP4, Q4_K, Q6_K, Q8_0, e8m0_half, f16, fp4_x2, scale_min_k4, u2f, u8
 
 T = GGMLQuantizationType
 
@@ -44,10 +43,10 @@ def _tile_q4_k(row, blk, g0: tl.constexpr, G: tl.constexpr, hdr_start, mask):
     nibbles of bytes 32c .. 32c + 31.  Header: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins."""
     g = g0 + tl.arange(0, G)[None, :, None]
     j = tl.arange(0, 32)[None, None, :]
-    q = (_u8(row + blk * 128 + (g // 2) * 32 + j, mask) >> (4 * (g % 2))) & 15
+    q = (u8(row + blk * 128 + (g // 2) * 32 + j, mask) >> (4 * (g % 2))) & 15
     h = row + hdr_start + blk * 16
-    sc, mn = _scale_min_k4(h + 4, g, mask)
-    return _u2f(q) * (_f16(h, mask) * _u2f(sc)) - _f16(h + 2, mask) * _u2f(mn)
+    sc, mn = scale_min_k4(h + 4, g, mask)
+    return u2f(q) * (f16(h, mask) * u2f(sc)) - f16(h + 2, mask) * u2f(mn)
 
 
 @triton.jit
@@ -60,11 +59,11 @@ def _tile_q6_k(row, blk, g0: tl.constexpr, G: tl.constexpr, hdr_start, mask):
     l0 = tl.arange(0, 16)[None, None, :]
     h, q, l1 = g // 8, (g // 2) % 4, g % 2
     body = row + blk * 192 + 16 * l1 + l0
-    lo = (_u8(body + 64 * h + 32 * (q % 2), mask) >> (4 * (q // 2))) & 15
-    hi = (_u8(body + 128 + 32 * h, mask) >> (2 * q)) & 3
+    lo = (u8(body + 64 * h + 32 * (q % 2), mask) >> (4 * (q // 2))) & 15
+    hi = (u8(body + 128 + 32 * h, mask) >> (2 * q)) & 3
     hd = row + hdr_start + blk * 18
-    sc = _u2f(_u8(hd + g, mask) ^ 0x80, 128.0)
-    return _u2f(lo | (hi << 4), 32.0) * (_f16(hd + 16, mask) * sc)
+    sc = u2f(u8(hd + g, mask) ^ 0x80, 128.0)
+    return u2f(lo | (hi << 4), 32.0) * (f16(hd + 16, mask) * sc)
 
 
 @triton.jit
@@ -72,8 +71,8 @@ def _tile_q8_0(row, blk, G: tl.constexpr, hdr_start, mask):
     """Q8_0 blocks ``blk`` .. ``blk`` + G - 1 (``mask`` [R, G, 1] drops those past the split): [R, G, 32]."""
     b = blk + tl.arange(0, G)[None, :, None]
     j = tl.arange(0, 32)[None, None, :]
-    q = _u8(row + b * 32 + j, mask) ^ 0x80
-    return _u2f(q, 128.0) * _f16(row + hdr_start + b * 2, mask)
+    q = u8(row + b * 32 + j, mask) ^ 0x80
+    return u2f(q, 128.0) * f16(row + hdr_start + b * 2, mask)
 
 
 @triton.jit
@@ -85,10 +84,10 @@ def _tile_mxfp4(row, blk, G: tl.constexpr, hdr_start, mask):
     b = blk + tl.arange(0, G)[None, :, None, None]
     half = tl.arange(0, 2)[None, None, :, None]
     row, mask = row[:, :, :, None], mask[:, :, :, None]
-    q = (_u8(row + b * 16 + tl.arange(0, 16)[None, None, None, :], mask) >> (4 * half)) & 15
-    v = _u2f(_fp4_x2(q))  # twice the magnitude
+    q = (u8(row + b * 16 + tl.arange(0, 16)[None, None, None, :], mask) >> (4 * half)) & 15
+    v = u2f(fp4_x2(q))  # twice the magnitude
     v = (v.to(tl.int32, bitcast=True) | ((q & 8) << 28)).to(tl.float32, bitcast=True)  # the sign bit
-    return v * _e8m0_half(_u8(row + hdr_start + b, mask))
+    return v * e8m0_half(u8(row + hdr_start + b, mask))
 
 
 @triton.jit
@@ -105,17 +104,17 @@ def _gguf(x_ptr, w_ptr, w_rows, n, x_rows, m_ok, N, row_bytes, hdr_start, n_bloc
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for bs in tl.range(b0, b_end, BPS, num_stages=STAGES):
         for part in tl.static_range(256 // BLOCK_K):
-            if QT == _Q4_K:
+            if QT == Q4_K:
                 w = _tile_q4_k(row, bs, part * (BLOCK_K // 32), BLOCK_K // 32, hdr_start, mask_n)
-            elif QT == _Q6_K:
+            elif QT == Q6_K:
                 w = _tile_q6_k(row, bs, part * (BLOCK_K // 16), BLOCK_K // 16, hdr_start, mask_n)
             else:  # 32-weight blocks: a step's last blocks may lie past the split's end
                 blk = bs + part * (BLOCK_K // 32)
                 mask_b = mask_n & (blk + tl.arange(0, BLOCK_K // 32)[None, :, None] < b_end)
-                if QT == _MXFP4:
+                if QT == MXFP4:
                     w = _tile_mxfp4(row, blk, BLOCK_K // 32, hdr_start, mask_b)
                 else:
-                    tl.static_assert(QT == _Q8_0, "type without a tile decoder")
+                    tl.static_assert(QT == Q8_0, "type without a tile decoder")
                     w = _tile_q8_0(row, blk, BLOCK_K // 32, hdr_start, mask_b)
             w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
             k = bs * (256 // BPS) + part * BLOCK_K + kk
@@ -188,4 +187,4 @@ def launch(x, packed, qtype, plan, block_m: int) -> None:
         x, packed, out, out, out, m, n, packed.shape[1], plan.hdr_start, plan.n_blocks, plan.per_split, 1,
         x.stride(0), out.stride(0), out.stride(1), QT=int(qtype), BPS=256 // block_size(qtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=plan.cfg["BLOCK_K"], STAGES=plan.cfg["num_stages"],
-        WIDEN=_INTERPRET, MOE=False, DENSE=False, num_warps=plan.cfg["num_warps"])
+        WIDEN=INTERPRET, MOE=False, DENSE=False, num_warps=plan.cfg["num_warps"])

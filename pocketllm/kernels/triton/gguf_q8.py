@@ -30,42 +30,42 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from .gguf import (  # the type ids as constexprs, and helpers
-    _INTERPRET,
-    _IQ1_DELTA,
-    _IQ1_M,
-    _IQ1_S,
-    _IQ2_S,
-    _IQ2_XS,
-    _IQ2_XXS,
-    _IQ3_S,
-    _IQ3_XXS,
-    _IQ4_NL,
-    _IQ4_XS,
-    _KS,
-    _MXFP4,
-    _Q2_K,
-    _Q3_K,
-    _Q4_0,
-    _Q4_1,
-    _Q4_K,
-    _Q5_0,
-    _Q5_1,
-    _Q5_K,
-    _Q6_K,
-    _Q8_0,
-    _e8m0_half,
-    _f16,
-    _iq1_m_d,
-    _plan,
-    _reduce,
-    _u2f,
-    _u8,
-    _u16,
-    _u32,
-    _value_table,
-)
 from ..cuda import gguf_gemv as cuda_gemv
+from .gguf import (  # the type ids as constexprs, and helpers
+    INTERPRET,
+    IQ1_DELTA,
+    IQ1_M,
+    IQ1_S,
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
+    IQ3_S,
+    IQ3_XXS,
+    IQ4_NL,
+    IQ4_XS,
+    KS,
+    MXFP4,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    e8m0_half,
+    f16,
+    iq1_m_d,
+    launch_plan,
+    reduce_splits,
+    u2f,
+    u8,
+    u16,
+    u32,
+    value_table,
+)
 from .int8_act import Int8Activations, quantize_activations
 
 T = GGMLQuantizationType
@@ -103,7 +103,7 @@ def _q8_0(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     t = tl.arange(0, 8)[None, None, :]
     q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
     s = tl.sum(_dp4a(q, _x(xw[:, :, None] + t, xm[:, :, None]), 0, EMU), axis=2)
-    return _f16(h, mask) * _x(xd, xm) * s.to(tl.float32)
+    return f16(h, mask) * _x(xd, xm) * s.to(tl.float32)
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def _q4_0(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     x3 = xw[:, :, None] + t
     s = _dp4a(q & _LO, _x(x3, xm[:, :, None]), 0, EMU)
     s = tl.sum(_dp4a((q >> 4) & _LO, _x(x3 + 4, xm[:, :, None]), s, EMU), axis=2)
-    return _f16(h, mask) * (_x(xd, xm) * s.to(tl.float32) - 8.0 * _x(xs, xm))
+    return f16(h, mask) * (_x(xd, xm) * s.to(tl.float32) - 8.0 * _x(xs, xm))
 
 
 @triton.jit
@@ -125,7 +125,7 @@ def _q4_1(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     x3 = xw[:, :, None] + t
     s = _dp4a(q & _LO, _x(x3, xm[:, :, None]), 0, EMU)
     s = tl.sum(_dp4a((q >> 4) & _LO, _x(x3 + 4, xm[:, :, None]), s, EMU), axis=2)
-    return _f16(h, mask) * _x(xd, xm) * s.to(tl.float32) + _f16(h + 2, mask) * _x(xs, xm)
+    return f16(h, mask) * _x(xd, xm) * s.to(tl.float32) + f16(h + 2, mask) * _x(xs, xm)
 
 
 @triton.jit
@@ -142,13 +142,13 @@ def _q5_01(b, h, xw, xd, xs, mask, xm, HAS_M: tl.constexpr, EMU: tl.constexpr):
     t = tl.arange(0, 4)[None, None, :]
     q = tl.load(b.to(tl.pointer_type(tl.int32))[:, :, None] + t, mask=mask[:, :, None], other=0)
     hq = h + 4 if HAS_M else h + 2
-    qh = (_u16(hq, mask) | (_u16(hq + 2, mask) << 16))[:, :, None]
+    qh = (u16(hq, mask) | (u16(hq + 2, mask) << 16))[:, :, None]
     x3 = xw[:, :, None] + t
     s = _dp4a((q & _LO) | _fifth_bits(qh >> (4 * t)), _x(x3, xm[:, :, None]), 0, EMU)
     s = tl.sum(_dp4a(((q >> 4) & _LO) | _fifth_bits(qh >> (4 * t + 16)), _x(x3 + 4, xm[:, :, None]), s, EMU), axis=2)
-    d = _f16(h, mask)
+    d = f16(h, mask)
     if HAS_M:
-        return d * _x(xd, xm) * s.to(tl.float32) + _f16(h + 2, mask) * _x(xs, xm)
+        return d * _x(xd, xm) * s.to(tl.float32) + f16(h + 2, mask) * _x(xs, xm)
     else:
         return d * (_x(xd, xm) * s.to(tl.float32) - 16.0 * _x(xs, xm))
 
@@ -161,7 +161,7 @@ def _iq4_nl(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     lo, hi = _table_bytes(q, lut_ptr, _IQ4_ASM, EMU)
     x3 = xw[:, :, None] + t
     s = tl.sum(_dp4a(hi, _x(x3 + 4, xm[:, :, None]), _dp4a(lo, _x(x3, xm[:, :, None]), 0, EMU), EMU), axis=2)
-    return _f16(h, mask) * _x(xd, xm) * s.to(tl.float32)
+    return f16(h, mask) * _x(xd, xm) * s.to(tl.float32)
 
 
 @triton.jit
@@ -176,10 +176,10 @@ def _iq4_xs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     x4 = xw[:, :, None, None] + 8 * j + t
     s = tl.sum(_dp4a(hi, _x(x4 + 4, xm4), _dp4a(lo, _x(x4, xm4), 0, EMU), EMU), axis=3, keep_dims=True)
     h4 = h[:, :, None, None]
-    sh = _u16(h4 + 2, m4)
-    ls = ((_u8(h4 + 4 + j // 2, m4) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
-    r = _u2f(ls, 32.0) * _x(xd[:, :, None, None] + j, xm4) * s.to(tl.float32)
-    return _f16(h, mask) * tl.sum(tl.sum(r, axis=3), axis=2)
+    sh = u16(h4 + 2, m4)
+    ls = ((u8(h4 + 4 + j // 2, m4) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+    r = u2f(ls, 32.0) * _x(xd[:, :, None, None] + j, xm4) * s.to(tl.float32)
+    return f16(h, mask) * tl.sum(tl.sum(r, axis=3), axis=2)
 
 
 @triton.jit
@@ -203,12 +203,12 @@ def _q45_k(b, h, xw, xd, xs, mask, xm, HIGH: tl.constexpr, EMU: tl.constexpr):
     lo = tl.sum(_dp4a(vlo, _x(x4, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
     hi = tl.sum(_dp4a(vhi, _x(x4 + 8, xm4), 0, EMU), axis=3, keep_dims=True).to(tl.float32)
     h4 = h[:, :, None, None]
-    dd, a, c, e = _u32(h4, m4), _u32(h4 + 4, m4), _u32(h4 + 8, m4), _u32(h4 + 12, m4)
+    dd, a, c, e = u32(h4, m4), u32(h4 + 4, m4), u32(h4 + 8, m4), u32(h4 + 12, m4)
     sc_lo, mn_lo = _scale_min_k4_words(a, c, e, 2 * p)
     sc_hi, mn_hi = _scale_min_k4_words(a, c, e, 2 * p + 1)
     xd4, xs4 = xd[:, :, None, None] + 2 * p, xs[:, :, None, None] + 2 * p
-    r = (_lo_f16(dd) * (_u2f(sc_lo) * _x(xd4, xm4) * lo + _u2f(sc_hi) * _x(xd4 + 1, xm4) * hi)
-         - _lo_f16(dd >> 16) * (_u2f(mn_lo) * _x(xs4, xm4) + _u2f(mn_hi) * _x(xs4 + 1, xm4)))
+    r = (_lo_f16(dd) * (u2f(sc_lo) * _x(xd4, xm4) * lo + u2f(sc_hi) * _x(xd4 + 1, xm4) * hi)
+         - _lo_f16(dd >> 16) * (u2f(mn_lo) * _x(xs4, xm4) + u2f(mn_hi) * _x(xs4 + 1, xm4)))
     return tl.sum(tl.sum(r, axis=3), axis=2)
 
 
@@ -221,7 +221,7 @@ def _lo_f16(w):
 @triton.jit
 def _scale_min_k4_words(a, c, e, j):
     """Q4_K / Q5_K: the 6-bit scale and min of sub-block ``j`` from the header's scale words (bytes
-    0-3, 4-7, 8-11), as ``gguf._scale_min_k4`` reads them byte by byte."""
+    0-3, 4-7, 8-11), as ``gguf.scale_min_k4`` reads them byte by byte."""
     sh = 8 * (j % 4)
     aj, cj, ej = (a >> sh) & 0xFF, (c >> sh) & 0xFF, (e >> sh) & 0xFF
     first = j < 4
@@ -242,10 +242,10 @@ def _q2_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     isum = tl.sum(_dp4a((q >> (2 * (sb % 8 // 2))) & 0x03030303, xj, 0, EMU), axis=3, keep_dims=True)
     xsum = tl.sum(_dp4a(tl.zeros_like(xj) + 0x01010101, xj, 0, EMU), axis=3, keep_dims=True)
     h4 = h[:, :, None, None]
-    sm = _u8(h4 + sb, m4)
+    sm = u8(h4 + sb, m4)
     xd4 = _x(xd[:, :, None, None] + sb // 2, xm4)
-    r = (_f16(h4 + 16, m4) * _u2f(sm & 15) * xd4 * isum.to(tl.float32)
-         - _f16(h4 + 18, m4) * _u2f(sm >> 4) * xd4 * xsum.to(tl.float32))
+    r = (f16(h4 + 16, m4) * u2f(sm & 15) * xd4 * isum.to(tl.float32)
+         - f16(h4 + 18, m4) * u2f(sm >> 4) * xd4 * xsum.to(tl.float32))
     return tl.sum(tl.sum(r, axis=3), axis=2)
 
 
@@ -266,11 +266,11 @@ def _q3_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     isum = tl.sum(_dp4a(crumbs | hbits, xj, _dp4a(tl.zeros_like(xj) + _NEG4, xj, 0, EMU), EMU), axis=4, keep_dims=True)
     h5 = h[:, :, None, None, None]
     sb = 8 * (g // 4) + 2 * (g % 4) + hs  # [1, 1, 8, 2, 1]
-    lo = (_u8(h5 + sb % 8, m5) >> (4 * (sb // 8))) & 15
-    hi = (_u8(h5 + 8 + sb % 4, m5) >> (2 * (sb // 4))) & 3
+    lo = (u8(h5 + sb % 8, m5) >> (4 * (sb // 8))) & 15
+    hi = (u8(h5 + 8 + sb % 4, m5) >> (2 * (sb // 4))) & 3
     r = tl.sum(isum * ((lo | (hi << 4)) - 32), axis=3, keep_dims=True).to(tl.float32)
     r = r * _x(xd[:, :, None, None, None] + g, xm5)
-    return _f16(h + 12, mask) * tl.sum(tl.sum(tl.sum(r, axis=4), axis=3), axis=2)
+    return f16(h + 12, mask) * tl.sum(tl.sum(tl.sum(r, axis=4), axis=3), axis=2)
 
 
 @triton.jit
@@ -288,7 +288,7 @@ def _q6_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
     x5 = xw[:, :, None, None, None] + 32 * hh + u
     h5 = h[:, :, None, None, None]
     xd5 = xd[:, :, None, None, None] + 4 * hh
-    d = _f16(h5 + 16, m5)
+    d = f16(h5 + 16, m5)
     r = tl.zeros_like(d)
     for j in tl.static_range(4):
         if j == 0:
@@ -301,7 +301,7 @@ def _q6_k(b, h, xw, xd, xs, mask, xm, EMU: tl.constexpr):
             v = ((qb >> 4) & _LO) | ((qc >> 2) & 0x30303030)
         xj = _x(x5 + 8 * j, xm5)
         s = tl.sum(_dp4a(v, xj, _dp4a(tl.zeros_like(xj) + _NEG32, xj, 0, EMU), EMU), axis=4, keep_dims=True)
-        sc = _u2f(_u8(h5 + 8 * hh + g + 2 * j, m5) ^ 0x80, 128.0)
+        sc = u2f(u8(h5 + 8 * hh + g + 2 * j, m5) ^ 0x80, 128.0)
         r += sc * _x(xd5 + j, xm5) * s.to(tl.float32)
     return tl.sum(tl.sum(tl.sum(d * r, axis=4), axis=3), axis=2)
 
@@ -369,7 +369,7 @@ def _mxfp4(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     lo, hi = _table_bytes(q, lut_ptr, _MXFP4_ASM, EMU)
     x3 = xw[:, :, None] + t
     s = tl.sum(_dp4a(hi, _x(x3 + 4, xm[:, :, None]), _dp4a(lo, _x(x3, xm[:, :, None]), 0, EMU), EMU), axis=2)
-    return _e8m0_half(_u8(h, mask)) * _x(xd, xm) * s.to(tl.float32)
+    return e8m0_half(u8(h, mask)) * _x(xd, xm) * s.to(tl.float32)
 
 
 @triton.jit
@@ -396,7 +396,7 @@ def _ksigns(s7, EMU: tl.constexpr):
 def _grid_words(lut_ptr, e):
     """The two grid words of 8-wide entries ``e``, gathered as one 64-bit load (the lattice kernels are
     bound by their gathers, not by the bytes)."""
-    g = tl.load(lut_ptr.to(tl.pointer_type(tl.int64)) + (_KS // 2) + e)
+    g = tl.load(lut_ptr.to(tl.pointer_type(tl.int64)) + (KS // 2) + e)
     return g.to(tl.int32), (g >> 32).to(tl.int32)
 
 
@@ -429,12 +429,12 @@ def _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     # scale.  One gather per 8 weights (the grid entry); the signs are computed in registers.
     sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
     b4 = b[:, :, None, None] + 8 * sg
-    e = (_u32(b4, m4) >> (8 * g8)) & 0xFF
-    aux = _u32(b4 + 4, m4)
+    e = (u32(b4, m4) >> (8 * g8)) & 0xFF
+    aux = u32(b4 + 4, m4)
     grid0, grid1 = _grid_words(lut_ptr, e)
     s = _signed_dot(grid0, grid1, _ksigns((aux >> (7 * g8)) & 127, EMU), x4, xm4, EMU)
     s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
-    db = _f16(h[:, :, None, None], m4) * (0.5 + _u2f((aux >> 28) & 15)) * 0.25
+    db = f16(h[:, :, None, None], m4) * (0.5 + u2f((aux >> 28) & 15)) * 0.25
     return tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
 
 
@@ -444,13 +444,13 @@ def _iq3_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     # group of 4 x 7-bit sign indices (ksigns) and a 4-bit scale; h: fp16 d
     sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
     b4 = b[:, :, None, None]
-    e = _u16(b4 + 8 * sg + 2 * g8, m4)  # the 8 weights' two grid entries of 4
-    aux = _u32(b4 + 64 + 4 * sg, m4)
+    e = u16(b4 + 8 * sg + 2 * g8, m4)  # the 8 weights' two grid entries of 4
+    aux = u32(b4 + 64 + 4 * sg, m4)
     sgn = _ksigns((aux >> (7 * g8)) & 127, EMU)
-    s = _signed_dot(tl.load(lut_ptr + _KS + (e & 0xFF)), tl.load(lut_ptr + _KS + (e >> 8)), sgn, x4, xm4, EMU)
+    s = _signed_dot(tl.load(lut_ptr + KS + (e & 0xFF)), tl.load(lut_ptr + KS + (e >> 8)), sgn, x4, xm4, EMU)
     s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
-    db = (0.5 + _u2f((aux >> 28) & 15)) * 0.5
-    return _f16(h, mask) * tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
+    db = (0.5 + u2f((aux >> 28) & 15)) * 0.5
+    return f16(h, mask) * tl.sum(tl.sum(db * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
 
 
 @triton.jit
@@ -460,15 +460,15 @@ def _iq3_s(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU: tl.constexpr):
     # bytes at h + 42): d * (1 + 2 * scale)
     sg, g8, m4, xm4, x4 = _entry_axes(xw, mask, xm)
     h4 = h[:, :, None, None]
-    e = _u16(b[:, :, None, None] + 8 * sg + 2 * g8, m4)
-    qh = _u8(h4 + 2 + sg, m4) >> (2 * g8)
-    sgn = _u8(h4 + 10 + 4 * sg + g8, m4)
-    grid0 = tl.load(lut_ptr + _KS + ((e & 0xFF) | ((qh & 1) << 8)))
-    grid1 = tl.load(lut_ptr + _KS + ((e >> 8) | (((qh >> 1) & 1) << 8)))
+    e = u16(b[:, :, None, None] + 8 * sg + 2 * g8, m4)
+    qh = u8(h4 + 2 + sg, m4) >> (2 * g8)
+    sgn = u8(h4 + 10 + 4 * sg + g8, m4)
+    grid0 = tl.load(lut_ptr + KS + ((e & 0xFF) | ((qh & 1) << 8)))
+    grid1 = tl.load(lut_ptr + KS + ((e >> 8) | (((qh >> 1) & 1) << 8)))
     s = _signed_dot(grid0, grid1, sgn, x4, xm4, EMU)
     s = tl.sum(s, axis=3, keep_dims=True).to(tl.float32)
-    sc = _u2f(2 * ((_u8(h4 + 42 + sg // 2, m4) >> (4 * (sg % 2))) & 15) + 1)
-    return _f16(h, mask) * tl.sum(tl.sum(sc * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
+    sc = u2f(2 * ((u8(h4 + 42 + sg // 2, m4) >> (4 * (sg % 2))) & 15) + 1)
+    return f16(h, mask) * tl.sum(tl.sum(sc * _x(xd[:, :, None, None] + sg, xm4) * s, axis=3), axis=2)
 
 
 @triton.jit
@@ -481,19 +481,19 @@ def _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, S: tl.constexpr, EMU: tl.cons
     b4, h4 = b[:, :, None, None], h[:, :, None, None]
     entry = 4 * sg + g8
     if S:
-        idx = _u8(b4 + entry, m4) | (((_u8(h4 + 2 + entry // 4, m4) >> (2 * g8)) & 3) << 8)
-        sgn = _u8(b4 + 32 + entry, m4)
-        sc = _u8(h4 + 10 + sg, m4)
+        idx = u8(b4 + entry, m4) | (((u8(h4 + 2 + entry // 4, m4) >> (2 * g8)) & 3) << 8)
+        sgn = u8(b4 + 32 + entry, m4)
+        sc = u8(h4 + 10 + sg, m4)
     else:
-        q = _u16(b4 + 2 * entry, m4)
+        q = u16(b4 + 2 * entry, m4)
         idx = q & 511
         sgn = _ksigns(q >> 9, EMU)
-        sc = _u8(h4 + 2 + sg, m4)
+        sc = u8(h4 + 2 + sg, m4)
     grid0, grid1 = _grid_words(lut_ptr, idx)
     s = _signed_dot(grid0, grid1, sgn, x4, xm4, EMU)
-    db = 0.5 + _u2f((sc >> (4 * (g8 // 2))) & 15)  # the entry's 16 weights' scale
+    db = 0.5 + u2f((sc >> (4 * (g8 // 2))) & 15)  # the entry's 16 weights' scale
     r = tl.sum(db * s.to(tl.float32), axis=3, keep_dims=True) * _x(xd[:, :, None, None] + sg, xm4)
-    return _f16(h, mask) * 0.25 * tl.sum(tl.sum(r, axis=3), axis=2)
+    return f16(h, mask) * 0.25 * tl.sum(tl.sum(r, axis=3), axis=2)
 
 
 @triton.jit
@@ -507,25 +507,25 @@ def _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, M: tl.constexpr, EMU: tl.constexpr
     b4, h4 = b[:, :, None, None], h[:, :, None, None]
     entry = 4 * sg + g8
     if M:
-        hq = (_u8(h4 + entry // 2, m4) >> (4 * (g8 % 2))) & 15
-        idx = _u8(b4 + entry, m4) | ((hq & 7) << 8)
+        hq = (u8(h4 + entry // 2, m4) >> (4 * (g8 % 2))) & 15
+        idx = u8(b4 + entry, m4) | ((hq & 7) << 8)
         neg = (hq & 8) != 0
-        sc = (_u16(h4 + 16 + 2 * (sg // 2), m4) >> (3 * (2 * (sg % 2) + g8 // 2))) & 7
-        d = _iq1_m_d(h, mask)
+        sc = (u16(h4 + 16 + 2 * (sg // 2), m4) >> (3 * (2 * (sg % 2) + g8 // 2))) & 7
+        d = iq1_m_d(h, mask)
     else:
-        qh = _u16(h4 + 2 + 2 * sg, m4)
-        idx = _u8(b4 + 4 * sg + g8, m4) | (((qh >> (3 * g8)) & 7) << 8)
+        qh = u16(h4 + 2 + 2 * sg, m4)
+        idx = u8(b4 + 4 * sg + g8, m4) | (((qh >> (3 * g8)) & 7) << 8)
         neg = (qh & 0x8000) != 0
         sc = (qh >> 12) & 7
-        d = _f16(h, mask)
+        d = f16(h, mask)
     grid = _grid_words(lut_ptr, idx)
     sgrid, sx = tl.zeros_like(idx), tl.zeros_like(idx)
     for i in tl.static_range(2):
         xi = _x(x4 + i, xm4)
         sgrid = _dp4a(grid[i], xi, sgrid, EMU)
         sx = _dp4a(tl.zeros_like(xi) + 0x01010101, xi, sx, EMU)
-    shift = tl.where(neg, -_IQ1_DELTA - 1.0, _IQ1_DELTA - 1.0)  # grid - 1 + delta
-    r = _u2f(2 * sc + 1) * (sgrid.to(tl.float32) + shift * sx.to(tl.float32))
+    shift = tl.where(neg, -IQ1_DELTA - 1.0, IQ1_DELTA - 1.0)  # grid - 1 + delta
+    r = u2f(2 * sc + 1) * (sgrid.to(tl.float32) + shift * sx.to(tl.float32))
     return d * tl.sum(tl.sum(tl.sum(r, axis=3, keep_dims=True) * _x(xd[:, :, None, None] + sg, xm4), axis=3), axis=2)
 
 
@@ -555,46 +555,46 @@ def _gemv_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, r
         mask = (n < N)[:, None] & xm
         b, h = row + blk * BB, row + hdr_start + blk * HB
         xw, xd, xs = xq_row + blk * (BS // 4), xd_row + blk * (BS // 32), xs_row + blk * (BS // 32)
-        if QT == _Q4_K:
+        if QT == Q4_K:
             acc += _q45_k(b, h, xw, xd, xs, mask, xm, False, EMU)
-        elif QT == _Q6_K:
+        elif QT == Q6_K:
             acc += _q6_k(b, h, xw, xd, xs, mask, xm, EMU)
-        elif QT == _Q5_K:
+        elif QT == Q5_K:
             acc += _q45_k(b, h, xw, xd, xs, mask, xm, True, EMU)
-        elif QT == _Q2_K:
+        elif QT == Q2_K:
             acc += _q2_k(b, h, xw, xd, xs, mask, xm, EMU)
-        elif QT == _Q8_0:
+        elif QT == Q8_0:
             acc += _q8_0(b, h, xw, xd, xs, mask, xm, EMU)
-        elif QT == _Q4_0:
+        elif QT == Q4_0:
             acc += _q4_0(b, h, xw, xd, xs, mask, xm, EMU)
-        elif QT == _MXFP4:
+        elif QT == MXFP4:
             acc += _mxfp4(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
-        elif QT == _IQ3_XXS:
+        elif QT == IQ3_XXS:
             acc += _iq3_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
-        elif QT == _IQ3_S:
+        elif QT == IQ3_S:
             acc += _iq3_s(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
-        elif QT == _IQ2_XS:
+        elif QT == IQ2_XS:
             acc += _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, False, EMU)
-        elif QT == _IQ2_S:
+        elif QT == IQ2_S:
             acc += _iq2_xs_s(b, h, xw, xd, xs, mask, xm, lut_ptr, True, EMU)
-        elif QT == _IQ1_S:
+        elif QT == IQ1_S:
             acc += _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, False, EMU)
-        elif QT == _IQ1_M:
+        elif QT == IQ1_M:
             acc += _iq1(b, h, xw, xd, xs, mask, xm, lut_ptr, True, EMU)
-        elif QT == _Q3_K:
+        elif QT == Q3_K:
             acc += _q3_k(b, h, xw, xd, xs, mask, xm, EMU)
-        elif QT == _Q4_1:
+        elif QT == Q4_1:
             acc += _q4_1(b, h, xw, xd, xs, mask, xm, EMU)
-        elif QT == _Q5_0:
+        elif QT == Q5_0:
             acc += _q5_01(b, h, xw, xd, xs, mask, xm, False, EMU)
-        elif QT == _Q5_1:
+        elif QT == Q5_1:
             acc += _q5_01(b, h, xw, xd, xs, mask, xm, True, EMU)
-        elif QT == _IQ4_NL:
+        elif QT == IQ4_NL:
             acc += _iq4_nl(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
-        elif QT == _IQ4_XS:
+        elif QT == IQ4_XS:
             acc += _iq4_xs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
         else:
-            tl.static_assert(QT == _IQ2_XXS, "type without an int8 kernel")
+            tl.static_assert(QT == IQ2_XXS, "type without an int8 kernel")
             acc += _iq2_xxs(b, h, xw, xd, xs, mask, xm, lut_ptr, EMU)
     y = tl.sum(acc, axis=1)
     tl.store(y_ptr + pid_s * stride_ys + m * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
@@ -633,12 +633,12 @@ def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, 
         y = cuda_gemv.gemv(xq, xd, xs, packed, qtype, k, n, m, x.dtype, ids=ids, x_div=x_div)
         if y is not None:
             return y
-    plan = _plan("gemv_q8", qtype, k, x, m, n, split_k)
+    plan = launch_plan("gemv_q8", qtype, k, x, m, n, split_k)
     block_n, out, targs = plan.cfg["BLOCK_N"], plan.out, plan.targs
     _gemv_q8_kernel[(triton.cdiv(n, block_n), m, out.shape[0])](
-        xq, xd, xs, packed, _value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1],
+        xq, xd, xs, packed, value_table(x.device, qtype), out, out if ids is None else ids, n, packed.shape[1],
         plan.hdr_start, plan.n_blocks, plan.per_split, x_div, xq.stride(0) // 4, xd.stride(0), out.stride(0),
         out.stride(1), QT=int(qtype), BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"],
-        BLOCK_N=block_n, BPI=plan.bpi, EMU=_INTERPRET, GROUPED=ids is not None, num_warps=plan.cfg["num_warps"])
-    return _reduce(out, x.dtype)
+        BLOCK_N=block_n, BPI=plan.bpi, EMU=INTERPRET, GROUPED=ids is not None, num_warps=plan.cfg["num_warps"])
+    return reduce_splits(out, x.dtype)
 

@@ -22,7 +22,7 @@ from .split_sum import sum_splits
 FROM_ROWS = 49
 CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
 SPLIT_K = 2048  # weights of K a split: ceil(K / SPLIT_K) splits, from K alone
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # its tl.dot reads bf16 as integers
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # its tl.dot reads bf16 as integers
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -59,7 +59,7 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     cfg = CONFIG
     _kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), splits)](
         x, w, part, m, n, k, x.stride(0), w.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], CHUNK=SPLIT_K, WIDEN=_INTERPRET,
+        BLOCK_K=cfg["BLOCK_K"], CHUNK=SPLIT_K, WIDEN=INTERPRET,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return sum_splits(part, x.dtype, bias)

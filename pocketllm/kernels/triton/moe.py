@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from pocketllm.quant.gguf_types import block_size
+from pocketllm.core.gguf_types import block_size
 
 # The grouped dense GEMV's tile: the fastest of benchmarks/bench_grouped_dense.py on the H200 at
 # Qwen3-30B-A3B's expert shapes (results/h200-grouped-dense-sweep.txt: 36.4 us against 48.3 for 8 x 512
@@ -246,11 +246,11 @@ def fused_moe(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantizationTyp
         cfg, row_bytes, hdr_start, n_blocks, consts = FUSED_DENSE_CONFIG, k, 0, 0, dict(QT=0, BPS=1)
     else:
         cfg = {**FUSED_GGUF_CONFIG, **kg.MMA_TYPE_CONFIG.get(qtype, {})}
-        n_blocks, hdr_start, _ = kg._type_args(qtype, k)
+        n_blocks, hdr_start, _ = kg.type_args(qtype, k)
         row_bytes, consts = stacked.shape[1], dict(QT=int(qtype), BPS=256 // block_size(qtype))
     gguf_mma.kernel[(triton.cdiv(n, cfg["BLOCK_N"]), 1, blocks)](
         x, stacked, out, routing.pairs, routing.experts, routing.num_pairs, n, row_bytes, hdr_start, n_blocks,
         n_blocks, x_div, x.stride(0), 0, out.stride(0), **consts, BLOCK_M=routing.block_m, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], STAGES=cfg.get("num_stages", 1), WIDEN=kg._INTERPRET, MOE=True,
+        BLOCK_K=cfg["BLOCK_K"], STAGES=cfg.get("num_stages", 1), WIDEN=kg.INTERPRET, MOE=True,
         DENSE=qtype is None, num_warps=cfg["num_warps"])
     return out

@@ -1,7 +1,7 @@
 """A request as the sampler sees it at a draft position of a speculative step."""
 from __future__ import annotations
 
-from pocketllm.engine.request import Request
+from pocketllm.core.request import Request
 
 
 class DraftGrammar:

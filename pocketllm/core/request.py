@@ -35,7 +35,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
-                 leader: "Request | None" = None, seed: int | None = None, cache_salt: str | None = None):
+                 leader: Request | None = None, seed: int | None = None, cache_salt: str | None = None):
         """`prompt_token_ids` is shared, not copied: the siblings of an n > 1 request hold one copy
         of the prompt (and one `params`), and nobody changes either. `seed` (default params.seed)
         is this sequence's own; `cache_salt` keeps its prefix-cache blocks apart from other salts'."""

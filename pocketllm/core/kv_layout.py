@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+NO_BLOCK = -1  # a sliding group's table entry behind its window: no block, never read
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
