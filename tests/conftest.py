@@ -21,20 +21,23 @@ if not torch.cuda.is_available():
     # is decorated, so before any kernel module is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tiny_models import CONFIGS, make_model
+from tiny_models import CONFIGS, make_model  # noqa: E402  (after TRITON_INTERPRET is set)
 
 # The files that take most of the suite's time (the Triton interpreter, servers and ranks started
-# per test, fuzzers): `pytest -m "not slow"` leaves them out, a run of about five minutes on two
-# cores instead of fifteen. CI runs everything.
-SLOW_FILES = {"test_triton_gguf.py", "test_robustness.py", "test_tensor_parallel.py", "test_triton_kernels.py",
-              "test_structured_fuzz.py", "test_speculative.py", "test_sliding_window_kv.py", "test_fuzz.py",
-              "test_structured_server.py"}
+# per test, fuzzers), the longest first: `pytest -m "not slow"` leaves them out, a run of about five
+# minutes on two cores instead of fifteen. CI runs everything, and these first (with xdist's
+# --no-loadscope-reorder, pytest.ini), so that no long file starts last while the other worker idles.
+SLOW_FILES = ("test_triton_gguf.py", "test_tensor_parallel.py", "test_triton_kernels.py", "test_structured_server.py",
+              "test_structured_fuzz.py", "test_fuzz.py", "test_robustness.py", "test_sliding_window_kv.py",
+              "test_speculative.py")
 
 
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(SLOW_FILES)}
     for item in items:
-        if item.path.name in SLOW_FILES:
+        if item.path.name in first:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file's own order kept
 
 
 @pytest.fixture(scope="session")
