@@ -1,11 +1,11 @@
 """Time GGUFLinear.forward against a dense float32 F.linear.
 
-    python benchmarks/bench_quant_linear.py [--reps N] [--int4] [--types Q4_0,Q8_0] [--threads N]
+    python benchmarks/bench_quant_linear.py [--reps N] [--types Q4_0,Q8_0] [--threads N]
 
 Weights are random GGUF blocks with realistic fp16 scales.  Each cell shows
 the median and the best of >= N calls: the machine may be shared, and the
 best time is the least disturbed by other processes.  Rows are the default
-path (``auto``); ``--int4`` adds the opt-in int4 kernel paths for Q4_*.
+path (``auto``).
 Uses torch's default thread count.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.quant.dequant import dequantize
-from pocketllm.quant.linear import INT4_TYPES, GGUFLinear
+from pocketllm.quant.linear import GGUFLinear
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K]
@@ -55,7 +55,6 @@ def time_ms(fn, reps, min_time=0.25):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--int4", action="store_true", help="also time the opt-in int4 paths")
     ap.add_argument("--types", default=",".join(t.name for t in TYPES))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = ap.parse_args()
@@ -78,8 +77,6 @@ def main():
                 raw = random_weight(qtype, n, k, rng)
                 dense_w = dequantize(raw, qtype, (n, k))
                 paths = ["auto"]
-                if args.int4 and qtype in INT4_TYPES:
-                    paths += ["int4", "int4_bf16"]
                 layers = [GGUFLinear.from_gguf(raw, qtype, n, k, path=p) for p in paths]
                 for b in BATCHES:
                     x = torch.randn(b, k)

@@ -26,6 +26,7 @@ import triton
 from gguf import GGMLQuantizationType as T
 
 from pocketllm.core.gguf_types import row_nbytes
+from pocketllm.kernels import dispatch
 from pocketllm.kernels.triton import gguf as kg
 from pocketllm.kernels.triton import gguf_mma as mma
 from pocketllm.kernels.triton import gguf_q8 as q8
@@ -69,7 +70,7 @@ def main():
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--ms", default="1,512")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,...")
-    ap.add_argument("--regimes", nargs="?", const="gemv,gemv_q8,dot,mma,dequant", default="auto",
+    ap.add_argument("--regimes", nargs="?", const="gemv,gemv_q8,mma,dequant", default="auto",
                     help="time these regimes at each M (no value: every one; default: auto)")
     ap.add_argument("--sweep", action="store_true", help="tile configs of each regime's kernel (SWEEP_GRIDS)")
     ap.add_argument("--sweep-regimes", default=",".join(SWEEP_GRIDS), help="with --sweep: which regimes")
@@ -84,8 +85,8 @@ def main():
     ms = [int(m) for m in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"# GEMV_MAX_M={kg.GEMV_MAX_M} DOT_MAX_M={kg.DOT_MAX_M}\n# GEMV_CONFIG={kg.GEMV_CONFIG}\n"
-          f"# DOT_CONFIG={kg.DOT_CONFIG}\n# MMA_CONFIG={kg.MMA_CONFIG} MMA_MAX_M={kg.MMA_MAX_M}")
+    print(f"# GEMV_MAX_M={dispatch.GEMV_MAX_M}\n# GEMV_CONFIG={kg.GEMV_CONFIG}\n"
+          f"# MMA_CONFIG={kg.MMA_CONFIG} MMA_MAX_M={dispatch.MMA_MAX_M}")
 
     if args.sweep:
         if args.sweep_grid:
@@ -137,8 +138,6 @@ SWEEP_GRIDS = {  # regime: (M, the config it edits, the grid)
                                                      num_warps=[2, 4, 8])),
     "gemv": (1, kg.GEMV_CONFIG, dict(BLOCK_N=[1, 2, 4, 8], BLOCK_K=[512, 1024, 2048, 4096], num_warps=[1, 2, 4],
                                      num_stages=[1])),
-    "dot": (64, kg.DOT_CONFIG, dict(BLOCK_N=[16, 32, 64, 128], BLOCK_K=[256, 512, 1024], num_warps=[4, 8],
-                                    num_stages=[1, 2])),
     "mma": (64, kg.MMA_CONFIG, dict(BLOCK_N=[64, 128, 256], BLOCK_K=[64, 128, 256], num_warps=[4, 8],
                                     num_stages=[1, 2])),
     "dequant": (64, kg.DEQUANT_CONFIG, dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[256, 1024, 2048], num_warps=[1, 2, 4])),

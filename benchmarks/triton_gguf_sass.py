@@ -1,6 +1,6 @@
 """Compile the Triton GGUF kernels for a GPU without one, and count what their inner loop executes.
 
-    python benchmarks/triton_gguf_sass.py                        # Q4_K Q6_K Q8_0: gemv (M=1), dot (M=16)
+    python benchmarks/triton_gguf_sass.py                        # Q4_K Q6_K Q8_0: gemv (M=1), mma (M=16)
     python benchmarks/triton_gguf_sass.py Q4_K gemv '{"BLOCK_N": 32}'   # a tile config
     python benchmarks/triton_gguf_sass.py Q4_K,Q6_K gemv_q8      # the 8-bit-activation GEMV
     MOE=1 BLOCK_M=16 python benchmarks/triton_gguf_sass.py Q4_K mma   # the tile kernel's MoE variant
@@ -45,9 +45,6 @@ def compile_kernel(qtype, regime: str, block_m: int = 16, dtype: str = "bf16", c
         fn, c = kg._gemv_kernel, dict(kg.GEMV_CONFIG, **(cfg or {}))
         extra = {"STAGES": c["num_stages"], "HAS_C": qtype in kg._OFFSET_TYPES, "GROUPED": False}
         opts = {"num_warps": c["num_warps"]}
-    elif regime == "dot":
-        fn, c = kg._dot_kernel, dict(kg.DOT_CONFIG, **(cfg or {}))
-        extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
     elif regime == "mma":
         fn, c = kg._mma().kernel, dict(kg.kernel_config("mma", qtype), **(cfg or {}))
         extra = {"WIDEN": False, "BLOCK_M": block_m, "BLOCK_K": c["BLOCK_K"], "STAGES": c["num_stages"],
@@ -100,7 +97,7 @@ def loop_stats(cubin: bytes) -> tuple[int, list[str]]:
 
 def main():
     types = [T[t] for t in (sys.argv[1] if len(sys.argv) > 1 else "Q4_K,Q6_K,Q8_0").split(",")]
-    regimes = (sys.argv[2] if len(sys.argv) > 2 else "gemv,dot").split(",")
+    regimes = (sys.argv[2] if len(sys.argv) > 2 else "gemv,mma").split(",")
     cfg = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
     for qtype in types:
         for regime in regimes:

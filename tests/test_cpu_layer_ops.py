@@ -79,9 +79,9 @@ def test_cache_write_and_decode_attention_match_the_torch_path(decodes, prefills
     q, k, v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
     sink = randn(hq) * 2 if sinks else None  # gpt-oss: a logit per head in each softmax
     outs = []
-    for cpu_kernels in (False, True):
+    for cpu_fused in (False, True):
         kc, vc = caches[0].clone(), caches[1].clone()
-        o = paged_attention(q, k, v, kc, vc, meta, 0.3, window, softcap, cpu_kernels=cpu_kernels, sinks=sink)
+        o = paged_attention(q, k, v, kc, vc, meta, 0.3, window, softcap, cpu_fused=cpu_fused, sinks=sink)
         outs.append((o, kc, vc))
     (want, kc0, vc0), (got, kc1, vc1) = outs
     assert torch.equal(kc0, kc1) and torch.equal(vc0, vc1)  # the same slots written, bit for bit
@@ -101,7 +101,7 @@ def test_decode_attention_of_common_head_shapes(hq, hkv, d, window, softcap, sin
     q, k, v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
     sink = randn(hq) * 2 if sinks else None
     outs = [paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), meta, d ** -0.5, window, softcap,
-                            cpu_kernels=cpu_kernels, sinks=sink) for cpu_kernels in (False, True)]
+                            cpu_fused=cpu_fused, sinks=sink) for cpu_fused in (False, True)]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
@@ -141,7 +141,7 @@ def test_long_contexts_split_among_threads(decodes, window, softcap, sinks):
     torch.set_num_threads(4)
     try:
         outs = [paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), meta, 0.3, window, softcap,
-                                cpu_kernels=cpu_kernels, sinks=sink) for cpu_kernels in (False, True)]
+                                cpu_fused=cpu_fused, sinks=sink) for cpu_fused in (False, True)]
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

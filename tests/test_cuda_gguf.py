@@ -18,6 +18,7 @@ import pytest
 import torch
 from test_quant_linear import realistic_blocks
 
+from pocketllm.kernels import dispatch
 from pocketllm.kernels.cuda import gguf_gemv as cg
 from pocketllm.kernels.cuda import gguf_mmq
 from pocketllm.kernels.triton import gguf as kg
@@ -288,9 +289,10 @@ def test_auto_takes_mmq_for_its_rows(qtype, monkeypatch):
     monkeypatch.setattr(gguf_mmq, "mmq", lambda *a, **kw: seen.append(a[7]) or real(*a, **kw))
     monkeypatch.setattr(gguf_mmq, "mmq_x16", lambda *a, **kw: seen16.append(a[0].shape[0]) or real16(*a, **kw))
     x16 = gguf_mmq.x16_ok(qtype)
-    top = kg.MMQ_X16_MIN_M - 1 if x16 else kg.MMA_MAX_M if qtype in kg.MMQ_WIDE_TYPES else kg.MMQ_MAX_M
-    rows = (kg.GEMV_MAX_M, kg.GEMV_MAX_M + 1, kg.MMQ_X16_MIN_M - 1, kg.MMQ_X16_MIN_M, kg.MMQ_MAX_M,
-            kg.MMQ_MAX_M + 1, kg.MMA_MAX_M, kg.MMA_MAX_M + 1, kg.MMQ_X16_MAX_M, kg.MMQ_X16_MAX_M + 1)
+    d = dispatch
+    top = d.MMQ_X16_MIN_M - 1 if x16 else d.MMA_MAX_M if qtype in d.MMQ_WIDE_TYPES else d.MMQ_MAX_M
+    rows = (d.GEMV_MAX_M, d.GEMV_MAX_M + 1, d.MMQ_X16_MIN_M - 1, d.MMQ_X16_MIN_M, d.MMQ_MAX_M,
+            d.MMQ_MAX_M + 1, d.MMA_MAX_M, d.MMA_MAX_M + 1, d.MMQ_X16_MAX_M, d.MMQ_X16_MAX_M + 1)
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = kg.gguf_matmul(x, packed, qtype, k, packed=True)
@@ -298,8 +300,8 @@ def test_auto_takes_mmq_for_its_rows(qtype, monkeypatch):
         assert float((y.float() - ref).abs().max()) <= 0.03 * float(ref.abs().max()), m
     kg.gguf_matmul(torch.randn(8, k, device="cuda"), packed, qtype, k, packed=True)  # float32: exact paths
     kg.gguf_matmul(torch.randn(48, k, device="cuda", dtype=torch.float16), packed, qtype, k, packed=True)
-    assert seen == [m for m in rows if kg.GEMV_MAX_M < m <= top] + [48] * (qtype in kg.MMQ_WIDE_TYPES)
-    assert seen16 == [m for m in rows if x16 and kg.MMQ_X16_MIN_M <= m <= kg.MMQ_X16_MAX_M]
+    assert seen == [m for m in rows if dispatch.GEMV_MAX_M < m <= top] + [48] * (qtype in dispatch.MMQ_WIDE_TYPES)
+    assert seen16 == [m for m in rows if x16 and dispatch.MMQ_X16_MIN_M <= m <= dispatch.MMQ_X16_MAX_M]
     if x16:  # asked for, the bf16 variant rounds other activations to bf16 and answers in their dtype
         x = torch.randn(20, k, device="cuda")
         y = kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="mmq_x16")

@@ -21,7 +21,8 @@ from pocketllm import LLM, SamplingParams
 from pocketllm.core.gguf_types import row_nbytes as raw_row_bytes
 from pocketllm.kernels.cpu import gguf_ops
 from pocketllm.kernels.cpu.build import _arch_flags, compiler, load_cpu_kernels
-from pocketllm.quant.linear import GGUFLinear, int8_passes
+from pocketllm.kernels.dispatch import int8_passes
+from pocketllm.quant.linear import GGUFLinear
 from pocketllm.quant.quantize import quantize
 
 LATTICE_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]

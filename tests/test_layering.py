@@ -94,3 +94,13 @@ def test_every_import_names_a_module_that_exists():
         return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
     assert [f"{where}: {dst}" for _, dst, _, where in imports() if not exists(dst)] == []
+
+
+def test_models_and_layers_ask_no_tensor_its_device():
+    """Models and layers name operations; the platform's kernels are chosen once, before the model is
+    built (kernels/platform.py), not by asking a tensor or a device where it is."""
+    asks = re.compile(r"\.is_cuda\b|\.is_cpu\b|device\.type\b|\.type\s*==\s*[\"'](cuda|cpu)[\"']|is_available\(\)")
+    found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}"
+             for folder in ("models", "layers") for f in sorted((PACKAGE / folder).rglob("*.py"))
+             for i, line in enumerate(f.read_text().splitlines(), 1) if asks.search(line)]
+    assert found == []

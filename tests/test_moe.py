@@ -94,10 +94,10 @@ def test_grouped_expert_path_equals_the_sorted_path(kind, tiny_models, tmp_path,
     the device into the tile kernel, the experts' outputs summed by one kernel (gpt-oss's down
     projection biases added there): the same greedy tokens as the sorted path on the C kernels,
     logits within float32 rounding."""
+    from pocketllm.kernels import platform
     from pocketllm.kernels.triton import gguf as kg
     from pocketllm.kernels.triton import moe as tmoe
     from pocketllm.loaders.gguf_writer import write_gguf
-    from pocketllm.quant import linear as qlinear
 
     src = _gpt_oss_at_limit_7(tiny_models, tmp_path)[1] if kind == "gpt_oss" else tiny_models[kind][1]
     path = write_gguf(src, tmp_path / f"{kind}.Q8_0.gguf", "Q8_0").path
@@ -111,7 +111,7 @@ def test_grouped_expert_path_equals_the_sorted_path(kind, tiny_models, tmp_path,
         monkeypatch.setattr(mod, name, lambda *a, _f=real, _t=tag, **kw: kernels.append(_t) or _f(*a, **kw))
     runs = {}
     for devices in ({"cuda"}, {"cuda", "cpu"}):
-        monkeypatch.setattr(qlinear, "TRITON_DEVICES", devices)
+        monkeypatch.setattr(platform, "TRITON_DEVICES", devices)
         llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, exact_kernels=True)
         moe = llm.engine.runner.model.model.layers[0].mlp
         grouped = "cpu" in devices

@@ -100,8 +100,8 @@ def test_cpu_fast_path_layer_kernels_match_transformers(reference):
     preemption (mixed decode and prefill steps) as well."""
     path, prompts, expected, _ = reference
     got, _, llm = run(path, prompts, exact_kernels=False, device="cpu")  # the CPU path, also where a GPU is
-    norms = [m for m in llm.engine.runner.model.modules() if hasattr(m, "cpu_kernels")]
-    assert norms and all(m.cpu_kernels for m in norms)
+    fused = [m for m in llm.engine.runner.model.modules() if hasattr(m, "kernels")]
+    assert fused and all(m.kernels.cpu_fused for m in fused)
     assert got == expected
     tight, outs, _ = run(path, prompts, exact_kernels=False, num_kv_blocks=tight_blocks(path), max_model_len=128,
                          max_num_batched_tokens=8, device="cpu")

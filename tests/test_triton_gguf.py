@@ -21,6 +21,7 @@ import torch
 import triton
 from test_quant_linear import realistic_blocks
 
+from pocketllm.kernels import dispatch
 from pocketllm.kernels.triton import gguf as kg
 from pocketllm.kernels.triton.int8_act import quantize_activations
 from pocketllm.quant.dequant import dequantize
@@ -102,7 +103,7 @@ def test_every_regime_and_split(qtype, monkeypatch):
     packed = kg.pack_gguf(raw, qtype, k)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, k, generator=g).to(DEV)
-    for regime, split in (("gemv", 1), ("gemv", 2), ("dot", 2)):
+    for regime, split in (("gemv", 1), ("gemv", 2), ("gemv", 3)):
         check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime=regime, split_k=split), x, w)
     check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dequant"), x, w)
     monkeypatch.setattr(kg, "SCRATCH_ELEMS", 7 * k)  # decode 7 rows at a time: 4 slices
@@ -130,14 +131,14 @@ def test_tensor_core_tile_kernel(qtype, monkeypatch):
     seen = []
     real = kg._mma().launch
     monkeypatch.setattr(kg._mma(), "launch", lambda *a: seen.append(a[0].shape[0]) or real(*a))
-    for m in (kg.GEMV_MAX_M, kg.GEMV_MAX_M + 1, kg.MMA_MAX_M, kg.MMA_MAX_M + 1):
+    for m in (dispatch.GEMV_MAX_M, dispatch.GEMV_MAX_M + 1, dispatch.MMA_MAX_M, dispatch.MMA_MAX_M + 1):
         kg.gguf_matmul(torch.randn(m, k).to(DEV, torch.bfloat16), packed, qtype, k, packed=True)
     kg.gguf_matmul(x[:4], packed, qtype, k, packed=True)
     mmq = kg._mmq().usable(qtype, torch.device(DEV), k)  # the integer tensor-core kernel takes its rows first,
     x16 = mmq and kg._mmq().x16_ok(qtype)  # its bf16 variant those from MMQ_X16_MIN_M
-    want = [m for m in (kg.GEMV_MAX_M + 1, kg.MMA_MAX_M) if not (mmq and m <= kg.MMQ_MAX_M)
-            and not (x16 and kg.MMQ_X16_MIN_M <= m <= kg.MMQ_X16_MAX_M)]
-    assert seen == (want if qtype in kg.MMA_AUTO_TYPES else [])
+    want = [m for m in (dispatch.GEMV_MAX_M + 1, dispatch.MMA_MAX_M) if not (mmq and m <= dispatch.MMQ_MAX_M)
+            and not (x16 and dispatch.MMQ_X16_MIN_M <= m <= dispatch.MMQ_X16_MAX_M)]
+    assert seen == (want if qtype in dispatch.MMA_AUTO_TYPES else [])
 
 
 @pytest.mark.parametrize("qtype", sorted(kg._q8().Q8_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
@@ -162,7 +163,10 @@ def test_int8_activation_gemv(qtype):
     xb = x.bfloat16()
     y = kg.gguf_matmul(xb[:1], packed, qtype, k, packed=True)
     check(y, xb[:1], w)
-    assert torch.equal(y, kg.gguf_matmul(xb[:1], packed, qtype, k, packed=True, regime="gemv_q8"))
+    from pocketllm.kernels.cuda import gguf_gemv as cuda_gemv
+
+    kernel = "cuda_gemv" if cuda_gemv.usable(qtype, xb.device) else "gemv_q8"  # the auto regime's
+    assert torch.equal(y, kg.gguf_matmul(xb[:1], packed, qtype, k, packed=True, regime=kernel))
     assert not torch.equal(y, kg.gguf_matmul(xb[:1], packed, qtype, k, packed=True, regime="gemv"))
     exact = kg.gguf_matmul(x[:1], packed, qtype, k, packed=True)
     assert torch.equal(exact, kg.gguf_matmul(x[:1], packed, qtype, k, packed=True, regime="gemv"))
@@ -241,7 +245,7 @@ def test_auto_regime_thresholds(monkeypatch):
     seen = []
     real = kg._dequant_matmul
     monkeypatch.setattr(kg, "_dequant_matmul", lambda *a: seen.append("dequant") or real(*a))
-    x = torch.randn(kg.DOT_MAX_M + 1, K).to(DEV)
+    x = torch.randn(dispatch.GEMV_MAX_M + 1, K).to(DEV)
     check(kg.gguf_matmul(x, packed, T.Q4_K, K, packed=True), x, w)
     assert seen == ["dequant"]
     assert kg.gguf_matmul(x[:0], packed, T.Q4_K, K, packed=True).shape == (0, N)
@@ -316,10 +320,10 @@ def test_gguf_linear_triton_path(qtype):
 
 def test_fused_shards_of_mixed_types(monkeypatch):
     """Q4_K_M's qkv: Q4_K q and k with a Q6_K v become one layer per type; same-type shards fuse."""
+    from pocketllm.kernels import platform
     from pocketllm.layers.linear import ConcatLinear, Linear, QuantizedTensor
-    from pocketllm.quant import linear as qlinear
 
-    monkeypatch.setattr(qlinear, "TRITON_DEVICES", {"cuda", "cpu"})  # the interpreter on the CPU
+    monkeypatch.setattr(platform, "TRITON_DEVICES", {"cuda", "cpu"})  # the interpreter on the CPU
     sizes, qtypes = [32, 16, 16], [T.Q4_K, T.Q4_K, T.Q6_K]
     parts = [make(qt, n=sz, seed=i) for i, (sz, qt) in enumerate(zip(sizes, qtypes))]
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(2)).to(DEV)
@@ -346,6 +350,7 @@ def test_engine_runs_the_triton_path_under_the_interpreter(tmp_path, monkeypatch
     from reference import captured_logits
 
     from pocketllm import LLM, SamplingParams
+    from pocketllm.kernels import platform
     from pocketllm.loaders.dummy_gguf import write_dummy_gguf
     from pocketllm.quant import linear as qlinear
 
@@ -363,7 +368,7 @@ def test_engine_runs_the_triton_path_under_the_interpreter(tmp_path, monkeypatch
     monkeypatch.setattr(kg, "kernel_config", lambda regime, qtype: {**tuned(regime, qtype), "BLOCK_N": 16})
     runs = {}
     for devices in ({"cuda"}, {"cuda", "cpu"}):
-        monkeypatch.setattr(qlinear, "TRITON_DEVICES", devices)
+        monkeypatch.setattr(platform, "TRITON_DEVICES", devices)
         llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, exact_kernels=True)
         paths = {m.path for m in llm.engine.runner.model.modules() if isinstance(m, qlinear.GGUFLinear)}
         assert paths == ({"triton"} if "cpu" in devices else {"c"})
@@ -407,7 +412,6 @@ def test_more_row_tiles_than_a_grid_axis_holds(qtype):
     for m in (1, 2, 3):
         x = torch.randn(m, k, generator=g).to(DEV)
         check(kg.gguf_matmul(x, packed, qtype, k, packed=True), x, w)
-    check(kg.gguf_matmul(x, packed, qtype, k, packed=True, regime="dot"), x, w)
 
 
 @cuda_only
@@ -563,9 +567,6 @@ def sm90_resources(qtype, regime, dtype="bf16", block_m=16, cfg=None, k=4096):
         fn = kg._gemv_kernel
         extra = {"STAGES": c["num_stages"], "HAS_C": qtype in kg._OFFSET_TYPES, "GROUPED": False}
         opts = {"num_warps": c["num_warps"]}
-    elif regime == "dot":
-        fn = kg._dot_kernel
-        extra, opts = {"WIDEN": False, "BLOCK_M": block_m}, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
     elif regime == "gemv_q8":
         fn, opts = kg._q8()._gemv_q8_kernel, {"num_warps": c["num_warps"]}
         targs = dict(QT=targs["QT"], BS=targs["S"] * targs["SPB"], BB=targs["BB"], HB=targs["HB"])
@@ -604,7 +605,6 @@ def _sm90_variants():
         for dtype in ("bf16", "fp32"):
             yield qtype, "gemv", dtype, 1
             yield qtype, "dequant", dtype, 1
-        yield qtype, "dot", "bf16", 64  # on request only (auto never takes it): its largest tile
         if qtype in kg._q8().Q8_TYPES:
             yield qtype, "gemv_q8", "bf16", 1
         if qtype in kg._mma().MMA_TYPES:

@@ -90,9 +90,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None = None, softcap: float | None = None,
-                    cpu_kernels: bool = False, sinks: torch.Tensor | None = None,
+                    cpu_fused: bool = False, sinks: torch.Tensor | None = None,
                     int8_rows: int = 0, kv_written: bool = False) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]. `cpu_kernels`:
+    """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]. `cpu_fused`:
     the CPU fast path writes the cache and attends the decode rows in C (layer_ops). `sinks`
     [Hq] float32: a logit per head that joins every row's softmax and attends to nothing (gpt-oss).
     `int8_rows`: the kernels' (see kernels.triton.attention.paged_attention). `kv_written`: the
@@ -106,7 +106,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                        meta.query_start_loc, meta.max_query_len, scale, window, softcap,
                                        sinks=sinks, int8_rows=int8_rows, chain_pos=meta.chain_pos)
     n = meta.num_decodes
-    if cpu_kernels:
+    if cpu_fused:
         from pocketllm.kernels.cpu import layer_ops
 
         layer_ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -119,7 +119,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     dec_mask, pre_masks = (meta.decode_mask, [s.mask for s in meta.prefills]) if window == meta.window \
         else meta.windowed(window)
-    if n and cpu_kernels:
+    if n and cpu_fused:
         out[:n] = layer_ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
                                              scale, window, softcap, sinks)
     elif n:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.distributed.parallel_state import get_tp
+from pocketllm.kernels.platform import kernels_for
 
 
 @dataclass
@@ -137,7 +138,7 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             y = self.quantized(x).to(x.dtype)  # CPU paths compute in float32, CUDA ones in x's dtype
-        elif self.invariant_rows is not None and x.is_cuda and x.numel() >= self.invariant_rows * self.in_features:
+        elif self.invariant_rows is not None and x.numel() >= self.invariant_rows * self.in_features:
             from pocketllm.kernels.triton.invariant_gemm import invariant_linear
 
             x2 = x.reshape(-1, self.in_features).contiguous()
@@ -190,11 +191,12 @@ class Embedding(torch.nn.Module):
         # the table), or on CUDA the table's own GGUF blocks
         self.rows_from = None
         self.dtype, self.device = dtype, torch.device(device)
+        self.kernels = kernels_for(device)  # on the GPU the table's own GGUF blocks serve lookups
         self.dequantize_at_load, self.int8_activations = False, 0  # for the tied output projection
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         tensor = _shard(tensor, (self.vocab_start, self.num_embeddings) if self.tp.size > 1 else None, None)
-        if isinstance(tensor, QuantizedTensor) and self.device.type == "cpu":
+        if isinstance(tensor, QuantizedTensor) and not self.kernels.gpu:
             self.quantized = self.source = tensor
             self.weight = None
         elif isinstance(tensor, QuantizedTensor):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.distributed.parallel_state import get_tp
+from pocketllm.kernels.platform import kernels_for
 from pocketllm.layers.linear import ConcatLinear, Linear
 from pocketllm.quant.linear import GGUFLinear
 
@@ -47,8 +48,8 @@ class ExpertStack:
 
     @staticmethod
     def of(layers: list[Linear]) -> ExpertStack | None:
-        """The stack of these experts' layers, or None where the grouped kernels do not cover them
-        (the CPU's kernels, experts of different encodings)."""
+        """The stack of these experts' layers (the GPU's grouped kernels), or None where those do not
+        cover them (experts of different encodings)."""
         per_expert = [_parts(layer) for layer in layers]
         parts = [list(p) for p in zip(*per_expert)]
         if any(len(p) != len(parts) for p in per_expert) or not all(_PartStack.covers(p) for p in parts):
@@ -116,12 +117,12 @@ class _PartStack:
     @staticmethod
     def covers(modules: list[torch.nn.Module]) -> bool:
         if all(isinstance(m, Linear) for m in modules):
-            return all(m.weight.is_cuda for m in modules)
+            return True
         if not all(isinstance(m, GGUFLinear) for m in modules):
             return False
         if all(m.path == "triton" for m in modules):
             return len({m.qtype for m in modules}) == 1
-        return all(m.path == "dense" and m._store.is_cuda for m in modules)  # dequantized at load
+        return all(m.path == "dense" for m in modules)  # dequantized at load
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int, routing=None,
                  add_bias: bool = True) -> torch.Tensor:
@@ -170,7 +171,7 @@ class SparseMoE(torch.nn.Module):
         self.experts = torch.nn.ModuleList(make_expert() for _ in range(num_experts))
         self.stacks: tuple[ExpertStack, ExpertStack] | None = None  # (gate_up, down), after loading
         self.fused_kind: str | None = None  # "gguf" / "dense" where the tile kernel covers both stacks
-        self.cpu_kernels = False  # the CPU fast path: a token's experts in one C call (DecodeExperts)
+        self.kernels = kernels_for(device)  # the CPU fast path: a token's experts in one C call (DecodeExperts)
         self._cpu_experts = None  # built at the first such step; False where the experts are not covered
         # GPU: up to how many tokens (pairs) a step the grouped GEMVs take the layer's input (the
         # activation's output) in 8 bits, so that its producer writes them (int8_act)
@@ -178,6 +179,8 @@ class SparseMoE(torch.nn.Module):
 
     def finish_loading(self) -> None:
         """Stack the experts' projections where the grouped kernels take them."""
+        if not self.kernels.gpu:
+            return
         gate_up = ExpertStack.of([e.gate_up_proj for e in self.experts])
         down = ExpertStack.of([e.down_proj for e in self.experts]) if gate_up is not None else None
         self.stacks = (gate_up, down) if down is not None else None
@@ -193,7 +196,7 @@ class SparseMoE(torch.nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) for the tokens x [T, hidden]."""
-        if x.is_cuda:  # softmax, top k and renormalization in one launch
+        if self.kernels.gpu:  # softmax, top k and renormalization in one launch
             from pocketllm.kernels.triton.moe import top_k_route
 
             gate = self.gate
@@ -238,13 +241,13 @@ class SparseMoE(torch.nn.Module):
             # the experts' biases added by the weighted sum and (its kernel, on CUDA) the activation,
             # not launches of their own
             gate_up, down = self.stacks
-            pair_ids, fold = ids.reshape(-1), x.is_cuda
+            pair_ids, fold = ids.reshape(-1), self.kernels.gpu
             h = self.experts[0].activation(gate_up(x, ids, k, routing, add_bias=not fold),
                                            gate_up.bias if fold else None, pair_ids, self.int8_pairs)
             return weighted_sum(down(h, ids, 1, routing, add_bias=False), weights, down.bias, pair_ids).to(x.dtype)
-        assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), \
+        assert not (self.kernels.gpu and torch.cuda.is_current_stream_capturing()), \
             "a CUDA graph was captured over more tokens than the grouped expert path takes"
-        if x.shape[0] == 1 and self.cpu_kernels and x.dtype == torch.float32:  # the experts in one C call
+        if x.shape[0] == 1 and self.kernels.cpu_fused and x.dtype == torch.float32:  # the experts in one C call
             if self._cpu_experts is None:
                 from pocketllm.kernels.cpu.llama_decode import DecodeExperts
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pocketllm.kernels.platform import kernels_for
+
 
 class RMSNorm(torch.nn.Module):
     """RMSNorm computed in float32. `offset=1` gives Gemma's x * (1 + w) form."""
@@ -13,7 +15,7 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.offset = offset
         self._scale: torch.Tensor | None = None
-        self.cpu_kernels = False  # the CPU fast path's fused kernel (float32; residual updated in place)
+        self.kernels = kernels_for(device)  # the CPU fast path's kernel updates the residual in place
         self.int8_rows = 0  # CUDA: up to this many rows the output carries its 8-bit form (int8_act)
 
     def load(self, tensor: torch.Tensor, shard: int = 0, kind: str = "weight") -> None:
@@ -27,11 +29,11 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual)."""
-        if x.is_cuda:
+        if self.kernels.gpu:
             from pocketllm.kernels.triton.fused import rms_norm
 
             return rms_norm(x, self.weight, self.eps, self.offset, residual, self.int8_rows)
-        if self.cpu_kernels and x.is_contiguous():
+        if self.kernels.cpu_fused and x.is_contiguous():
             from pocketllm.kernels.cpu import layer_ops
 
             return layer_ops.rms_norm(x, self.scale(), self.eps, residual)

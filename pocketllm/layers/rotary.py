@@ -6,6 +6,7 @@ import math
 import torch
 
 from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.kernels.platform import kernels_for
 
 SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "freq_factors", "yarn")
 
@@ -84,7 +85,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", (freqs.sin() * scale).to(device), persistent=False)
 
         self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.cpu_kernels = False  # the CPU fast path: rotated in place by one kernel call
+        self.kernels = kernels_for(device)  # on the GPU and the CPU fast path: rotated in place
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, norms: tuple | None = None,
                 kv: tuple | None = None) -> torch.Tensor:
@@ -92,12 +93,12 @@ class RotaryEmbedding(torch.nn.Module):
         is rotated in place; on CUDA ``norms`` (see ``kernels.triton.fused.rotary_``) RMS-normalizes
         each head first. ``kv`` (the attention kernels' path): the rotary kernel also writes the keys
         and values to the cache (``rotary_``'s)."""
-        if x.is_cuda or kv is not None:
+        if self.kernels.gpu or kv is not None:
             from pocketllm.kernels.triton.fused import rotary_
 
             return rotary_(x, positions, self.cos, self.sin, norms, kv)
         assert norms is None, "q/k norms in the rotary kernel: CUDA only"
-        if self.cpu_kernels:
+        if self.kernels.cpu_fused:
             from pocketllm.kernels.cpu import layer_ops
 
             return layer_ops.rotary_(x, positions, self.cos, self.sin)

@@ -10,6 +10,7 @@ import torch
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.parallel_state import get_tp
+from pocketllm.kernels.platform import KernelConfig, building_with
 
 
 @dataclass
@@ -57,31 +58,26 @@ class ModelSource:
     def load(self, model_class, dtype: torch.dtype, device: torch.device, max_model_len: int, *, seed: int,
              dequantize_at_load: bool, exact_kernels: bool):
         """The runtime's model with its weights read (random ones for a dummy source)."""
-        model = model_class(self.config, dtype=dtype, device=device, max_model_len=max_model_len)
-        if self.dummy:
-            from pocketllm.loaders.dummy_loader import dummy_weights
-            model.load_weights(dummy_weights(model, dtype, device, seed))
-        elif self.is_gguf:
-            from pocketllm.quant.linear import int8_passes
+        kernels = KernelConfig.choose(device, dtype, exact_kernels=exact_kernels, tp_size=get_tp().size)
+        # (modules built while the weights load, a tied output layer say, run the same kernels)
+        with building_with(kernels):
+            model = model_class(self.config, dtype=dtype, device=device, max_model_len=max_model_len)
+            if self.dummy:
+                from pocketllm.loaders.dummy_loader import dummy_weights
+                model.load_weights(dummy_weights(model, dtype, device, seed))
+            elif self.is_gguf:
+                from pocketllm.kernels.dispatch import int8_passes
 
-            passes = 0 if exact_kernels else int8_passes(self.config.hidden_size)
-            for m in model.modules():
-                if hasattr(m, "dequantize_at_load"):
-                    m.dequantize_at_load = dequantize_at_load
-                    m.int8_activations = passes
-            model.load_weights(self.gguf.iter_weights(dtype, device))
-        else:
-            from pocketllm.loaders.safetensors_loader import iter_safetensors
-            model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype))
+                passes = 0 if exact_kernels else int8_passes(self.config.hidden_size)
+                for m in model.modules():
+                    if hasattr(m, "dequantize_at_load"):
+                        m.dequantize_at_load = dequantize_at_load
+                        m.int8_activations = passes
+                model.load_weights(self.gguf.iter_weights(dtype, device))
+            else:
+                from pocketllm.loaders.safetensors_loader import iter_safetensors
+                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype))
         model.eval()
         if self.is_gguf:
             self.gguf.release()
-        # (its fused layers hold whole matrices: a tensor-parallel rank runs the modules)
-        if not exact_kernels and device.type == "cpu" and dtype == torch.float32 and get_tp().size == 1:
-            from pocketllm.kernels.cpu import layer_ops
-
-            if layer_ops.available():  # the fast path's fused norms, rotary and decode attention
-                for m in model.modules():
-                    if hasattr(m, "cpu_kernels"):
-                        m.cpu_kernels = True
         return model

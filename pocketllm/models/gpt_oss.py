@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pocketllm.config import ModelConfig
+from pocketllm.kernels.platform import kernels_for
 from pocketllm.layers.linear import Linear, QuantizedTensor
 from pocketllm.layers.moe import GROUPED_MAX_TOKENS, SparseMoE
 from pocketllm.layers.rotary import RotaryEmbedding
@@ -38,7 +39,7 @@ class GptOssExpert(torch.nn.Module):
         self.alpha = float(cfg.raw.get("swiglu_alpha", 1.702))
         self.limit = float(cfg.raw.get("swiglu_limit", 7.0))
         self.act_code = 3  # kernels.triton.fused.CLAMPED_SWIGLU, and the CPU's one-call experts
-        self.cpu_kernels = False  # the CPU fast path: the activation in one C call
+        self.kernels = kernels_for(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_up_proj(x), int8_rows=self.down_proj.int8_rows))
@@ -46,12 +47,12 @@ class GptOssExpert(torch.nn.Module):
     def activation(self, gate_up: torch.Tensor, bias: torch.Tensor | None = None,
                    ids: torch.Tensor | None = None, int8_rows: int = 0) -> torch.Tensor:
         """As `MLP.activation`, clamped SwiGLU."""
-        if gate_up.is_cuda:
+        if self.kernels.gpu:
             from pocketllm.kernels.triton.fused import gated_act
 
             return gated_act(gate_up, self.act_code, self.alpha, self.limit, bias, ids, int8_rows)
         assert bias is None, "expert biases in the activation: the CUDA kernel's"
-        if self.cpu_kernels and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+        if self.kernels.cpu_fused and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
             from pocketllm.kernels.cpu import layer_ops
 
             return layer_ops.clamped_swiglu(gate_up, self.alpha, self.limit)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from pocketllm.config import ModelConfig
 from pocketllm.distributed.parallel_state import get_tp
+from pocketllm.kernels.platform import kernels_for
 from pocketllm.layers.attention import AttentionMetadata, paged_attention
 from pocketllm.layers.linear import Embedding, Linear
 from pocketllm.layers.norm import RMSNorm
@@ -55,7 +56,7 @@ class Attention(torch.nn.Module):
         self.sinks = Sinks((q0, hq), device) if sinks else None
         self.k_cache = self.v_cache = None  # bound by the runner
         self.kv_group = 0  # the KV group whose block table this layer reads (bound by the runner)
-        self.cpu_kernels = False  # the CPU fast path's cache write and decode attention
+        self.kernels = kernels_for(device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.kv_group:
@@ -64,11 +65,11 @@ class Attention(torch.nn.Module):
         qkv = self.qkv_proj(x).view(t, hq + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, :hq + self.num_kv_heads], qkv[:, hq + self.num_kv_heads:]
         norms = None
-        if self.q_norm is not None and qk.is_cuda:  # normed by the rotary kernel, in place
+        if self.q_norm is not None and self.kernels.gpu:  # normed by the rotary kernel, in place
             norms = (self.q_norm.weight, self.k_norm.weight, hq, self.q_norm.eps, self.q_norm.offset)
         elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
-        fast = self.cpu_kernels
+        fast = self.kernels.cpu_fused  # the cache write and decode attention in C
         sinks = None if self.sinks is None else self.sinks.weight
         if fast and meta.cpu_decode_only:  # rotary, cache write and attention: one call
             from pocketllm.kernels.cpu import layer_ops
@@ -87,7 +88,7 @@ class Attention(torch.nn.Module):
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap,
                             fast, sinks, self.o_proj.int8_rows, kv_written=kv is not None)
-        if o.is_cuda:  # the 8-bit form attention's split merge wrote goes along (int8_act)
+        if self.kernels.gpu:  # the 8-bit form attention's split merge wrote goes along (int8_act)
             from pocketllm.kernels.triton.int8_act import flattened
 
             return self.o_proj(flattened(o))
@@ -104,7 +105,7 @@ class MLP(torch.nn.Module):
         self.down_proj = Linear(i, [h], cfg.mlp_bias, dtype, device, parallel="row", reduce=reduce)
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.act_code = _KERNEL_ACTIVATIONS[cfg.hidden_act]
-        self.cpu_kernels = False  # the CPU fast path's fused gated activation (where it has this one)
+        self.kernels = kernels_for(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_up_proj(x), int8_rows=self.down_proj.int8_rows))
@@ -114,12 +115,12 @@ class MLP(torch.nn.Module):
         """[T, 2I] = [gate | up] -> act(gate) * up [T, I]; on CUDA ``bias`` [E, 2I]: row ids[t] added
         to row t first (the experts' biases of a mixture-of-experts layer's pairs), and up to
         ``int8_rows`` rows the result's 8-bit form for the GEMV that reads it (``int8_act``)."""
-        if gate_up.is_cuda:
+        if self.kernels.gpu:
             from pocketllm.kernels.triton.fused import gated_act
 
             return gated_act(gate_up, self.act_code, bias=bias, ids=ids, int8_rows=int8_rows)
         assert bias is None, "expert biases in the activation: the CUDA kernel's"
-        if self.cpu_kernels and self.act_code in (0, 1):
+        if self.kernels.cpu_fused and self.act_code in (0, 1):  # (the fast path's activations)
             from pocketllm.kernels.cpu import layer_ops
 
             return layer_ops.gated_act(gate_up, self.act_code)
@@ -171,7 +172,7 @@ class LlamaForCausalLM(CausalLM):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], dtype=dtype, device=device, parallel="column",
                                   gather=True)
-        self.cpu_kernels = False  # the CPU fast path: decode-only steps' layers in one C call
+        self.kernels = kernels_for(device)  # the CPU fast path: decode-only steps' layers in one C call
         self._cpu_decoder = None  # built at the first such step (the KV cache is bound by then)
 
     def make_attention(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
@@ -185,7 +186,7 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)
-        decoder = self._decoder() if self.cpu_kernels and meta.cpu_decode_only else None
+        decoder = self._decoder() if self.kernels.cpu_fused and meta.cpu_decode_only else None
         if decoder is not None:
             x, residual = decoder(x, positions, meta)
         else:

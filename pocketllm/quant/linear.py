@@ -8,7 +8,7 @@ Compute paths (``GGUFLinear.path``):
   package's):
   raw GGUF bytes are kept as they are (a view of the file) and each block is
   dequantized, exactly, in registers right before it is used. Up to
-  ``C_GEMM_ROWS`` activation rows the block is multiplied in the same pass
+  ``dispatch.C_GEMM_ROWS`` activation rows the block is multiplied in the same pass
   (weights read once); larger batches dequantize row chunks into scratch for BLAS.
   With ``int8_activations`` (the engine's ``exact_kernels=False``) the types with integer
   kernels (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL MXFP4 per block of 32, the others per super-block
@@ -36,15 +36,6 @@ Compute paths (``GGUFLinear.path``):
   op, which torch runs several times faster than GGUF's interleaved layout.
 * ``"scratch"`` default for the rest (no C compiler, or a type the C kernels lack): raw blocks are kept and
   dequantized row chunk by row chunk (``dequant.py``, exact), then ``F.linear``.
-* ``"int4"`` opt-in for Q4_0/Q4_1/Q4_K: ``aten._weight_int4pack_mm_for_cpu``
-  with group size 32 and float32 activations/scales/zeros.  The kernel computes
-  ``w = (q - 8) * scale + zero``; with ``scale = d*sc`` and
-  ``zero = (8 - bias) * scale +/- dmin*m`` this is exact for Q4_0, and for
-  Q4_1/Q4_K exact whenever ``zero`` is exact in float32 (else off by half an
-  ulp of ``zero``).  Not the default: on x86 torch vectorises this kernel only
-  for bfloat16, the float32 one is scalar and slower than ``"planes"``.
-* ``"int4_bf16"`` opt-in, same mapping in bfloat16 (activations, scales, zeros
-  and output each rounded to bf16, relative error up to 2**-9 each): fast, inexact.
 
 On a CUDA device (``device=`` of ``from_gguf``) two paths exist:
 
@@ -68,7 +59,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from pocketllm.core.gguf_types import block_size, check_supported, row_nbytes, type_size
+from pocketllm.kernels import dispatch
 from pocketllm.kernels.cpu import gguf_ops
+from pocketllm.kernels.platform import kernels_for
 
 from .dequant import AFFINE_TYPES, Affine, affine_fields, as_bytes, dequantize, dequantize_blocks
 
@@ -80,31 +73,8 @@ T = GGMLQuantizationType
 # measured fastest (fewer, larger torch ops; still cache friendly).
 SCRATCH_BYTES = 4 << 20
 
-INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 _FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-_PATHS = ("auto", "c", "dense", "planes", "scratch", "int4", "int4_bf16", "triton")
-# Devices whose "auto" path is "triton" for the covered types.  Tests add "cpu" to run the Triton
-# path on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
-TRITON_DEVICES = {"cuda"}
-C_GEMM_ROWS = 16  # beyond this many rows, dequantize-then-BLAS beats the fused kernel
-# One 8-bit pass over the activations moves a logit by about 1% of its scale; a small model's top
-# logits are often closer than that, and greedy answers drift into loops the exact path does not
-# take. Up to this hidden size every layer of the fast path takes a second pass (its rounding error
-# to 16 bits; benchmarks/results/cpu-fast-path-answers.json).
-TWO_PASS_MAX_HIDDEN = 1024
-# Where a layer takes two passes, more than C_GEMM_ROWS rows (a prompt) on a matrix of at most this
-# many weights go through the exact product instead: the default model prefills 128 tokens at 326
-# tok/s on two passes and 591 exactly (benchmarks/results/README.md). Larger matrices (an output
-# layer over a big vocabulary, at every step of a large batch) keep the passes: not measured there.
-EXACT_ROWS_MAX_WEIGHTS = 1 << 22
-
-
-def int8_passes(hidden_size: int) -> int:
-    """8-bit passes over the activations on the CPU fast path, for a model of this hidden size."""
-    return 2 if hidden_size <= TWO_PASS_MAX_HIDDEN else 1
-
-
-_GROUP = 32  # int4 kernel group size = Q4_0/Q4_1 block = Q4_K sub-block
+_PATHS = ("auto", "c", "dense", "planes", "scratch", "triton")
 _TEMP_FACTOR = 4  # scratch path: float chunk = SCRATCH_BYTES / this
 _LOAD_ROWS = 4096  # rows converted at once at load, bounds load-time temporaries
 # code bits -> widths of the bit planes that store them
@@ -225,35 +195,6 @@ def _sub_scale(d16: torch.Tensor, mult: torch.Tensor | None, cols: slice) -> tor
     return (d.unsqueeze(1) * mult.view(d.shape[0], -1, d.shape[1])).view(-1, d.shape[1])
 
 
-class _Int4:
-    """Q4_0/Q4_1/Q4_K mapped onto ``aten._weight_int4pack_mm_for_cpu`` (see module docs)."""
-
-    def __init__(self, rows: torch.Tensor, qtype: GGMLQuantizationType, k: int, dtype: torch.dtype):
-        self.dtype = dtype
-
-        def parts(f: Affine, n: int) -> list[torch.Tensor]:
-            dl = f.d if f.sc is None else f.d * f.sc.float()  # [blocks, subs per block]
-            zero = (8 - f.bias) * dl  # kernel: w = (q - 8) * scale + zero
-            if f.dmin is not None:
-                off = f.dmin if f.mn is None else f.dmin * f.mn.float()
-                zero = zero + off if f.sign > 0 else zero - off
-            q = (f.codes + f.bias).view(n, k).to(torch.int32)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            return [packed, dl.reshape(n, -1), zero.reshape(n, -1)]
-
-        self.packed, scale, zero = _cat_row_chunks(rows, qtype, parts)
-        # kernel layout [K/32, N, (scale, zero)], in the activation dtype
-        self.scale_zero = torch.stack([scale.T, zero.T], -1).to(dtype).contiguous()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.scale_zero]
-
-    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.to(self.dtype).contiguous(), self.packed, _GROUP, self.scale_zero)
-        return y.to(torch.float32)
-
-
 class GGUFLinear(torch.nn.Module):
     """``y = x @ W.T + b`` with ``W`` kept in its GGUF encoding (see module docs)."""
 
@@ -264,7 +205,7 @@ class GGUFLinear(torch.nn.Module):
         self.in_features = 0
         self.path = "dense"
         self.bias: torch.Tensor | None = None
-        self._store = None  # dense weight, raw bytes, _Planes or _Int4, by path
+        self._store = None  # dense weight, raw bytes or _Planes, by path
         self.int8 = 0  # the "c" path multiplies over 8-bit activations, in this many passes
         self._rows: torch.Tensor | None = None  # the "c" path's row pointers; None: interleaved rows
         self.dtype = torch.float32  # what forward returns (the triton path: the model's dtype)
@@ -300,7 +241,7 @@ class GGUFLinear(torch.nn.Module):
         n, k = int(out_features), int(in_features)
         device = torch.device("cpu" if device is None else device)
         on_cpu = device.type == "cpu"
-        if path == "auto" and device.type in TRITON_DEVICES and not dequantize_at_load:
+        if path == "auto" and kernels_for(device).gpu and not dequantize_at_load:
             from pocketllm.kernels.triton.gguf import TRITON_GGUF_TYPES
 
             if qtype in TRITON_GGUF_TYPES:
@@ -326,9 +267,6 @@ class GGUFLinear(torch.nn.Module):
             raise ValueError(f"path 'c' does not support {qtype.name} (or the C kernels did not build)")
         if path == "planes" and qtype not in AFFINE_TYPES:
             raise ValueError(f"path 'planes' does not support {qtype.name}")
-        if path.startswith("int4") and (qtype not in INT4_TYPES or n % 16):
-            raise ValueError(f"path {path!r} needs Q4_0/Q4_1/Q4_K and out_features % 16 == 0, "
-                             f"got {qtype.name} with out_features={n}")
 
         self = cls()
         self.qtype, self.out_features, self.in_features, self.path = qtype, n, k, path
@@ -355,11 +293,8 @@ class GGUFLinear(torch.nn.Module):
             self._store = dequantize(raw, qtype, (n, k))
         elif path == "scratch":
             self._store = rows  # a view: the caller's bytes are not copied
-        elif path == "planes":
-            self._store = _Planes(rows, qtype, k)
         else:
-            dt = torch.bfloat16 if path == "int4_bf16" else torch.float32
-            self._store = _Int4(rows, qtype, k, dt)
+            self._store = _Planes(rows, qtype, k)
         return self
 
     def nbytes(self) -> int:
@@ -397,7 +332,7 @@ class GGUFLinear(torch.nn.Module):
         ``kernels/triton/gguf_q8.py``), whose producers can then write them (``int8_act``); 0: never."""
         if self.path != "triton":
             return 0
-        from pocketllm.kernels.triton.gguf import GEMV_MAX_M
+        from pocketllm.kernels.dispatch import GEMV_MAX_M
         from pocketllm.kernels.triton.gguf_q8 import Q8_TYPES
 
         return GEMV_MAX_M if self.qtype in Q8_TYPES else 0
@@ -419,28 +354,21 @@ class GGUFLinear(torch.nn.Module):
             return y.reshape(*lead, self.out_features)
         x2 = x2.to(self._store.dtype if self.path == "dense" else torch.float32)
         if self.path == "c":
-            small = self.out_features * self.in_features <= EXACT_ROWS_MAX_WEIGHTS
-            if self.int8 == 2 and small and x2.shape[0] > C_GEMM_ROWS:
-                # A prompt's rows on a small matrix: dequantizing it once for BLAS costs less than
-                # two 8-bit passes over each row, and is exact.
-                y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(x2, self._dequantized(c)))
-            elif self._rows is None:  # interleaved rows (repack_x8)
+            kernel = dispatch.cpu_gguf_kernel(x2.shape[0], self.out_features * self.in_features, passes=self.int8,
+                                              interleaved=self._rows is None)
+            if kernel == "gemm_x8":
                 y = gguf_ops.gemm_x8(x2, self._store[0], self.out_features, self.qtype, self.int8)
-            elif self.int8:
+            elif kernel == "gemm":
                 y = gguf_ops.gemm(x2, self._rows, self.qtype, int8=self.int8)
-            elif x2.shape[0] <= C_GEMM_ROWS:
-                y = gguf_ops.gemm(x2, self._rows, self.qtype)
-            else:
+            else:  # "dequant": rows of W decoded exactly, a slice at a time, for BLAS
                 y = self._chunked(x2, SCRATCH_BYTES, lambda c: F.linear(x2, self._dequantized(c)))
         elif self.path == "dense":
             y = F.linear(x2, self._store)
         elif self.path == "planes":
             y = self._chunked(x2, SCRATCH_BYTES, lambda c: x2 @ self._store.weights_t(c))
-        elif self.path == "scratch":
+        else:  # scratch
             y = self._chunked(x2, SCRATCH_BYTES // _TEMP_FACTOR,
                               lambda c: F.linear(x2, self._dequant_rows(c)))
-        else:
-            y = self._store(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)

@@ -16,29 +16,26 @@ become floats by the exponent trick (``u2f``: Hopper converts integers at an eig
 rate).  The kernels walk K a step of whole blocks at a time, so which group and bits a lane
 reads is fixed: all shift amounts are hoisted out of the loop.
 
-The regimes, by the number of activation rows M (``gguf_matmul`` picks them):
+The regimes (``gguf_matmul``'s ``auto`` picks one by the table of ``kernels/dispatch.py``):
 
-* ``"gemv"`` (M <= ``GEMV_MAX_M`` = 2, decode): one program per activation row and tile of
-  ``BLOCK_N`` weight rows; per chunk ``a * sum(v * x) + c * sum(x)``, sums inside a thread, scales
-  out of the inner product, float32.  When there are fewer tiles than SMs, K is split over
-  programs (``split_k``) and the partial sums added after (deterministic).
-* ``"gemv_q8"`` (M <= 2 with bfloat16 / float16 activations, for ``gguf_q8.Q8_TYPES``): the
+* ``"gemv"`` (decode rows): one program per activation row and tile of ``BLOCK_N`` weight rows; per
+  chunk ``a * sum(v * x) + c * sum(x)``, sums inside a thread, scales out of the inner product,
+  float32.  When there are fewer tiles than SMs, K is split over programs (``split_k``) and the
+  partial sums added after (deterministic).
+* ``"gemv_q8"`` (decode rows of bfloat16 / float16 activations, for ``gguf_q8.Q8_TYPES``): the
   same shape of work on 8-bit activations and integer dot products (``gguf_q8.py``), llama.cpp's
   method: a few instructions per weight instead of ~14; not exact (the activations' rounding).
-* ``"dot"`` (only when asked for): the decoded tile is rounded to x's dtype and fed to ``tl.dot``
-  (tensor cores for bf16/fp16; IEEE float32 for float32 x), ``BLOCK_M`` = M rounded up to 16..64.
-  Split-K as above.  Measured on the H200 it loses to the dequant regime at every M > 2 (it
-  decodes the tile once per 64 rows but at ~200-400 GB/s), so ``"auto"`` does not pick it.
-* ``"mma"`` (3 <= M <= ``MMA_MAX_M`` = 64 with 16-bit activations, for ``MMA_AUTO_TYPES``; other
-  ``gguf_mma.MMA_TYPES`` on request): a tensor-core tile kernel (``gguf_mma.py``) that decodes each
-  weight tile once per 64 rows into registers, in K's natural order, straight into ``tl.dot``.
-* ``"dequant"`` (M > 2 otherwise: batched decode and prefill): the weight is decoded to x's dtype into one
+  ``"cuda_gemv"`` is the CUDA C kernel of the same product (``cuda/gguf_gemv.py``).
+* ``"mma"``: a tensor-core tile kernel (``gguf_mma.py``) that decodes each weight tile once per 64
+  rows into registers, in K's natural order, straight into ``tl.dot``.
+* ``"mmq"`` / ``"mmq_x16"``: the integer tensor-core tiles of ``cuda/gguf_mmq.cu`` and their bf16 form.
+* ``"dequant"`` (batched decode and prefill otherwise): the weight is decoded to x's dtype into one
   reusable scratch buffer (at most ``SCRATCH_ELEMS`` weights, a slice of rows at a time) and
   multiplied by cuBLAS.  Decoding costs a read of the GGUF bytes and a write and read of the dense
   slice; the scratch buffer's size does not depend on M, so the CUDA-graph warm-up (largest batch
   first, eager) allocates it before any capture.
 
-Tile shapes are module constants (``GEMV_CONFIG``, ``DOT_CONFIG``, ``DEQUANT_CONFIG``), the fastest
+Tile shapes are module constants (``GEMV_CONFIG``, ``DEQUANT_CONFIG``, ``MMA_CONFIG``), the fastest
 of ``benchmarks/bench_triton_gguf.py --sweep`` on the H200; ``--regimes`` times the regimes' crossovers.
 ``benchmarks/triton_gguf_sass.py`` counts what a kernel's inner loop executes (sm_90, without a GPU).
 
@@ -60,6 +57,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from pocketllm.core.gguf_types import block_size, row_nbytes, type_size
+from pocketllm.kernels import dispatch
 
 T = GGMLQuantizationType
 
@@ -531,40 +529,6 @@ def _gemv_kernel(x_ptr, w_ptr, lut_ptr, y_ptr, ids_ptr, N, row_bytes, hdr_start,
 
 
 @triton.jit
-def _dot_kernel(x_ptr, w_ptr, lut_ptr, y_ptr, M, N, row_bytes, hdr_start, n_blocks, blocks_per_split,
-                stride_xm, stride_ys, stride_ym,
-                QT: tl.constexpr, S: tl.constexpr, SPB: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BPI: tl.constexpr, WIDEN: tl.constexpr):
-    """y[split, m, n] as ``_gemv_kernel``, for BLOCK_M rows at once: the decoded tile, rounded to
-    x's dtype, goes through ``tl.dot``."""
-    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_off = (n.to(tl.int64) * row_bytes)[:, None, None, None]
-    mask_n = (n < N)[:, None, None, None]
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    blk_off, s, j0, _ = _chunks(S, SPB, BPI)
-    kk = tl.arange(0, BPI * SPB * S)
-    b0 = pid_s * blocks_per_split
-    b_end = tl.minimum(b0 + blocks_per_split, n_blocks)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for bs in range(b0, b_end, BPI):
-        blk = bs + blk_off
-        v, a, off = _decode(QT, BB, HB, w_ptr, row_off, hdr_start, blk, s, j0, mask_n & (blk < b_end), lut_ptr)
-        w = tl.reshape(v * a + off, (BLOCK_N, BPI * SPB * S)).to(x_ptr.dtype.element_ty)
-        k = bs * (SPB * S) + kk
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                    mask=(m[:, None] < M) & (k[None, :] < b_end * (SPB * S)), other=0.0)
-        if WIDEN:  # the interpreter's tl.dot reads bfloat16 as integers: same values in float32
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        elif x_ptr.dtype.element_ty == tl.float32:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-    ptrs = y_ptr + pid_s * stride_ys + m[:, None] * stride_ym + n[None, :]
-    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
-
-
-@triton.jit
 def _dequant_kernel(w_ptr, lut_ptr, out_ptr, ids_ptr, N, row_bytes, hdr_start, n_blocks, stride_on,
                     QT: tl.constexpr, S: tl.constexpr, SPB: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr,
                     BLOCK_N: tl.constexpr, BPI: tl.constexpr, GATHER: tl.constexpr):
@@ -609,8 +573,6 @@ _LAYOUT = {
 }
 TRITON_GGUF_TYPES: frozenset[GGMLQuantizationType] = frozenset(_LAYOUT)
 
-GEMV_MAX_M = 2  # up to this many activation rows: the FMA kernel (one program per row and tile)
-DOT_MAX_M = GEMV_MAX_M  # auto never picks the tl.dot kernel: dequantize + cuBLAS measured faster
 SCRATCH_ELEMS = 1 << 26  # dequant regime: weights decoded at once (128 MiB in bf16)
 _PACK_ROWS = 4096  # rows re-laid out at once by pack_gguf
 ROW_ALIGN = 16  # packed rows are padded to a multiple of this many bytes (16-byte vector loads)
@@ -624,34 +586,13 @@ ROW_ALIGN = 16  # packed rows are padded to a multiple of this many bytes (16-by
 # *_TYPE_CONFIG: per-type overrides (kernel_config merges them).  Shared memory (<= 227 KiB) and
 # spills of every type x kernel x dtype are checked for sm_90 by tests/test_triton_gguf.py.
 GEMV_CONFIG = dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=1, PROGRAMS_PER_SM=8)
-DOT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
 DEQUANT_CONFIG = dict(BLOCK_N=1, BLOCK_K=1024, num_warps=4)
 # (mma, Q4_K: over M = 16, 32, 64 and the three 8B shapes, results/h200-triton-gguf-mma-programs-per-sm*.txt,
 # twice the K splits of one program an SM took 11% less time in all than 128 x 128 on 8 warps; parts of
 # 256 weights were 0.5% faster still, but spill at 64 rows on sm_90)
 MMA_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PROGRAMS_PER_SM=2)  # BLOCK_M: 16..64
-MMA_MAX_M = 64  # auto: the tensor-core tile kernel (gguf_mma.py) up to this many rows, 16-bit activations,
-# MMA_AUTO_TYPES only: Q4_K beat dequantize + cuBLAS at every 8B shape and M = 3..64 on the H200
-# (results/h200-triton-gguf-mma.txt); Q6_K and Q8_0 won some shapes and lost others, so they stay on request
-MMA_AUTO_TYPES = frozenset({T.Q4_K})
-# auto: the integer tensor-core kernel (cuda/gguf_mmq.cu) for its types, 16-bit activations, up to MMQ_MAX_M
-# rows (MMA_MAX_M for MMQ_WIDE_TYPES).  On the H200 at the 8B shapes (results/h200-cuda-mmq-rows.txt) it took
-# 0.34-0.88x the time of the best other kernel at 4-32 rows for every type; at 64 rows 0.70-1.06x for
-# IQ2_XXS (against dequantize + cuBLAS) but up to 1.45x for the others, and 64-sequence decode of the Q4_K_M
-# file was 6% slower with it (h200-gguf-llama3-8b-*-batch64-{tile,mmq}-rows.json)
-MMQ_MAX_M = 32
-MMQ_WIDE_TYPES = frozenset({T.IQ2_XXS})
-# auto: from MMQ_X16_MIN_M to MMQ_X16_MAX_M rows, the kernel's bf16 variant for bf16 activations and its types.
-# On the H200 at the 8B shapes (results/h200-cuda-mmq-x16.txt) it took 0.78-0.88x the time of the integer form
-# at 32 rows (Q4_K, Q6_K, IQ2_XXS), 0.69-0.96x the best other kernel at 64; at 16 rows Q4_K's and IQ2_XXS's
-# 0.85-0.93x but Q6_K's 1.11-1.23x; at 128 rows 0.89-1.5x dequantize + cuBLAS's
-MMQ_X16_MIN_M = 17
-MMQ_X16_MAX_M = 64
 GEMV_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {  # the wider codes: one row (Q6_K measured)
     t: dict(BLOCK_N=1) for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)}
-DOT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {
-    **{t: dict(PROGRAMS_PER_SM=1) for t in (T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)},
-}
 DEQUANT_TYPE_CONFIG: dict[GGMLQuantizationType, dict] = {}
 # MXFP4 (not swept): Q8_0's tile in parts of 128, which keeps 64 activation rows in registers
 # without spilling on sm_90 (the H200 figures of results/h200-fused-moe-kernels-gpt-oss.txt were
@@ -667,7 +608,7 @@ def kernel_config(regime: str, qtype: GGMLQuantizationType) -> dict:
     if regime == "gemv_q8":
         base, per_type = _q8().GEMV_Q8_CONFIG, _q8().GEMV_Q8_TYPE_CONFIG
     else:
-        base, per_type = {"gemv": (GEMV_CONFIG, GEMV_TYPE_CONFIG), "dot": (DOT_CONFIG, DOT_TYPE_CONFIG),
+        base, per_type = {"gemv": (GEMV_CONFIG, GEMV_TYPE_CONFIG),
                           "dequant": (DEQUANT_CONFIG, DEQUANT_TYPE_CONFIG), "mma": (MMA_CONFIG, MMA_TYPE_CONFIG)}[regime]
     return {**base, **per_type.get(T(qtype), {})}
 
@@ -863,13 +804,13 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     (uint8 [N, row_bytes] of type ``qtype``, rows of ``k`` weights); [M, N] in x's dtype.
 
     ``packed``: ``qweight`` came from ``pack_gguf`` (do that once at load: without it, every
-    call re-lays the weight out).  ``regime``: ``"auto"`` (by M, see the module docs),
-    ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"dot"``, ``"mma"``,
-    ``"mmq"`` (8-bit activations on integer tensor cores, ``cuda/gguf_mmq.cu``; not exact), ``"mmq_x16"``
-    (its bf16 variant: bf16 activations, weights rounded to bf16; not exact) or ``"dequant"``.
-    ``split_k``: K splits of the gemv/dot/mmq kernels (None: enough programs to fill the GPU, see
-    ``_split_k``).  ``x8``: x's 8-bit form (``int8_act.Int8Activations``) where its producer wrote one,
-    for the ``"gemv_q8"`` and ``"mmq"`` regimes."""
+    call re-lays the weight out).  ``regime``: ``"auto"`` (``kernels/dispatch.py``'s table) or one of
+    its kernels: ``"gemv"``, ``"gemv_q8"`` (8-bit activations, ``gguf_q8.py``; not exact), ``"cuda_gemv"``
+    (the same in CUDA C, ``cuda/gguf_gemv.py``), ``"mma"``, ``"mmq"`` (8-bit activations on integer tensor
+    cores, ``cuda/gguf_mmq.cu``; not exact), ``"mmq_x16"`` (its bf16 variant: bf16 activations, weights
+    rounded to bf16; not exact) or ``"dequant"``.  ``split_k``: K splits of the gemv/mma/mmq kernels
+    (None: enough programs to fill the GPU, see ``_split_k``).  ``x8``: x's 8-bit form
+    (``int8_act.Int8Activations``) where its producer wrote one, for the kernels on 8-bit activations."""
     qtype = _check(qweight, qtype, k, packed)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
@@ -880,46 +821,54 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
         qweight = pack_gguf(qweight, qtype, k)
     m, n = x.shape[0], qweight.shape[0]
     if regime == "auto":
-        regime = "gemv" if m <= GEMV_MAX_M else "dot" if m <= DOT_MAX_M else "dequant"
-        if regime == "gemv" and x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
-            regime = "gemv_q8"
-        elif regime == "dequant" and m <= MMA_MAX_M and x.dtype != torch.float32 and qtype in MMA_AUTO_TYPES:
-            regime = "mma"
-        if regime in ("mma", "dequant") and MMQ_X16_MIN_M <= m <= MMQ_X16_MAX_M and x.dtype == torch.bfloat16 \
-                and x.data_ptr() % 16 == 0 and _mmq().usable(qtype, x.device, k) and _mmq().x16_ok(qtype):
-            regime = "mmq_x16"
-        elif regime in ("mma", "dequant") and m <= (MMQ_MAX_M if qtype not in MMQ_WIDE_TYPES else MMA_MAX_M) \
-                and x.dtype != torch.float32 and _mmq().usable(qtype, x.device, k):
-            regime = "mmq"
-    if regime not in ("gemv", "gemv_q8", "dot", "dequant", "mma", "mmq", "mmq_x16"):
-        raise ValueError(f"regime must be auto, gemv, gemv_q8, dot, dequant, mma, mmq or mmq_x16; got {regime!r}")
+        regime = _auto(qtype, m, x, k)
+    if regime not in dispatch.KERNELS:
+        raise ValueError(f"regime must be auto or one of {', '.join(dispatch.KERNELS)}; got {regime!r}")
     if regime == "mma" and qtype not in _mma().MMA_TYPES:
         raise ValueError(f"no tensor-core tile kernel for {qtype.name}")
     if m == 0 or n == 0:
         return x.new_zeros(m, n)
     if regime == "dequant":
         return _dequant_matmul(x, qweight, qtype, k)
-    if regime == "gemv_q8":
-        return _q8().gemv_q8(x, qweight, qtype, k, split_k, x8=x8)
+    if regime in ("gemv_q8", "cuda_gemv"):
+        return _gemv_q8(regime, x, qweight, qtype, k, n, m, split_k, x8)
     if regime == "mmq":  # the integer tensor-core kernel of cuda/gguf_mmq.cu
         xq, xd, xs = _q8().quantize_activations(x) if x8 is None else x8
         return _mmq().mmq(xq, xd, xs, qweight, qtype, k, n, m, x.dtype, split_k)
     if regime == "mmq_x16":  # its bf16 variant
         return _mmq().mmq_x16(x.bfloat16(), qweight, qtype, k, n, split_k).to(x.dtype)
-
     if regime == "gemv":
         return _gemv(x, qweight, qtype, k, n, m, split_k)
     block_m = min(max(triton.next_power_of_2(m), 16), 64)
     plan = launch_plan(regime, qtype, k, x, m, n, split_k, block_m)
-    if regime == "mma":
-        _mma().launch(x, qweight, qtype, plan, block_m)
-        return reduce_splits(plan.out, x.dtype)
-    block_n, out = plan.cfg["BLOCK_N"], plan.out
-    _dot_kernel[(triton.cdiv(n, block_n), out.shape[0], triton.cdiv(m, block_m))](
-        x, qweight, value_table(x.device, qtype), out, m, n, qweight.shape[1], plan.hdr_start, plan.n_blocks,
-        plan.per_split, x.stride(0), out.stride(0), out.stride(1), **plan.targs, BLOCK_M=block_m, BLOCK_N=block_n,
-        BPI=plan.bpi, WIDEN=INTERPRET, num_warps=plan.cfg["num_warps"], num_stages=plan.cfg["num_stages"])
-    return reduce_splits(out, x.dtype)
+    _mma().launch(x, qweight, qtype, plan, block_m)
+    return reduce_splits(plan.out, x.dtype)
+
+
+def _auto(qtype: GGMLQuantizationType, m: int, x: torch.Tensor, k: int) -> str:
+    """dispatch.gpu_gguf_kernel with what this device can run."""
+    from pocketllm.kernels.cuda import gguf_gemv as cuda_gemv
+
+    few = m <= dispatch.GEMV_MAX_M  # (decode rows: only the GEMVs' facts matter)
+    mmq = not few and _mmq().usable(qtype, x.device, k)
+    return dispatch.gpu_gguf_kernel(qtype, m, x.dtype, q8=qtype in _q8().Q8_TYPES,
+                                    cuda_gemv=few and cuda_gemv.usable(qtype, x.device), mmq=mmq,
+                                    mmq_x16=mmq and _mmq().x16_ok(qtype), aligned=x.data_ptr() % 16 == 0)
+
+
+def _gemv_q8(kernel: str, x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int,
+             rows: int, split_k: int | None = None, x8=None, ids: torch.Tensor | None = None,
+             x_div: int = 1) -> torch.Tensor:
+    """The GEMV on 8-bit activations: the CUDA C kernel (``"cuda_gemv"``; split_k does not apply), or
+    Triton's (``"gemv_q8"``, also where the CUDA C one does not take the shape)."""
+    if kernel == "cuda_gemv":
+        from pocketllm.kernels.cuda import gguf_gemv as cuda_gemv
+
+        xq, xd, xs = _q8().quantize_activations(x) if x8 is None else x8
+        y = cuda_gemv.gemv(xq, xd, xs, packed, qtype, k, n, rows, x.dtype, ids=ids, x_div=x_div)
+        if y is not None:
+            return y
+    return _q8().gemv_q8(x, packed, qtype, k, split_k, ids=ids, n=n, x_div=x_div, x8=x8)
 
 
 def _gemv(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, k: int, n: int, rows: int,
@@ -953,9 +902,10 @@ def gguf_grouped_gemv(x: torch.Tensor, stacked: torch.Tensor, qtype: GGMLQuantiz
     x = x.contiguous()
     if p == 0:
         return x.new_zeros(0, n)
-    if x.dtype != torch.float32 and qtype in _q8().Q8_TYPES:
-        return _q8().gemv_q8(x, stacked, qtype, k, ids=ids, n=n, x_div=x_div, x8=x8)
-    return _gemv(x, stacked, qtype, k, n, p, ids=ids, x_div=x_div)
+    kernel = _auto(qtype, 1, x, k)  # the pairs are decode rows: one of the GEMVs
+    if kernel == "gemv":
+        return _gemv(x, stacked, qtype, k, n, p, ids=ids, x_div=x_div)
+    return _gemv_q8(kernel, x, stacked, qtype, k, n, p, x8=x8, ids=ids, x_div=x_div)
 
 
 def gguf_dequantize(qweight: torch.Tensor, qtype: GGMLQuantizationType, k: int,

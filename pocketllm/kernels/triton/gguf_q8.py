@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from ..cuda import gguf_gemv as cuda_gemv
 from .gguf import (  # the type ids as constexprs, and helpers
     INTERPRET,
     IQ1_DELTA,
@@ -623,16 +622,12 @@ def gemv_q8(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, 
     ``Q8_TYPES``); x [M, k] contiguous, the result [M, N] in x's dtype.  With ``ids`` (int64 [P]):
     ``packed`` is a stack of matrices of ``n`` rows and the result [P, n] as ``gguf_grouped_gemv``.
     ``x8``: x already in 8 bits (``int8_act``: its producer wrote it), else x is quantized here.
-    On a CUDA device the types of ``cuda/gguf_gemv.py`` run its CUDA C kernel instead."""
+    (``gguf.gguf_matmul`` picks the CUDA C kernel of the same product where it runs.)"""
     xq, xd, xs = quantize_activations(x) if x8 is None else x8
     if ids is None:
         m, n = x.shape[0], packed.shape[0]
     else:
         m = ids.numel()
-    if cuda_gemv.usable(qtype, x.device):  # the CUDA C kernel of the type (split_k does not apply)
-        y = cuda_gemv.gemv(xq, xd, xs, packed, qtype, k, n, m, x.dtype, ids=ids, x_div=x_div)
-        if y is not None:
-            return y
     plan = launch_plan("gemv_q8", qtype, k, x, m, n, split_k)
     block_n, out, targs = plan.cfg["BLOCK_N"], plan.out, plan.targs
     _gemv_q8_kernel[(triton.cdiv(n, block_n), m, out.shape[0])](
