@@ -17,8 +17,9 @@ from tiny_models import make_model
 from pocketllm import SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
-from pocketllm.server.api_server import ServerConfig, create_app
+from pocketllm.server.api_server import create_app
 from pocketllm.server.async_llm import AsyncLLM
+from pocketllm.server.config import ServerConfig
 from pocketllm.server.metrics import ServerMetrics
 
 MODEL = "tiny-metrics"

@@ -32,8 +32,10 @@ from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.errors import EngineDeadError, RequestError, RequestFailedError
 from pocketllm.runner.sampler import Sampler
-from pocketllm.server.api_server import ServerConfig, create_app, warn_if_exposed
+from pocketllm.server.api_server import create_app
 from pocketllm.server.async_llm import AsyncLLM, EngineClosedError
+from pocketllm.server.config import ServerConfig
+from pocketllm.server.launcher import warn_if_exposed
 
 MODEL = "tiny-chat"
 TINY_FLAGS = ["--max-model-len", "2048", "--num-kv-blocks", "1024", "--served-model-name", MODEL]

@@ -20,8 +20,9 @@ from live_server import ENGINE_FLAGS, ROOT, Server, in_process
 from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
-from pocketllm.server.api_server import ServerConfig, create_app
+from pocketllm.server.api_server import create_app
 from pocketllm.server.async_llm import AsyncLLM, EngineClosedError, QueueFullError
+from pocketllm.server.config import ServerConfig
 
 ENGINE_KWARGS = dict(max_model_len=2048, kv_cache_memory=160 << 20, exact_kernels=True)  # as ENGINE_FLAGS
 MAX_REQUEST_BYTES = 256 << 10

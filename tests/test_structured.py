@@ -15,8 +15,9 @@ from fixtures import default_model_gguf, shared_path
 from live_server import in_process
 
 from pocketllm import LLM, RequestError, SamplingParams
-from pocketllm.server.api_server import ServerConfig, create_app
+from pocketllm.server.api_server import create_app
 from pocketllm.server.async_llm import AsyncLLM
+from pocketllm.server.config import ServerConfig
 from pocketllm.structured.backend import StructuredOutputs, tokenizer_info
 from pocketllm.structured.spec import normalize
 from pocketllm.tokenizer import get_tokenizer

@@ -194,8 +194,9 @@ def load_engine(engine_args: EngineArgs) -> LLMEngine:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pocketllm.server.api_server import ServerConfig, serve
     from pocketllm.server.async_llm import AsyncLLM
+    from pocketllm.server.config import ServerConfig
+    from pocketllm.server.launcher import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Every setting is checked before the model loads: a mistake costs no loading time.
