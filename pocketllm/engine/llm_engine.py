@@ -20,16 +20,16 @@ from pocketllm.engine.kv_cache_manager import KVCacheManager
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
-from pocketllm.models.registry import select_runtime
+from pocketllm.loaders.model_source import ModelSource
 from pocketllm.outputs import RequestOutput
 from pocketllm.runner.memory import weight_bytes
 from pocketllm.runner.model_runner import LaunchedStep, ModelRunner
+from pocketllm.runner.worker import TORCH_DTYPES, Worker
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured.backend import StructuredOutputs
 
 log = logging.getLogger("pocketllm")
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -120,8 +120,6 @@ class LLMEngine:
         if args.model is None:
             from pocketllm.pull import pull_default_model
             args.model = str(pull_default_model())
-        from pocketllm.loaders.model_source import ModelSource
-
         self.source = ModelSource.open(args.model, args.load_format)
         path = self.source.path
         quant_types = self.source.quant_types
@@ -129,13 +127,13 @@ class LLMEngine:
 
         self.device = resolve_device(args.device)
         self.dtype_name = resolve_dtype(args.dtype, self.device, cfg.torch_dtype)
-        self.dtype = _TORCH_DTYPES[self.dtype_name]
+        self.dtype = TORCH_DTYPES[self.dtype_name]
         self.max_model_len = self._resolve_max_model_len()
-        self.runtime = select_runtime(cfg, args, self.device.type, self.dtype_name, quant_types)
+        self.worker = Worker(self.source, args, self.device, self.dtype_name)  # checks the configuration
+        self.runtime = self.worker.runtime
 
         self.block_size = args.block_size
         self.kv_layout = self.runtime.kv_layout
-        kv_dtype = self.dtype
         self.tokenizer = self.source.tokenizer(args.tokenizer)
         spec = args.speculative
         if spec is not None and spec.row_invariant and self.device.type != "cuda":
@@ -148,7 +146,7 @@ class LLMEngine:
             self.drafter = DraftModel(spec, self)
         # A block id holds its tokens' KV in every layer, a draft model's too (of this rank's KV heads).
         tp = args.tensor_parallel_size
-        per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, kv_dtype, tp)
+        per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, self.dtype, tp)
         per_block += self.drafter.kv_bytes_per_block if self.drafter else 0
         num_blocks = None  # on CUDA: what the weights leave
         if self.device.type == "cpu" or args.num_kv_blocks is not None:
@@ -168,7 +166,7 @@ class LLMEngine:
             group = self.ranks.group
         try:
             with tensor_parallel(group):
-                model, num_blocks = self._load(num_blocks, per_block, kv_dtype)
+                model, num_blocks = self._load(num_blocks, per_block)
         except BaseException:
             self.shutdown()
             raise
@@ -208,7 +206,7 @@ class LLMEngine:
             else:
                 self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                               spec.prompt_lookup_max)
-            # until steps are measured: a row's share of a decode step at batch 1 (benchmarks/NOTES.md)
+            # until steps are measured: a row's share of a decode step at batch 1 (docs/performance/speculative-decoding.md)
             self.draft_length = DraftLength(spec.num_speculative_tokens, 0.3 if self.device.type == "cpu" else 0.05)
             self.spec_stats.accepted_per_pos = [0] * spec.num_speculative_tokens
         groups = f" ({self.kv_layout.describe()})" if self.kv_layout.is_hybrid else ""
@@ -218,14 +216,12 @@ class LLMEngine:
                  self.max_model_len)
 
     # -- set-up helpers --------------------------------------------------------------------------
-    def _load(self, num_blocks: int | None, per_block: int, kv_dtype: torch.dtype):
+    def _load(self, num_blocks: int | None, per_block: int):
         """(the model, the KV cache's blocks): the weights read, the cache sized (CUDA: what the
         weights leave), the runner built; with tensor parallelism as rank 0, the others' shards in."""
         args, spec = self.args, self.args.speculative
         t0 = time.perf_counter()
-        model = self.source.load(self.runtime.model_class, self.dtype, self.device, self.max_model_len,
-                                 seed=args.seed, dequantize_at_load=args.dequantize_at_load,
-                                 exact_kernels=args.exact_kernels)
+        model = self.worker.load(self.max_model_len)
         self.weight_bytes = weight_bytes(model, self.device)  # before the runner binds the KV cache to it
         if self.drafter is not None:
             self.drafter.load()
@@ -252,10 +248,9 @@ class LLMEngine:
 
             log.info("speculative decoding: %d projections on the row-invariant GEMM", use_row_invariant_gemms(model))
         # each sequence's drafts are decode rows of their own: the graphs hold them all
-        self.runner = ModelRunner(model, num_blocks, self.block_size, kv_dtype, self.device, args.seed,
-                                  max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
-                                  max_model_len=self.max_model_len,
-                                  enforce_eager=args.enforce_eager, kv_layout=self.kv_layout)
+        self.runner = self.worker.build_runner(
+            num_blocks, self.block_size, self.max_model_len,
+            max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
         return model, num_blocks
 
     def on_ranks_lost(self, callback) -> None:

@@ -38,7 +38,6 @@ from pocketllm.errors import ConfigurationError
 
 log = logging.getLogger("pocketllm")
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RENDEZVOUS_TIMEOUT = 60.0  # seconds the ranks wait for each other to join the group (processes starting)
 # Past the rendezvous a collective waits as long as its ranks live: the watchdog, not a timeout,
 # notices a rank that ends (a timeout would end the ranks of an engine idle for that long).
@@ -112,21 +111,16 @@ def _rank_main(spec: RankSpec, rank: int, conn) -> None:
     try:
         torch.set_num_threads(spec.num_threads)
         set_tp(join_group(spec, rank))
-        from pocketllm.loaders.model_source import ModelSource
-        from pocketllm.models.registry import select_runtime
-        from pocketllm.runner.model_runner import ModelRunner
+        from pocketllm.runner.worker import Worker
 
-        args, device, dtype = spec.args, rank_device(spec.device_type, rank), _TORCH_DTYPES[spec.dtype]
-        source = ModelSource.open(args.model, args.load_format)
-        runtime = select_runtime(source.config, args, device.type, spec.dtype, source.quant_types)
-        model = source.load(runtime.model_class, dtype, device, spec.max_model_len, seed=args.seed,
-                            dequantize_at_load=args.dequantize_at_load, exact_kernels=args.exact_kernels)
+        args, device = spec.args, rank_device(spec.device_type, rank)
+        worker = Worker.open(args.model, args, device, spec.dtype)
+        worker.load(spec.max_model_len)
         conn.send(None)
-        blocks = torch.zeros(1, dtype=torch.long, device=rank_device(spec.device_type, rank))
+        blocks = torch.zeros(1, dtype=torch.long, device=device)
         dist.broadcast(blocks, src=0)
-        runner = ModelRunner(model, int(blocks.item()), args.block_size, dtype, device, args.seed,
-                             max_model_len=spec.max_model_len, enforce_eager=True, kv_layout=runtime.kv_layout)
-        runner.follow()
+        # rank 0 captures the graphs; a rank replays the steps it is sent, eagerly
+        worker.build_runner(int(blocks.item()), args.block_size, spec.max_model_len, enforce_eager=True).follow()
     except BaseException:  # noqa: BLE001  (rank 0 raises it, or its watchdog reports it)
         with contextlib.suppress(OSError):
             conn.send(traceback.format_exc())

@@ -34,29 +34,26 @@ class DraftModel:
         reads its shape; no weight is read yet."""
         from pocketllm.config import EngineArgs
         from pocketllm.core.kv_layout import KVLayout
-        from pocketllm.loaders.model_source import ModelSource
-        from pocketllm.models.registry import select_runtime
         from pocketllm.runner.model_runner import ModelRunner
+        from pocketllm.runner.worker import Worker
 
         self.target = target
         self.num_tokens = spec.num_speculative_tokens
         args = target.args
-        self.source = ModelSource.open(spec.model, args.load_format)
-        cfg = self.source.config
         self.args = EngineArgs(model=spec.model, load_format=args.load_format, device=str(target.device),
                                dtype=target.dtype_name, max_num_seqs=args.max_num_seqs, seed=args.seed,
                                enforce_eager=args.enforce_eager, exact_kernels=args.exact_kernels,
                                dequantize_at_load=args.dequantize_at_load)
         where = f"the draft model {spec.model!r}"
         try:
-            self.runtime = select_runtime(cfg, self.args, target.device.type, target.dtype_name,
-                                          self.source.quant_types)
+            self.worker = Worker.open(spec.model, self.args, target.device, target.dtype_name)
         except ConfigurationError as e:
             raise ConfigurationError(f"{where}: {e}") from None
+        cfg = self.worker.config
         if cfg.vocab_size != target.model_config.vocab_size:
             raise ConfigurationError(f"{where} has a vocabulary of {cfg.vocab_size} tokens, the model "
                                      f"{target.model_config.vocab_size}: a draft model must share the model's tokenizer")
-        mine, theirs = self.source.tokenizer(), target.tokenizer
+        mine, theirs = self.worker.source.tokenizer(), target.tokenizer
         if mine is not None and theirs is not None and not _same_tokens(mine, theirs):
             raise ConfigurationError(f"{where} has another tokenizer than the model (the same number of tokens, "
                                      "other tokens): a draft model must share the model's tokenizer")
@@ -75,20 +72,14 @@ class DraftModel:
         self.shadows: dict[str, Request] = {}
 
     def load(self) -> None:
-        t = self.target
-        self.model = self.source.load(self.runtime.model_class, t.dtype, t.device, t.max_model_len,
-                                      seed=self.args.seed + 1, dequantize_at_load=self.args.dequantize_at_load,
-                                      exact_kernels=self.args.exact_kernels)
+        self.model = self.worker.load(self.target.max_model_len, seed=self.args.seed + 1)
 
     def bind(self, num_blocks: int, kv, reserve: int) -> None:
         """KV tensors for `num_blocks` block ids of the target's manager `kv`; drafting leaves
         `reserve` blocks free (the scheduler's watermark)."""
-        from pocketllm.runner.model_runner import ModelRunner
-
         t = self.target
-        self.runner = ModelRunner(self.model, num_blocks, t.block_size, t.dtype, t.device, self.args.seed,
-                                  max_decode_rows=self.args.max_num_seqs, max_model_len=t.max_model_len,
-                                  enforce_eager=self.args.enforce_eager, kv_layout=self.layout)
+        self.runner = self.worker.build_runner(num_blocks, t.block_size, t.max_model_len,
+                                               max_decode_rows=self.args.max_num_seqs, kv_layout=self.layout)
         self.kv, self.reserve = kv, reserve
 
     # -- drafting --------------------------------------------------------------------------------
