@@ -32,7 +32,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     # Schedule and launch the next step while the GPU runs the last one; None: on for CUDA, off on
-    # CPU (where the host is the device, so nothing overlaps). See benchmarks/NOTES.md.
+    # CPU (where the host is the device, so nothing overlaps). See docs/performance/gpu-engine.md.
     async_scheduling: bool | None = None
     dequantize_at_load: bool = False  # GGUF: trade memory for speed
     # CPU: False (the fast path) takes integer dot products over activations quantized to 8 bits

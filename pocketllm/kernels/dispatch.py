@@ -19,7 +19,7 @@ The GEMVs (cuda_gemv, gemv_q8) and mmq take 8-bit activations (llama.cpp's q8_1)
 tensor-core tiles; dequant decodes the weight into a scratch buffer for cuBLAS.
 
 Why each threshold is where it is (all measured on the H200 at Llama-3.1-8B's shapes; the records
-under benchmarks/results/ and benchmarks/NOTES.md give the runs):
+under benchmarks/results/ and docs/performance/gpu-kernels.md give the runs):
 - GEMV_MAX_M = 2: past two rows the GEMVs, which read the weight once per row, lose to tiles that
   read it once per 16-64 rows (h200-triton-gguf-sweep.txt).
 - MMQ_MAX_M = 32: the integer tiles took 0.34-0.88x the best other kernel's time at 4-32 rows for
@@ -77,7 +77,7 @@ def gpu_gguf_kernel(qtype: GGMLQuantizationType, m: int, dtype: torch.dtype, *, 
 # | 0            | > C_GEMM_ROWS    |                                 | dequant                             |
 #
 # - C_GEMM_ROWS = 16: past it, dequantizing row slices once for BLAS beats the fused float kernel,
-#   which reads each block once per row (CPU records, benchmarks/NOTES.md).
+#   which reads each block once per row (CPU records, docs/performance/cpu-kernels.md).
 # - TWO_PASS_MAX_HIDDEN = 1024: one 8-bit pass moves a logit by about 1% of its scale; a small
 #   model's top logits are often closer than that, and greedy answers drift into loops the exact
 #   path does not take. Up to this hidden size every layer takes a second pass over the first's

@@ -864,7 +864,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL(
         const u32* __restrict__ lut, int N, int row_bytes, int hdr_start, int n_blocks, int x_div,
         int stride_xq, int stride_xd, int stride_y) {
 #if LUT
-    __shared__ u32 tab[LUT];  // a lattice type's grid (lut from word 128 on: triton/gguf.py's _value_table)
+    __shared__ u32 tab[LUT];  // a lattice type's grid (lut from word 128 on: triton/gguf.py's value_table)
     for (int i = threadIdx.x; i < LUT; i += NT) tab[i] = lut[128 + i];
     __syncthreads();
 #else

@@ -5,13 +5,13 @@
 //     y[m, n] += (s_w[n, g] * d_x[m, g]) * (codes[n, g] . xq[m, g]) - min_w[n, g] * s_x[m, g]
 // (d_x, s_x: the activations' scale and scaled sum of their group of 32).  The Triton version of this
 // issued each product as a synchronous wgmma with a barrier, one program an SM, and lost to the bf16
-// tile kernel (NOTES, "integer tensor cores"); here the warps' mma.sync run freely between the tile's
-// two barriers, and a step's loads are in flight during the step before.  Measured on the H200
-// (results/h200-cuda-mmq-rows.txt): 1.47-2.92x the best other kernel at 4-16 rows, 1.1-2.2x at 32; at 64 the
-// float work per group, which grows with the rows, makes it 0.69-1.44x (gguf.py's MMQ_MAX_M routes by that).
+// tile kernel (docs/performance/gpu-kernels.md, "integer tensor cores"); here the warps' mma.sync run
+// freely between the tile's two barriers, and a step's loads are in flight during the step before.
+// Measured on the H200 (results/h200-cuda-mmq-rows.txt): 1.47-2.92x the best other kernel at 4-16 rows, 1.1-2.2x at 32; at 64 the
+// float work per group, which grows with the rows, makes it 0.69-1.44x (dispatch.py's MMQ_MAX_M routes by that).
 // Its bf16 variant (MMQ_X16, below the integer kernel's loop) keeps the tiles and the loads and turns each
 // weight into bf16 once a block instead: 0.69-0.96x the time of the best other kernel at 64 rows
-// (results/h200-cuda-mmq-x16.txt; gguf.py's MMQ_X16_MIN_M / MMQ_X16_MAX_M).
+// (results/h200-cuda-mmq-x16.txt; dispatch.py's MMQ_X16_MIN_M / MMQ_X16_MAX_M).
 //
 // Compiled after gguf_gemv.cu's helpers (the same program text).  The tile decoders (``<type>_tile``)
 // also compile as host C++: tests/test_cuda_gguf.py checks them against gguf's dequantization.

@@ -3,7 +3,8 @@
 cuBLAS picks its kernel (tile, K split) by shape: on the H200 it gives a row the same bits at 1 to 48 rows
 for every projection of the 8B shape, but ``o`` and ``down`` change class at 64 rows and beyond
 (results/h200-cublas-row-invariance.json), so a speculative step of 64 sequences and their drafts (80-320
-rows) computes other bits than a step of 64 (NOTES, "Key splits, not GEMMs").  Here the tile, the K split
+rows) computes other bits than a step of 64 (docs/performance/speculative-decoding.md, "Key splits, not
+GEMMs").  Here the tile, the K split
 and the order the splits are added in depend on N and K alone: row m's output is sum over the splits s
 (in order) of its tile's tl.dot over split s's K range (in BLOCK_K steps), the same at any M.
 """
