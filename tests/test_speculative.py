@@ -167,7 +167,7 @@ def test_draft_model_greedy_tokens_match_transformers(tiny):
     fits = LLM(str(path), dtype="float32", num_kv_blocks=tight_blocks(path), max_model_len=128)
     many = prompts_of([30] * 8, seed=2)
     tight, outs, _ = run(path, many, speculative_config=draft_of(path), max_model_len=128,
-                         num_kv_blocks=fits.engine._blocks_per_request(128))
+                         num_kv_blocks=fits.engine.kv_plan.blocks_per_request(128))
     assert tight == [hf_greedy(model, p, NEW) for p in many]
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the small cache should force preemption"
 

@@ -17,6 +17,7 @@ from pocketllm.core.scheduler_output import SchedulerOutput
 from pocketllm.distributed.parallel_state import TPGroup, tensor_parallel
 from pocketllm.engine.detokenizer import StopStrings
 from pocketllm.engine.kv_cache_manager import KVCacheManager
+from pocketllm.engine.kv_plan import KVPlan, size_text
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
@@ -106,10 +107,6 @@ def resolve_dtype(dtype: str, device: torch.device, model_dtype: str) -> str:
     return "float16" if model_dtype == "float16" else "bfloat16"
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         t_start = time.perf_counter()
@@ -128,12 +125,11 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype_name = resolve_dtype(args.dtype, self.device, cfg.torch_dtype)
         self.dtype = TORCH_DTYPES[self.dtype_name]
-        self.max_model_len = self._resolve_max_model_len()
+        self.block_size = args.block_size
         self.worker = Worker(self.source, args, self.device, self.dtype_name)  # checks the configuration
         self.runtime = self.worker.runtime
-
-        self.block_size = args.block_size
         self.kv_layout = self.runtime.kv_layout
+        self.kv_plan = KVPlan(args, self.kv_layout, self.block_size, self.device, cfg.max_position_embeddings)
         self.tokenizer = self.source.tokenizer(args.tokenizer)
         spec = args.speculative
         if spec is not None and spec.row_invariant and self.device.type != "cuda":
@@ -147,11 +143,8 @@ class LLMEngine:
         # A block id holds its tokens' KV in every layer, a draft model's too (of this rank's KV heads).
         tp = args.tensor_parallel_size
         per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, self.dtype, tp)
-        per_block += self.drafter.kv_bytes_per_block if self.drafter else 0
-        num_blocks = None  # on CUDA: what the weights leave
-        if self.device.type == "cpu" or args.num_kv_blocks is not None:
-            num_blocks = args.num_kv_blocks or args.kv_cache_memory // per_block
-            self._fit_max_model_len(num_blocks, per_block)
+        self.kv_plan.bytes_per_block = per_block + (self.drafter.kv_bytes_per_block if self.drafter else 0)
+        num_blocks = self.kv_plan.blocks_before_loading()  # None on CUDA: what the weights leave
 
         # Everything is checked: now read the weights (each tensor-parallel rank its shard, at the
         # same time). On CUDA max_model_len may still be lowered once the KV cache is sized; rotary
@@ -166,7 +159,7 @@ class LLMEngine:
             group = self.ranks.group
         try:
             with tensor_parallel(group):
-                model, num_blocks = self._load(num_blocks, per_block)
+                model, num_blocks = self._load(num_blocks)
         except BaseException:
             self.shutdown()
             raise
@@ -211,12 +204,18 @@ class LLMEngine:
             self.spec_stats.accepted_per_pos = [0] * spec.num_speculative_tokens
         groups = f" ({self.kv_layout.describe()})" if self.kv_layout.is_hybrid else ""
         log.info("Loaded %s (%s; weights %s) on %s in %.1f s: %d KV blocks of %d tokens%s, context %d",
-                 cfg.architecture, self._describe_weights(model, quant_types), _size(self.weight_bytes),
+                 cfg.architecture, self._describe_weights(model, quant_types), size_text(self.weight_bytes),
                  self.device, time.perf_counter() - t_start, num_blocks, self.block_size, groups,
                  self.max_model_len)
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest request: the model's context, or what was asked for, lowered to what the KV
+        cache holds when nothing was asked for."""
+        return self.kv_plan.max_model_len
+
     # -- set-up helpers --------------------------------------------------------------------------
-    def _load(self, num_blocks: int | None, per_block: int):
+    def _load(self, num_blocks: int | None):
         """(the model, the KV cache's blocks): the weights read, the cache sized (CUDA: what the
         weights leave), the runner built; with tensor parallelism as rank 0, the others' shards in."""
         args, spec = self.args, self.args.speculative
@@ -231,16 +230,7 @@ class LLMEngine:
         self.load_time = time.perf_counter() - t0
 
         if num_blocks is None:
-            torch.cuda.empty_cache()  # what loading left in the allocator's cache is free for the KV cache
-            free, _ = torch.cuda.mem_get_info(self.device)
-            log.info("GPU memory after loading: %s free, %s held by this process's tensors", _size(free),
-                     _size(torch.cuda.memory_allocated(self.device)))
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = free - (1 - args.gpu_memory_utilization) * total
-            # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.
-            cap = 4 * args.max_num_seqs * self._blocks_per_request(self.max_model_len)
-            num_blocks = max(0, min(int(budget // per_block), cap))
-            self._fit_max_model_len(num_blocks, per_block)
+            num_blocks = self.kv_plan.blocks_after_loading()
         if self.ranks is not None:
             self.ranks.share_num_blocks(num_blocks)
         if spec is not None and spec.row_invariant:
@@ -265,47 +255,6 @@ class LLMEngine:
             self._finalizer()
             self.ranks = None
 
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        asked = self.args.max_model_len
-        if asked is None:
-            return limit
-        if asked > limit:
-            raise ConfigurationError(f"max_model_len {asked} exceeds the model's maximum of {limit} "
-                                     "positions; lower max_model_len")
-        return asked
-
-    def _fit_max_model_len(self, num_blocks: int, per_block: int) -> None:
-        """A max_model_len that was asked for must fit one request in the KV cache. The default one,
-        the model's context, is lowered to what fits (as llama.cpp and Ollama do), and one log line
-        says why."""
-        limits = self._context_limits(num_blocks, per_block) if num_blocks > 0 else []
-        if self.args.max_model_len is None and limits:
-            length, why = min(limits)
-            if length < self.max_model_len:
-                log.info("max_model_len %d (the model's context is %d; %s)", length, self.max_model_len, why)
-                self.max_model_len = length
-        self._check_kv_fits(num_blocks)
-
-    def _context_limits(self, num_blocks: int, per_block: int) -> list[tuple[int, str]]:
-        """(longest request, why) for each limit on the context besides the model's own."""
-        args = self.args
-        tokens = self.kv_layout.max_tokens(num_blocks, self.block_size, args.max_num_batched_tokens)
-        if args.num_kv_blocks is not None:
-            cache, more = f"{num_blocks} blocks", "--num-kv-blocks"
-        elif self.device.type == "cuda":
-            cache = f"{_size(num_blocks * per_block)} (gpu_memory_utilization {args.gpu_memory_utilization})"
-            more = "--gpu-memory-utilization or --num-kv-blocks"
-        else:
-            cache, more = _size(num_blocks * per_block), "--kv-cache-memory or --num-kv-blocks"
-        limits = [] if tokens is None else [
-            (tokens, f"the KV cache of {cache} holds {tokens} tokens; raise {more} for more")]
-        if not args.enable_chunked_prefill:  # then a whole prompt must fit in one step
-            n = args.max_num_batched_tokens
-            limits.append((n, f"without chunked prefill a prompt must fit in one step of "
-                              f"max_num_batched_tokens={n}; raise --max-num-batched-tokens for more"))
-        return limits
-
     def _describe_weights(self, model: torch.nn.Module, quant_types: set[str]) -> str:
         """Where the weights came from and in what form they are held."""
         if self.source.dummy:
@@ -321,19 +270,6 @@ class LLMEngine:
         if dense:
             parts.append(f"{', '.join(dense)} dequantized to {self.dtype_name}")
         return "; ".join(parts) or f"GGUF {', '.join(sorted(quant_types))}, {self.dtype_name}"
-
-    def _blocks_per_request(self, num_tokens: int) -> int:
-        """The most blocks one request of `num_tokens` tokens holds at once, every KV group counted
-        (a sliding group holds its window and the step's chunk)."""
-        return self.kv_layout.blocks_for(num_tokens, self.block_size, self.args.max_num_batched_tokens)
-
-    def _check_kv_fits(self, num_blocks: int) -> None:
-        need = self._blocks_per_request(self.max_model_len)
-        if num_blocks < need:
-            raise ConfigurationError(
-                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one request of "
-                f"max_model_len={self.max_model_len} tokens needs {need}; raise num_kv_blocks / "
-                "kv_cache_memory / gpu_memory_utilization or lower max_model_len")
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)

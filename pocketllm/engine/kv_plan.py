@@ -1,0 +1,97 @@
+"""How many KV blocks the cache holds and how long a request may be: sized before any weight is read
+on the CPU (or from --num-kv-blocks), from the memory the weights leave on CUDA; the context
+lowered to what fits when the user did not ask for one, refused with what to change when they did."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pocketllm.config import EngineArgs
+from pocketllm.core.kv_layout import KVLayout
+from pocketllm.errors import ConfigurationError
+
+log = logging.getLogger("pocketllm")
+
+
+def size_text(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class KVPlan:
+    def __init__(self, args: EngineArgs, layout: KVLayout, block_size: int, device: torch.device, model_positions: int):
+        self.args, self.layout, self.block_size, self.device = args, layout, block_size, device
+        # every layer's K and V of a block id, a draft model's too: set before the cache is sized
+        self.bytes_per_block = 0
+        asked = args.max_model_len
+        if asked is not None and asked > model_positions:
+            raise ConfigurationError(f"max_model_len {asked} exceeds the model's maximum of {model_positions} "
+                                     "positions; lower max_model_len")
+        self.max_model_len = model_positions if asked is None else asked
+
+    def blocks_before_loading(self) -> int | None:
+        """The cache's blocks where they are known before loading (the CPU's memory budget, or
+        --num-kv-blocks), with the context fitted to them; None on CUDA, sized after loading."""
+        args = self.args
+        assert self.bytes_per_block > 0, "bytes_per_block first"
+        if self.device.type != "cpu" and args.num_kv_blocks is None:
+            return None
+        num_blocks = args.num_kv_blocks or args.kv_cache_memory // self.bytes_per_block
+        self.fit(num_blocks)
+        return num_blocks
+
+    def blocks_after_loading(self) -> int:
+        """CUDA: the blocks that the loaded weights leave room for under gpu_memory_utilization."""
+        args = self.args
+        torch.cuda.empty_cache()  # what loading left in the allocator's cache is free for the KV cache
+        free, _ = torch.cuda.mem_get_info(self.device)
+        log.info("GPU memory after loading: %s free, %s held by this process's tensors", size_text(free),
+                 size_text(torch.cuda.memory_allocated(self.device)))
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = free - (1 - args.gpu_memory_utilization) * total
+        # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.
+        cap = 4 * args.max_num_seqs * self.blocks_per_request(self.max_model_len)
+        num_blocks = max(0, min(int(budget // self.bytes_per_block), cap))
+        self.fit(num_blocks)
+        return num_blocks
+
+    def fit(self, num_blocks: int) -> None:
+        """A max_model_len that was asked for must fit one request in the KV cache. The default one,
+        the model's context, is lowered to what fits (as llama.cpp and Ollama do), and one log line
+        says why."""
+        limits = self.context_limits(num_blocks) if num_blocks > 0 else []
+        if self.args.max_model_len is None and limits:
+            length, why = min(limits)
+            if length < self.max_model_len:
+                log.info("max_model_len %d (the model's context is %d; %s)", length, self.max_model_len, why)
+                self.max_model_len = length
+        need = self.blocks_per_request(self.max_model_len)
+        if num_blocks < need:
+            raise ConfigurationError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one request of "
+                f"max_model_len={self.max_model_len} tokens needs {need}; raise num_kv_blocks / "
+                "kv_cache_memory / gpu_memory_utilization or lower max_model_len")
+
+    def context_limits(self, num_blocks: int) -> list[tuple[int, str]]:
+        """(longest request, why) for each limit on the context besides the model's own."""
+        args = self.args
+        tokens = self.layout.max_tokens(num_blocks, self.block_size, args.max_num_batched_tokens)
+        if args.num_kv_blocks is not None:
+            cache, more = f"{num_blocks} blocks", "--num-kv-blocks"
+        elif self.device.type == "cuda":
+            cache = f"{size_text(num_blocks * self.bytes_per_block)} (gpu_memory_utilization {args.gpu_memory_utilization})"
+            more = "--gpu-memory-utilization or --num-kv-blocks"
+        else:
+            cache, more = size_text(num_blocks * self.bytes_per_block), "--kv-cache-memory or --num-kv-blocks"
+        limits = [] if tokens is None else [
+            (tokens, f"the KV cache of {cache} holds {tokens} tokens; raise {more} for more")]
+        if not args.enable_chunked_prefill:  # then a whole prompt must fit in one step
+            n = args.max_num_batched_tokens
+            limits.append((n, f"without chunked prefill a prompt must fit in one step of "
+                              f"max_num_batched_tokens={n}; raise --max-num-batched-tokens for more"))
+        return limits
+
+    def blocks_per_request(self, num_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` tokens holds at once, every KV group counted
+        (a sliding group holds its window and the step's chunk)."""
+        return self.layout.blocks_for(num_tokens, self.block_size, self.args.max_num_batched_tokens)
