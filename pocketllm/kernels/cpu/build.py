@@ -26,6 +26,7 @@ from pocketllm import envs
 
 log = logging.getLogger("pocketllm")
 _SOURCES = [Path(__file__).with_name(n) for n in ("gguf_gemm.c", "layer_ops.c", "llama_decode.c")]
+_INCLUDED = sorted(Path(__file__).with_name("gguf_gemm").glob("*.h"))  # gguf_gemm.c's sections
 
 
 def _cpu_info() -> dict[str, str]:
@@ -162,7 +163,8 @@ def _build_flags(isa: str) -> list[str]:
 
 def _cache_name(cc: str, flags: list[str]) -> str:
     """The kernels' file name in the cache: one per source, compiler and flags."""
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES) + " ".join([cc, *flags, *LTO]).encode()).hexdigest()[:16]
+    sources = b"".join(f.read_bytes() for f in _SOURCES + _INCLUDED)
+    key = hashlib.sha256(sources + " ".join([cc, *flags, *LTO]).encode()).hexdigest()[:16]
     return f"cpu_kernels-{key}.so"
 
 
