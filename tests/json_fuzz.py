@@ -5,7 +5,7 @@ logits (what a random-weight model gives), through the engine's own matcher and 
 
 Random logits walk the corners a trained model rarely reaches (control characters, escapes, surrogate
 pairs, empty and maximal strings and arrays). Half the seeds favour the tokens that close a value, so
-that unbounded values end too. Used by tests/test_structured_fuzz.py and benchmarks/json_fuzz.py."""
+that unbounded values end too. Used by tests/test_structured_fuzz.py and benchmarks/suites/json_fuzz.py."""
 from __future__ import annotations
 
 import functools

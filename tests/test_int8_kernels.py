@@ -220,7 +220,7 @@ def test_the_default_model_on_the_fast_path_agrees_with_the_exact_one():
     """Teacher-forced over real text (this repository's README, ~800 tokens): top-1 agreement and
     the KL divergence of the fast path from the exact one, over each position's top 20 tokens with
     the rest pooled (a coarse-grained KL, at most the full one). The full-vocabulary figures over
-    4,000 tokens are benchmarks/cpu_fast_path_accuracy.py's."""
+    4,000 tokens are benchmarks/suites/cpu_fast_path_accuracy.py's."""
     text = (Path(__file__).parents[1] / "README.md").read_text()[:2400]
     args = dict(max_model_len=1024, num_kv_blocks=128, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, prompt_logprobs=20, temperature=0)

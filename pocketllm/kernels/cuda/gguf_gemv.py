@@ -23,7 +23,7 @@ DECODERS = {t: t.name.lower() for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, 
                                          T.IQ1_S, T.IQ1_M)}
 CUDA_GEMV_TYPES: frozenset[GGMLQuantizationType] = frozenset(DECODERS)
 # R weight rows a block of NT threads; W: blocks an SM, each taking tiles of R rows in turn, or 0: a block a
-# tile.  The fastest over the 8B shapes on the H200 (benchmarks/bench_cuda_gemv.py, weights read from memory; by
+# tile.  The fastest over the 8B shapes on the H200 (benchmarks/kernels/bench_cuda_gemv.py, weights read from memory; by
 # the sums over the shapes printed there): 2 x 64 for the types without a table (results/h200-cuda-gemv-k-types.txt,
 # -more-types.txt) but Q8_0 (4 x 128); 4 x 128 with 4 blocks an SM for the lattice types, whose grids are staged
 # in shared memory once a block (results/h200-cuda-gemv-lattice.txt).  More rows a block share the activations'

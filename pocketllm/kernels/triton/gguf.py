@@ -36,8 +36,8 @@ The regimes (``gguf_matmul``'s ``auto`` picks one by the table of ``kernels/disp
   first, eager) allocates it before any capture.
 
 Tile shapes are module constants (``GEMV_CONFIG``, ``DEQUANT_CONFIG``, ``MMA_CONFIG``), the fastest
-of ``benchmarks/bench_triton_gguf.py --sweep`` on the H200; ``--regimes`` times the regimes' crossovers.
-``benchmarks/triton_gguf_sass.py`` counts what a kernel's inner loop executes (sm_90, without a GPU).
+of ``benchmarks/kernels/bench_triton_gguf.py --sweep`` on the H200; ``--regimes`` times the regimes' crossovers.
+``benchmarks/tools/triton_gguf_sass.py`` counts what a kernel's inner loop executes (sm_90, without a GPU).
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (how the CPU tests check them);
 the interpreter's ``tl.dot`` mishandles bfloat16, so there the dot kernel widens both operands
@@ -578,7 +578,7 @@ _PACK_ROWS = 4096  # rows re-laid out at once by pack_gguf
 ROW_ALIGN = 16  # packed rows are padded to a multiple of this many bytes (16-byte vector loads)
 
 # Tile shapes: BLOCK_N output rows by BLOCK_K weights per step (rounded up to a whole GGUF block),
-# the fastest of `benchmarks/bench_triton_gguf.py --sweep` on the H200 (results/h200-triton-gguf-sweep.txt:
+# the fastest of `benchmarks/kernels/bench_triton_gguf.py --sweep` on the H200 (results/h200-triton-gguf-sweep.txt:
 # Q4_K and Q6_K at 4096x4096 and 14336x4096): few rows and long steps, no software pipelining (each
 # thread keeps several 16-byte loads in flight itself). PROGRAMS_PER_SM: how many programs of the
 # kernel an SM holds at once (by registers: 65536 / (32 * num_warps * registers), a little under);

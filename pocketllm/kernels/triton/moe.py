@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType
 
 from pocketllm.core.gguf_types import block_size
 
-# The grouped dense GEMV's tile: the fastest of benchmarks/bench_grouped_dense.py on the H200 at
+# The grouped dense GEMV's tile: the fastest of benchmarks/kernels/bench_grouped_dense.py on the H200 at
 # Qwen3-30B-A3B's expert shapes (results/h200-grouped-dense-sweep.txt: 36.4 us against 48.3 for 8 x 512
 # on 4 warps; bf16 batch-1 decode 281.6 against 249.1 tok/s)
 DENSE_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, num_warps=2)
