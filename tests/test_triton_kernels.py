@@ -124,7 +124,8 @@ def test_a_decode_rows_bits_do_not_depend_on_its_step_size():
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     DEV == "cpu", reason="bfloat16 dot products need a GPU (the interpreter runs fp32)"))], ids=str)
-@pytest.mark.parametrize("hq,hkv,window,sinks", [(8, 2, None, False), (4, 4, 8, True), (6, 1, None, True)])
+@pytest.mark.parametrize("hq,hkv,window,sinks", [(8, 2, None, False), (4, 4, 8, True), (6, 1, None, True),
+                                               (9, 3, None, False)])  # 3 heads a group: 5-row runs
 def test_a_requests_rows_read_their_keys_once_with_the_same_bits(hq, hkv, window, sinks, dtype):
     """Decode rows of one request (its last token and drafts: consecutive positions, each row's table
     cut to its own blocks) taken in runs by one program (``chain_pos``): every row the same bits as

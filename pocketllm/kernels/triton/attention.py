@@ -55,9 +55,9 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, PRECISION: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, CHAINS: tl.constexpr, MERGE: tl.constexpr):
+        KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, RUN: tl.constexpr,
+        BLOCK_M: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+        PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHAINS: tl.constexpr, MERGE: tl.constexpr):
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,9 +74,10 @@ def _paged_attention_kernel(
         first = tl.load(chain_pos + seq)
         if first % BLOCK_Q != 0:
             return  # (its run's first row takes it)
-        nxt = seq + tl.arange(0, BLOCK_Q)
-        q_len = tl.sum((tl.load(chain_pos + nxt, mask=nxt < num_seqs, other=-1)
-                        == first + tl.arange(0, BLOCK_Q)).to(tl.int32), 0)
+        run = tl.arange(0, RUN)  # BLOCK_Q rounded up to a power of two (3 heads a group: 5 rows)
+        nxt = seq + run
+        q_len = tl.sum((tl.load(chain_pos + nxt, mask=(nxt < num_seqs) & (run < BLOCK_Q), other=-1)
+                        == first + run).to(tl.int32), 0)
         table_row = seq + q_len - 1  # the last row's table covers every key of the run
         seq_len = context + q_len
 
@@ -285,7 +286,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(max(d, 16)),
-        KV_BLOCK=kv_block, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
+        KV_BLOCK=kv_block, TILE_N=tile_n, BLOCK_Q=block_q, RUN=triton.next_power_of_2(block_q), BLOCK_M=block_m,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no TF32
         NUM_SPLITS=num_splits, CHAINS=chains, MERGE=merge)
