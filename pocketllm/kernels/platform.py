@@ -29,9 +29,14 @@ class KernelConfig:
     # activations in place, the cache write and decode attention, a decode step's layers in one call.
     # float32 on one rank only: the fused layers hold whole matrices.
     cpu_fused: bool = False
+    # GGUF layers: passes of 8-bit activations on the CPU's integer kernels (0: the exact product;
+    # kernels.dispatch.int8_passes), and weights dequantized once at load instead of kept in blocks.
+    int8_passes: int = 0
+    dequantize_at_load: bool = False
 
     def __post_init__(self):
         assert not (self.gpu and self.cpu_fused), "one platform's kernels"
+        assert self.int8_passes in (0, 1, 2), self.int8_passes
 
     @classmethod
     def choose(cls, device: torch.device, dtype: torch.dtype, *, exact_kernels: bool, tp_size: int) -> KernelConfig:

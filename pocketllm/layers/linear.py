@@ -89,8 +89,9 @@ class Linear(torch.nn.Module):
                      if bias else None)
         self.quantized: torch.nn.Module | None = None
         self._quant_parts: dict[int, QuantizedTensor] = {}
-        self.dequantize_at_load = False
-        self.int8_activations = 0  # CPU fast path: passes of 8-bit activations (see GGUFLinear)
+        kernels = kernels_for(device)
+        self.dequantize_at_load = kernels.dequantize_at_load
+        self.int8_activations = kernels.int8_passes  # CPU fast path: passes of 8-bit activations (see GGUFLinear)
         self.int8_rows = 0  # GPU: up to this many rows the product takes 8-bit activations (GGUFLinear)
         self.parallel = parallel
         # CUDA, dense weights: from this many rows the row-invariant GEMM (kernels/triton/invariant_gemm.py)
@@ -192,7 +193,8 @@ class Embedding(torch.nn.Module):
         self.rows_from = None
         self.dtype, self.device = dtype, torch.device(device)
         self.kernels = kernels_for(device)  # on the GPU the table's own GGUF blocks serve lookups
-        self.dequantize_at_load, self.int8_activations = False, 0  # for the tied output projection
+        # for the tied output projection
+        self.dequantize_at_load, self.int8_activations = self.kernels.dequantize_at_load, self.kernels.int8_passes
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         tensor = _shard(tensor, (self.vocab_start, self.num_embeddings) if self.tp.size > 1 else None, None)

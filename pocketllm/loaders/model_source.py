@@ -3,7 +3,7 @@ shape, quantization and tokenizer are read before any weight; `load` then builds
 model and reads the weights into it. The engine opens one for its model, and one for a draft model."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +59,11 @@ class ModelSource:
              dequantize_at_load: bool, exact_kernels: bool):
         """The runtime's model with its weights read (random ones for a dummy source)."""
         kernels = KernelConfig.choose(device, dtype, exact_kernels=exact_kernels, tp_size=get_tp().size)
+        if self.is_gguf:
+            from pocketllm.kernels.dispatch import int8_passes
+
+            passes = 0 if exact_kernels else int8_passes(self.config.hidden_size)
+            kernels = replace(kernels, int8_passes=passes, dequantize_at_load=dequantize_at_load)
         # (modules built while the weights load, a tied output layer say, run the same kernels)
         with building_with(kernels):
             model = model_class(self.config, dtype=dtype, device=device, max_model_len=max_model_len)
@@ -66,13 +71,6 @@ class ModelSource:
                 from pocketllm.loaders.dummy_loader import dummy_weights
                 model.load_weights(dummy_weights(model, dtype, device, seed))
             elif self.is_gguf:
-                from pocketllm.kernels.dispatch import int8_passes
-
-                passes = 0 if exact_kernels else int8_passes(self.config.hidden_size)
-                for m in model.modules():
-                    if hasattr(m, "dequantize_at_load"):
-                        m.dequantize_at_load = dequantize_at_load
-                        m.int8_activations = passes
                 model.load_weights(self.gguf.iter_weights(dtype, device))
             else:
                 from pocketllm.loaders.safetensors_loader import iter_safetensors
