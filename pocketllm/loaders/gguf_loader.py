@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from pocketllm.config import ModelConfig
+from pocketllm.core.gguf_reader import GGUFFile
 from pocketllm.errors import UnsupportedFeatureError
 from pocketllm.layers.linear import QuantizedTensor
 
@@ -62,7 +63,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 class GGUFModelFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.reader = GGUFReader(self.path)
+        self.reader = GGUFFile(self.path)
         self.arch = self.meta("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise UnsupportedFeatureError(
@@ -207,6 +208,17 @@ class GGUFModelFile:
                     yield name.format(e), self._tensor(part, t.tensor_type, shape[1:], name, dtype, device)
             else:
                 yield name, self._tensor(data, t.tensor_type, shape, name, dtype, device)
+            self._drop_pages(int(t.data_offset) + int(t.n_bytes))
+
+    def _drop_pages(self, end: int) -> None:
+        """The file's pages up to `end` out of this process's memory once the model took what it
+        keeps of the tensors there: weights repacked or converted at load would otherwise hold the
+        file's pages beside their copies until loading ends (a peak of twice the file). The whole
+        prefix each time: a fused layer (q, k, v) reads its earlier parts again when its last one
+        arrives. Pages still in use (weights read in place) fault back in from the page cache."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED, 0, end)
 
     def _tensor(self, data: np.ndarray, qtype, shape: tuple[int, ...], name: str, dtype, device):
         if qtype not in _DENSE:

@@ -12,6 +12,7 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from pocketllm.core.gguf_reader import GGUFFile
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
 from pocketllm.tokenizer import harmony_tokens as harmony
 from pocketllm.tokenizer.base import Tokenizer
@@ -55,11 +56,11 @@ class _Metadata:
 
 
 def gguf_chat_templates(path: str | os.PathLike) -> dict[str, str]:
-    return _Metadata(gguf.GGUFReader(path)).named_chat_templates()
+    return _Metadata(GGUFFile(path)).named_chat_templates()
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    return tokenizer_from_gguf(gguf.GGUFReader(path))
+    return tokenizer_from_gguf(GGUFFile(path))
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:

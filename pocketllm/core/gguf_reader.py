@@ -1,0 +1,26 @@
+"""gguf's reader, made fast on large vocabularies."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf import GGUFReader
+
+
+class GGUFFile(GGUFReader):
+    """`gguf.GGUFReader` whose reads slice a plain array over the mapped file: slicing the reader's
+    `np.memmap` runs Python code for every slice (memmap's `__array_finalize__`), and the metadata
+    of a 150,000-token vocabulary takes about a million slices (a 1.5B model's file opens in 1.3 s
+    this way against 4.0 s on two cores). The values and the tensors' arrays are the same bytes;
+    `data` stays the memmap."""
+
+    def __init__(self, path: os.PathLike[str] | str):
+        super().__init__(path, "r")
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
