@@ -4,6 +4,7 @@ that cannot be used gives a private build."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import stat
@@ -129,9 +130,12 @@ def test_a_cached_library_that_cannot_be_mapped_builds_privately(kernel_cache, c
     assert "cannot load the cached CPU kernels" in caplog.text
 
 
-def test_the_kernels_are_cached_in_new_private_directories(kernel_cache):
+def test_the_kernels_are_cached_in_new_private_directories(kernel_cache, caplog):
     kernels, name = kernel_cache
-    dll = build.load_cpu_kernels()
+    with caplog.at_level(logging.INFO, logger="pocketllm"):
+        dll = build.load_cpu_kernels()
+    # a first start says why it waits
+    assert "building the CPU kernels for this processor, once" in caplog.text and "built the CPU kernels in" in caplog.text
     assert dll._name == str(kernels / name) and hasattr(dll, "gguf_gemm")
     assert stat.S_IMODE(kernels.stat().st_mode) == 0o700
     assert stat.S_IMODE(kernels.parent.stat().st_mode) == 0o700

@@ -19,6 +19,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -94,12 +95,16 @@ class _BuildFailed(Exception):
 
 def _build_into(directory: Path, cc: str, flags: list[str], name: str) -> Path:
     """The kernels built as ``directory/name`` (whole or not at all)."""
+    # A first start waits for this (10-20 s on two cores): say so rather than pause silently.
+    log.info("building the CPU kernels for this processor, once (cached in %s)", directory)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         out = Path(tmp) / name
         done = _build(cc, flags, out)
         if done.returncode != 0:
             raise _BuildFailed(done.stderr[-2000:])
         os.replace(out, directory / name)
+    log.info("built the CPU kernels in %.1f s", time.perf_counter() - t0)
     return directory / name
 
 
