@@ -32,7 +32,6 @@ from pocketllm.structured.backend import StructuredOutputs
 log = logging.getLogger("pocketllm")
 
 
-
 @dataclass
 class SpecDecodingStats:
     """Cumulative counts of speculative decoding, vLLM's spec_decode_* metrics."""
