@@ -11,7 +11,7 @@ import numpy as np
 from fixtures import default_model_gguf
 from gguf import GGUFReader
 
-from pocketllm.core.gguf_reader import GGUFFile
+from pocketllm.gguf_file import GGUFFile
 from pocketllm.loaders.dummy_gguf import write_dummy_gguf
 
 # In a process of its own: VmHWM is the process's peak since it started.

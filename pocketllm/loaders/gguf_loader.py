@@ -18,8 +18,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pocketllm.config import ModelConfig
-from pocketllm.core.gguf_reader import GGUFFile
 from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.gguf_file import GGUFFile
 from pocketllm.layers.linear import QuantizedTensor
 
 ARCHITECTURES = {
@@ -80,6 +80,12 @@ class GGUFModelFile:
 
     def quant_types(self) -> set[str]:
         return {t.tensor_type.name for t in self.reader.tensors if len(t.shape) > 1}
+
+    def held_bytes(self, kept: frozenset[str], dense_bytes: int) -> int:
+        """The weights' bytes in memory: the file's blocks for the types in `kept`, `dense_bytes` a
+        weight for the others (dequantized at load)."""
+        return sum(int(t.n_bytes) if t.tensor_type.name in kept else int(t.n_elements) * dense_bytes
+                   for t in self.reader.tensors)
 
     def model_config(self) -> ModelConfig:
         if self._config is None:

@@ -12,8 +12,8 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from pocketllm.core.gguf_reader import GGUFFile
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
+from pocketllm.gguf_file import GGUFFile
 from pocketllm.tokenizer import harmony_tokens as harmony
 from pocketllm.tokenizer.base import Tokenizer
 from pocketllm.tokenizer.gguf_pre import pre_tokenizer_for
