@@ -18,6 +18,20 @@ def size_text(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def available_memory(device: torch.device, gpu_memory_utilization: float) -> int | None:
+    """What the engine may take on `device` before loading: on CUDA the free memory less the share
+    gpu_memory_utilization leaves to others, on the CPU the kernel's MemAvailable (None where
+    unknown)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(free - (1 - gpu_memory_utilization) * total))
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class KVPlan:
     def __init__(self, args: EngineArgs, layout: KVLayout, block_size: int, device: torch.device, model_positions: int):
         self.args, self.layout, self.block_size, self.device = args, layout, block_size, device
@@ -28,6 +42,39 @@ class KVPlan:
             raise ConfigurationError(f"max_model_len {asked} exceeds the model's maximum of {model_positions} "
                                      "positions; lower max_model_len")
         self.max_model_len = model_positions if asked is None else asked
+
+    def check_fits(self, weight_bytes: int, what: str, *, mapped: bool) -> None:
+        """Before any weight is read: one log line of what loading will take against what the device
+        has, and where the weights and one request's KV cache cannot fit, one line with the numbers
+        and what would make it fit: refused (it would end in an out-of-memory error), but a warning
+        for a `mapped` file on the CPU (weights read in place page in and out of the file, slowly)."""
+        args = self.args
+        assert self.bytes_per_block > 0, "bytes_per_block first"
+        # a request of the asked context; of a prompt step's length where the context is the model's
+        # (lowered to what the cache holds once it is sized)
+        tokens = self.max_model_len if args.max_model_len is not None else min(self.max_model_len,
+                                                                                 args.max_num_batched_tokens)
+        kv = self.blocks_per_request(tokens) * self.bytes_per_block
+        available = available_memory(self.device, args.gpu_memory_utilization)
+        if available is None:
+            return
+        log.info("memory plan: weights %s + KV cache of one %d-token request %s, of %s available on %s",
+                 size_text(weight_bytes), tokens, size_text(kv), size_text(available), self.device)
+        if weight_bytes + kv <= available:
+            return
+        per_token = kv / max(tokens, 1)
+        fixes = [f"--max-model-len (the KV cache takes {size_text(int(per_token * 1024))} per 1,024 tokens)"
+                 if args.max_model_len is not None else None, "a file of fewer bits per weight"]
+        if self.device.type == "cuda":
+            fixes += [f"--gpu-memory-utilization (now {args.gpu_memory_utilization})", "--tensor-parallel-size"]
+        message = (f"{what} does not fit on {self.device}: its weights take {size_text(weight_bytes)} and the KV "
+                   f"cache of one {tokens}-token request {size_text(kv)}, {size_text(weight_bytes + kv)} in all, "
+                   f"but {size_text(available)} is available; what would make it fit: "
+                   + ", ".join(f for f in fixes if f))
+        if mapped and self.device.type == "cpu":
+            log.warning("%s", message)
+        else:
+            raise ConfigurationError(message)
 
     def blocks_before_loading(self) -> int | None:
         """The cache's blocks where they are known before loading (the CPU's memory budget, or

@@ -55,6 +55,19 @@ class ModelSource:
         from pocketllm.tokenizer import get_tokenizer
         return get_tokenizer(tok_path)
 
+    def weight_bytes(self, model_class, dtype: torch.dtype, device: torch.device, *, dequantize_at_load: bool) -> int:
+        """What the weights will take on `device`, from the file's header or the model's shapes
+        (built on the meta device: no memory), before any weight is read."""
+        from pocketllm.models.capabilities import PLATFORMS
+
+        dense = torch.finfo(torch.float32 if device.type == "cpu" else dtype).bits // 8
+        if self.is_gguf:
+            kept = frozenset() if dequantize_at_load else PLATFORMS[device.type].kept_quantized
+            return self.gguf.held_bytes(kept, dense)
+        with building_with(KernelConfig()):
+            model = model_class(self.config, dtype=dtype, device="meta", max_model_len=1)
+        return sum(p.numel() for p in model.parameters()) * (torch.finfo(dtype).bits // 8)
+
     def load(self, model_class, dtype: torch.dtype, device: torch.device, max_model_len: int, *, seed: int,
              dequantize_at_load: bool, exact_kernels: bool):
         """The runtime's model with its weights read (random ones for a dummy source)."""

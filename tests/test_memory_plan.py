@@ -1,0 +1,48 @@
+"""The memory plan, made before any weight is read: what the weights and one request's KV cache will
+take against what the device has; one log line, and a model that cannot fit refused with the
+numbers and what would make it fit."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from fixtures import default_model_gguf
+
+from pocketllm import LLM
+from pocketllm.engine import kv_plan
+from pocketllm.errors import ConfigurationError
+
+
+def test_a_model_that_cannot_fit_is_refused_before_its_weights(monkeypatch):
+    """llama3-70b's shape with random weights: 263 GiB in float32 on the CPU. Refused at once (no
+    weight made), in one line with the numbers and the flags that change them."""
+    monkeypatch.setattr(kv_plan, "available_memory", lambda device, utilization: 64 << 30)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigurationError) as e:
+        LLM("llama3-70b", load_format="dummy", max_model_len=4096)
+    assert time.perf_counter() - t0 < 30
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "llama3-70b does not fit on cpu: its weights take 262.8 GiB" in msg
+    assert "but 64.0 GiB is available" in msg and "--max-model-len" in msg
+
+
+@pytest.mark.parametrize("source", ["gguf", "safetensors"])
+def test_the_plan_is_logged_and_close_to_what_loading_takes(source, tiny_models, caplog):
+    path = default_model_gguf() if source == "gguf" else tiny_models["llama"][1]
+    with caplog.at_level(logging.INFO, logger="pocketllm"):
+        llm = LLM(str(path), max_model_len=256, num_kv_blocks=32)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: weights"))
+    assert "available on cpu" in line
+    planned, held = llm.engine.planned_weight_bytes, llm.engine.weight_bytes
+    assert abs(planned - held) <= 0.05 * held, (planned, held)
+
+
+def test_a_gguf_file_on_the_cpu_that_cannot_fit_is_a_warning(monkeypatch, caplog):
+    """A GGUF file may be read in place from its mapping (paging, slowly): the CPU warns and loads."""
+    monkeypatch.setattr(kv_plan, "available_memory", lambda device, utilization: 16 << 20)
+    with caplog.at_level(logging.WARNING, logger="pocketllm"):
+        llm = LLM(str(default_model_gguf()), max_model_len=256, num_kv_blocks=32)
+    assert any("does not fit on cpu" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert llm.generate({"prompt_token_ids": [1, 2, 3]})[0].outputs[0].token_ids
