@@ -1,6 +1,8 @@
-"""How many KV blocks the cache holds and how long a request may be: sized before any weight is read
-on the CPU (or from --num-kv-blocks), from the memory the weights leave on CUDA; the context
-lowered to what fits when the user did not ask for one, refused with what to change when they did."""
+"""The memory plan: whether the weights and a request's KV cache fit the device (checked before any
+weight is read), how many KV blocks the cache holds (sized before loading on the CPU or from
+--num-kv-blocks, from the memory the weights leave on CUDA) and how long a request may be (the
+context lowered to what fits when the user did not ask for one, refused with what to change when
+they did)."""
 from __future__ import annotations
 
 import logging
