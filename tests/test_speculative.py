@@ -208,6 +208,10 @@ def test_a_lower_bit_gguf_of_the_model_drafts_for_it(tiny_models, tokenizer_file
     got, _, llm = run(src, prompts, speculative_config=draft_of(draft))
     assert got == [hf_greedy(model, p, NEW) for p in prompts]
     assert llm.engine.spec_stats.acceptance_rate > 0.5, llm.engine.spec_stats
+    # the memory plan counted the draft's weights too (within 10% here: in layers this small, the
+    # bytes a layer holds beside its weights weigh more)
+    planned, held = llm.engine.planned_weight_bytes, llm.engine.weight_bytes
+    assert abs(planned - held) <= 0.1 * held, (planned, held)
 
 
 def test_a_draft_model_must_share_the_vocabulary(tiny_models, tmp_path):

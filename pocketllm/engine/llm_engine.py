@@ -145,8 +145,9 @@ class LLMEngine:
         self.kv_plan.bytes_per_block = per_block + (self.drafter.kv_bytes_per_block if self.drafter else 0)
         # What loading will take, checked before a weight is read (this rank's share on CUDA; the
         # ranks share the host's memory on the CPU).
-        self.planned_weight_bytes = self.source.weight_bytes(self.runtime.model_class, self.dtype, self.device,
-                                                             dequantize_at_load=args.dequantize_at_load)
+        self.planned_weight_bytes = sum(w.source.weight_bytes(w.runtime.model_class, self.dtype, self.device,
+                                                              dequantize_at_load=args.dequantize_at_load)
+                                        for w in (self.worker, self.drafter.worker if self.drafter else None) if w)
         share = self.planned_weight_bytes // tp if self.device.type == "cuda" else self.planned_weight_bytes
         self.kv_plan.check_fits(share, path.name, mapped=self.source.is_gguf)
         num_blocks = self.kv_plan.blocks_before_loading()  # None on CUDA: what the weights leave
