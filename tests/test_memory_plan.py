@@ -25,7 +25,7 @@ def test_a_model_that_cannot_fit_is_refused_before_its_weights(monkeypatch):
     msg = str(e.value)
     assert "\n" not in msg
     assert "llama3-70b does not fit on cpu: its weights take 262.8 GiB" in msg
-    assert "but 64.0 GiB is available" in msg and "--max-model-len" in msg
+    assert "but 64.0 GiB is available" in msg and "--max-model-len" in msg and "--dtype bfloat16" in msg
 
 
 @pytest.mark.parametrize("source", ["gguf", "safetensors"])

@@ -69,6 +69,8 @@ class KVPlan:
                  if args.max_model_len is not None else None, "a file of fewer bits per weight"]
         if self.device.type == "cuda":
             fixes += [f"--gpu-memory-utilization (now {args.gpu_memory_utilization})", "--tensor-parallel-size"]
+        elif not mapped and args.dtype in ("auto", "float32"):  # the CPU holds dense weights in float32 by default
+            fixes.append("--dtype bfloat16 (half the bytes of float32)")
         message = (f"{what} does not fit on {self.device}: its weights take {size_text(weight_bytes)} and the KV "
                    f"cache of one {tokens}-token request {size_text(kv)}, {size_text(weight_bytes + kv)} in all, "
                    f"but {size_text(available)} is available; what would make it fit: "
