@@ -126,7 +126,6 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.block_size = args.block_size
         self.worker = Worker(self.source, args, self.device, self.dtype_name)  # checks the configuration
-        self.runtime = self.worker.runtime
         self.kv_layout = self.runtime.kv_layout
         self.kv_plan = KVPlan(args, self.kv_layout, self.block_size, self.device, cfg.max_position_embeddings)
         self.tokenizer = self.source.tokenizer(args.tokenizer)
@@ -145,9 +144,8 @@ class LLMEngine:
         self.kv_plan.bytes_per_block = per_block + (self.drafter.kv_bytes_per_block if self.drafter else 0)
         # What loading will take, checked before a weight is read (this rank's share on CUDA; the
         # ranks share the host's memory on the CPU).
-        self.planned_weight_bytes = sum(w.source.weight_bytes(w.runtime.model_class, self.dtype, self.device,
-                                                              dequantize_at_load=args.dequantize_at_load)
-                                        for w in (self.worker, self.drafter.worker if self.drafter else None) if w)
+        self.planned_weight_bytes = self.worker.planned_weight_bytes() + (
+            self.drafter.worker.planned_weight_bytes() if self.drafter else 0)
         share = self.planned_weight_bytes // tp if self.device.type == "cuda" else self.planned_weight_bytes
         self.kv_plan.check_fits(share, path.name, mapped=self.source.is_gguf)
         num_blocks = self.kv_plan.blocks_before_loading()  # None on CUDA: what the weights leave
@@ -213,6 +211,11 @@ class LLMEngine:
                  cfg.architecture, self._describe_weights(model, quant_types), size_text(self.weight_bytes),
                  self.device, time.perf_counter() - t_start, num_blocks, self.block_size, groups,
                  self.max_model_len)
+
+    @property
+    def runtime(self):
+        """The model's runtime (its class, capabilities and KV layout), as the worker chose it."""
+        return self.worker.runtime
 
     @property
     def max_model_len(self) -> int:

@@ -89,9 +89,9 @@ class Linear(torch.nn.Module):
                      if bias else None)
         self.quantized: torch.nn.Module | None = None
         self._quant_parts: dict[int, QuantizedTensor] = {}
-        kernels = kernels_for(device)
-        self.dequantize_at_load = kernels.dequantize_at_load
-        self.int8_activations = kernels.int8_passes  # CPU fast path: passes of 8-bit activations (see GGUFLinear)
+        self.kernels = kernels_for(device)  # GGUF weights: dequantized at load, or kept and how multiplied
+        # CPU fast path: passes of 8-bit activations (see GGUFLinear); an output layer may take more
+        self.int8_activations = self.kernels.int8_passes
         self.int8_rows = 0  # GPU: up to this many rows the product takes 8-bit activations (GGUFLinear)
         self.parallel = parallel
         # CUDA, dense weights: from this many rows the row-invariant GEMM (kernels/triton/invariant_gemm.py)
@@ -122,14 +122,14 @@ class Linear(torch.nn.Module):
             # Rows of a GGUF matrix are independent blocks: same-type parts fuse exactly.
             self.quantized = GGUFLinear.from_gguf([p.data.reshape(p.shape[0], -1) for p in parts],
                                                   parts[0].qtype, sum(self.out_sizes), self.in_features,
-                                                  bias, self.dequantize_at_load, device=self.device,
+                                                  bias, self.kernels.dequantize_at_load, device=self.device,
                                                   dtype=self.dtype, int8_activations=self.int8_activations)
         else:  # e.g. Q4_K_M's Q4_K q/k with a Q6_K v: one layer per part
             subs, lo = [], 0
             for p, size in zip(parts, self.out_sizes):
                 b = None if bias is None else bias[lo:lo + size]
                 subs.append(GGUFLinear.from_gguf(p.data, p.qtype, size, self.in_features, b,
-                                                 self.dequantize_at_load, device=self.device, dtype=self.dtype,
+                                                 self.kernels.dequantize_at_load, device=self.device, dtype=self.dtype,
                                                  int8_activations=self.int8_activations))
                 lo += size
             self.quantized = ConcatLinear(subs)
@@ -193,8 +193,7 @@ class Embedding(torch.nn.Module):
         self.rows_from = None
         self.dtype, self.device = dtype, torch.device(device)
         self.kernels = kernels_for(device)  # on the GPU the table's own GGUF blocks serve lookups
-        # for the tied output projection
-        self.dequantize_at_load, self.int8_activations = self.kernels.dequantize_at_load, self.kernels.int8_passes
+        self.int8_activations = self.kernels.int8_passes  # for the tied output projection
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         tensor = _shard(tensor, (self.vocab_start, self.num_embeddings) if self.tp.size > 1 else None, None)
@@ -207,7 +206,8 @@ class Embedding(torch.nn.Module):
             from pocketllm.quant.linear import GGUFLinear
 
             lin = GGUFLinear.from_gguf(tensor.data, tensor.qtype, self.num_embeddings, self.dim,
-                                       dequantize_at_load=self.dequantize_at_load, device=self.device, dtype=self.dtype)
+                                       dequantize_at_load=self.kernels.dequantize_at_load, device=self.device,
+                                       dtype=self.dtype)
             if lin.path == "triton":
                 self.rows_from, self.weight = lin, None
             else:
@@ -239,7 +239,7 @@ class Embedding(torch.nn.Module):
         layers are (the engine sets this table's load settings as theirs)."""
         lin = Linear(self.dim, [self.num_embeddings], dtype=self.dtype, device="meta")
         lin.device, lin.gather = self.device, self.tp.size > 1  # this rank's rows already
-        lin.dequantize_at_load, lin.int8_activations = self.dequantize_at_load, self.int8_activations
+        lin.kernels, lin.int8_activations = self.kernels, self.int8_activations
         if self.source is not None:  # stays quantized (CUDA: the Triton kernels)
             lin.load(self.source)
             q = lin.quantized

@@ -30,6 +30,11 @@ class Worker:
     def open(cls, model: str, args: EngineArgs, device: torch.device, dtype_name: str) -> Worker:
         return cls(ModelSource.open(model, args.load_format), args, device, dtype_name)
 
+    def planned_weight_bytes(self) -> int:
+        """What `load` will hold, from the file's header or the model's shapes, before any weight is read."""
+        return self.source.weight_bytes(self.runtime.model_class, self.dtype, self.device,
+                                        dequantize_at_load=self.args.dequantize_at_load)
+
     def load(self, max_model_len: int, seed: int | None = None) -> torch.nn.Module:
         args = self.args
         self.model = self.source.load(self.runtime.model_class, self.dtype, self.device, max_model_len,
