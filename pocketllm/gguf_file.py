@@ -10,9 +10,9 @@ from gguf import GGUFReader
 class GGUFFile(GGUFReader):
     """`gguf.GGUFReader` whose reads slice a plain array over the mapped file: slicing the reader's
     `np.memmap` runs Python code for every slice (memmap's `__array_finalize__`), and the metadata
-    of a 150,000-token vocabulary takes about a million slices (a 1.5B model's file opens in 1.3 s
-    this way against 4.0 s on two cores). The values and the tensors' arrays are the same bytes;
-    `data` stays the memmap."""
+    of a 150,000-token vocabulary takes about a million slices (a 1.5B model's file opens in 1.2 s
+    this way against 4.1 s on two cores: benchmarks/results/cpu-gguf-open-time.json). The values
+    and the tensors' arrays are the same bytes; `data` stays the memmap."""
 
     def __init__(self, path: os.PathLike[str] | str):
         super().__init__(path, "r")
