@@ -52,6 +52,14 @@ def _shard(tensor, rows: tuple[int, int] | None, cols: tuple[int, int] | None):
     return tensor
 
 
+def _materialize(module: torch.nn.Module) -> None:
+    """A weight built on the meta device takes its memory on the module's device, once."""
+    w = module.weight
+    if w.is_meta and module.device.type != "meta":
+        module.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=module.device),
+                                           requires_grad=False)
+
+
 class Linear(torch.nn.Module):
     """``parallel``: None (every rank holds it whole), "column" (each part's output rows split
     evenly over the ranks, or as ``rows`` says: per part, (first row, rows) of the checkpoint's part
@@ -82,8 +90,10 @@ class Linear(torch.nn.Module):
         self.out_sizes = list(out_sizes)
         self.dtype, self.device = dtype, torch.device(device)  # where GGUF weights go
         out = sum(out_sizes)
-        # torch.empty touches no memory: a quantized checkpoint replaces it without ever filling it.
-        self.weight = torch.nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device),
+        # Built on the meta device: a dense weight takes memory on `device` when its first part
+        # loads, and a quantized one never does (on CUDA an empty tensor is real memory, so a
+        # model's dense size would be needed for a moment otherwise).
+        self.weight = torch.nn.Parameter(torch.empty(out, in_features, dtype=dtype, device="meta"),
                                          requires_grad=False)
         self.bias = (torch.nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
@@ -110,6 +120,7 @@ class Linear(torch.nn.Module):
                 self._build_quantized()
         else:
             assert tuple(tensor.shape) == (hi - lo, self.in_features), (tensor.shape, hi - lo, self.in_features)
+            _materialize(self)
             self.weight.data[lo:hi].copy_(tensor)
 
     def _build_quantized(self) -> None:
@@ -184,8 +195,8 @@ class Embedding(torch.nn.Module):
         self.tp = get_tp()
         self.vocab_start, num_embeddings = self.tp.split(num_embeddings)
         self.num_embeddings, self.dim = num_embeddings, dim
-        self.weight = torch.nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device),
-                                         requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device="meta"),
+                                         requires_grad=False)  # as a Linear's
         self.quantized: QuantizedTensor | None = None  # looked up row by row (on the CPU)
         self.source: QuantizedTensor | None = None  # the GGUF table, for a tied output projection
         # a GGUFLinear whose embedding_rows() serve the lookup: the tied output projection (one copy of
@@ -211,9 +222,10 @@ class Embedding(torch.nn.Module):
             if lin.path == "triton":
                 self.rows_from, self.weight = lin, None
             else:
-                self.weight.data = lin._store
+                self.weight.data = lin._store  # (never materialized: this is its memory)
             self.source = tensor
         else:
+            _materialize(self)
             self.weight.data.copy_(tensor)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
