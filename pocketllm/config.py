@@ -24,9 +24,16 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides memory-based sizing
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    # CPU: write the KV cache's memory at start, so that the process holds all it will use from the
+    # first request on (and fails then, not mid-request, where memory is short); off: pages are
+    # taken as blocks are first used. `pocketllm serve` turns it on. (CUDA memory is always held.)
+    reserve_kv_cache: bool = False
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # Most tokens one step computes; None: 2048 on a GPU, 128 on the CPU, where a step's time grows
+    # with its tokens (about 2 ms a token for the default model on 2 cores) and every running stream
+    # waits for the step, while prefill throughput hardly depends on the chunk's size there.
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -53,6 +60,12 @@ class EngineArgs:
     def __post_init__(self) -> None:
         self.validate()
 
+    def resolve_step_tokens(self, device_type: str) -> None:
+        """The platform's step size where none was given (before anything reads it)."""
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 128 if device_type == "cpu" else 2048
+            self.validate()
+
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
@@ -69,7 +82,7 @@ class EngineArgs:
              and self.block_size <= 256,
              f"block_size must be a multiple of 8 in [8, 256]; got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens >= 1,
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"max_model_len must be >= 1; got {self.max_model_len}")
@@ -96,7 +109,7 @@ class EngineArgs:
         if spec is not None and spec.model is not None and not (self.load_format == "dummy" and self._named_shape(spec.model)):
             need(os.path.exists(spec.model), f"speculative_config: the draft model {spec.model!r} does not exist; "
                                               "give a Hugging Face model directory or a .gguf file")
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
+        if not self.enable_chunked_prefill and None not in (self.max_model_len, self.max_num_batched_tokens):
             need(self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens "
                  f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")

@@ -107,3 +107,27 @@ def test_loading_on_cuda_peaks_at_the_weights(tmp_path, qtype):
     assert peak <= 1.05 * held, (peak, held)
     assert abs(held - planned) <= 0.05 * planned, (held, planned)
 
+
+RESERVE = """
+import sys
+from pocketllm import LLM
+llm = LLM(sys.argv[1], kv_cache_memory=256 << 20, reserve_kv_cache=sys.argv[2] == "1")
+print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS")))
+"""
+
+
+def test_a_reserved_kv_cache_is_held_from_the_start():
+    """`reserve_kv_cache` (on for `serve`): the CPU cache's 256 MiB are resident before any request, so
+    a server's memory does not grow as blocks are first used; off, they are not."""
+    from pocketllm.cli.main import build_parser
+
+    path = default_model_gguf()
+    rss = {}
+    for flag in ("0", "1"):
+        done = subprocess.run([sys.executable, "-c", RESERVE, str(path), flag], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rss[flag] = int(done.stdout.split()[-1])
+    assert rss["1"] - rss["0"] >= 0.95 * (256 << 20), rss
+    for argv, reserved in ((["serve"], True), (["generate", "hi"], False), (["chat"], False)):
+        assert build_parser(argv).parse_args(argv).reserve_kv_cache is reserved

@@ -46,7 +46,7 @@ def test_greedy_tokens_match_transformers(reference):
 
 def test_last_position_logits_match_transformers(reference):
     path, prompts, _, model = reference
-    llm = LLM(str(path), dtype="float32", exact_kernels=True)
+    llm = LLM(str(path), dtype="float32", exact_kernels=True, max_num_batched_tokens=2048)  # one step
     with captured_logits(llm) as captured:
         llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
     # One step: the 1-token prompt is a query-length-1 row (placed first), then the others in

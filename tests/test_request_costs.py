@@ -6,6 +6,7 @@ the same salt; request ids cannot collide with a request's choices."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import tracemalloc
 
@@ -275,3 +276,30 @@ def test_cache_salt_over_the_openai_client(server):
     assert cached(extra_body={"cache_salt": "tenant-b"}) == 0
     with pytest.raises(openai.BadRequestError):
         cached(extra_body={"cache_salt": ""})
+
+
+def test_the_largest_bodies_are_checked_in_a_helper_process(server):
+    """A body past SCREENED_BYTES is read in a helper process first: one of 80,000 token ids (a
+    list that json.loads reads holding the interpreter lock, and with it the engine
+    thread, for its whole call) is refused there, and never read by the server's own process; a large
+    body within the limits is then served as any other."""
+    import psutil
+
+    from pocketllm.server.body_limits import SCREENED_BYTES
+
+    def helpers() -> list[psutil.Process]:
+        return [p for p in psutil.Process(server.proc.pid).children() if "multiprocessing" in " ".join(p.cmdline())]
+
+    ids = [7, 300, 5000, 12] * 20_000
+    assert len(json.dumps(ids)) > SCREENED_BYTES
+    assert not helpers()
+    r = post(server, {"prompt": ids})
+    assert r.status_code == 400 and "maximum context length is 512" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "prompt"
+    started = {p.pid for p in helpers()}
+    assert started  # (with multiprocessing's resource tracker)
+    r = post(server, {"prompt": "Hi", "stop": ["x" * 100] * 3000})
+    assert r.status_code == 400 and "--max-stop-strings" in r.json()["error"]["message"], r.text
+    ok = post(server, {"prompt": "Hi", "user": "u" * (SCREENED_BYTES + 1000)})
+    assert ok.status_code == 200, ok.text
+    assert {p.pid for p in helpers()} == started  # kept for the next one

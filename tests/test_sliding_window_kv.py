@@ -91,7 +91,7 @@ def test_long_prompts_match_transformers_through_chunks_and_preemption(hybrid, e
 def test_long_prompt_logits_match_transformers(hybrid):
     _, model, path = hybrid
     prompts = prompts_of([9, 40, 100, 150], seed=6)
-    llm = make(path)
+    llm = make(path, max_num_batched_tokens=512)  # all four prompts in one step
     with captured_logits(llm) as captured:
         llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
     assert len(captured) == 1 and captured[0].shape[0] == len(prompts)

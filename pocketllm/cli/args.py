@@ -17,10 +17,12 @@ _HELP = {
     "block_size": "tokens per KV cache block, a multiple of 8 (default: 16)",
     "num_kv_blocks": "number of KV blocks (overrides --kv-cache-memory and --gpu-memory-utilization)",
     "kv_cache_memory": "bytes of KV cache on CPU (default: 1073741824, 1 GiB)",
+    "reserve_kv_cache": "CPU: hold the KV cache's memory from the start, not as blocks are first used "
+                        "(default: on for serve, off for chat and generate)",
     "gpu_memory_utilization": "CUDA: fraction of the GPU's memory for weights and KV cache together "
                               "(default: 0.9)",
     "max_num_seqs": "most sequences in one step (default: 64)",
-    "max_num_batched_tokens": "most tokens in one step (default: 2048)",
+    "max_num_batched_tokens": "most tokens in one step (default: 2048 on a GPU, 128 on the CPU)",
     "enable_prefix_caching": "reuse the KV cache of a prompt prefix seen before (default: on)",
     "enable_chunked_prefill": "split a long prompt over several steps (default: on; off: a prompt must fit "
                               "in --max-num-batched-tokens)",

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the engine imports torch: only when a command runs it
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_engine_args(parser)
+    parser.set_defaults(reserve_kv_cache=True)  # a service's memory is known from its start
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--api-key", default=None,

@@ -122,6 +122,7 @@ class LLMEngine:
         cfg = self.model_config = self.source.config
 
         self.device = resolve_device(args.device)
+        args.resolve_step_tokens(self.device.type)
         self.dtype_name = resolve_dtype(args.dtype, self.device, cfg.torch_dtype)
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.block_size = args.block_size

@@ -53,11 +53,11 @@ class LaunchedStep:
         return {req.request_id: i for i, req in enumerate(self.sampling)}
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zero-filled KV memory. On the CPU it comes from calloc (numpy), whose large blocks are
-    lazily zeroed pages: the cache becomes resident only as requests fill it. (Zeros, not
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, reserve: bool) -> torch.Tensor:
+    """Zero-filled KV memory. On the CPU, unless `reserve`, it comes from calloc (numpy), whose large
+    blocks are lazily zeroed pages: the cache becomes resident only as requests fill it. (Zeros, not
     garbage: masked slots are still read, and NaN * 0 would poison the attention.)"""
-    if device.type != "cpu":
+    if device.type != "cpu" or reserve:
         return torch.zeros(shape, dtype=dtype, device=device)
     elem = torch.empty((), dtype=dtype).element_size()
     raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * elem, dtype=np.uint8))
@@ -67,7 +67,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, seed: int = 0, max_decode_rows: int = 64, max_model_len: int = 2048,
-                 enforce_eager: bool = False, kv_layout: KVLayout | None = None):
+                 enforce_eager: bool = False, kv_layout: KVLayout | None = None, reserve_kv: bool = False):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -78,8 +78,8 @@ class ModelRunner:
         shape = (num_blocks, block_size, self.tp.kv_heads(cfg.num_kv_heads)[1], cfg.head_dim)  # this rank's heads
         # KV tensor t holds place t of every group: layers of different groups share it, each
         # through its own group's block ids.
-        self.k_caches = [_zeros(shape, kv_dtype, device) for _ in range(layout.layers_per_block)]
-        self.v_caches = [_zeros(shape, kv_dtype, device) for _ in range(layout.layers_per_block)]
+        self.k_caches = [_zeros(shape, kv_dtype, device, reserve_kv) for _ in range(layout.layers_per_block)]
+        self.v_caches = [_zeros(shape, kv_dtype, device, reserve_kv) for _ in range(layout.layers_per_block)]
         place = layout.placement(cfg.num_layers)
         for layer, (g, _) in zip(model.model.layers, place):
             w = layer.self_attn.window

@@ -8,8 +8,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import json
 import logging
+import multiprocessing
 import re
 import time
 import uuid
@@ -25,6 +25,7 @@ from pocketllm.outputs import CompletionOutput, RequestOutput
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.server import protocol as P
 from pocketllm.server.async_llm import AsyncLLM, EngineUnavailableError, RequestStream
+from pocketllm.server.body_limits import SCREENED_BYTES, BodyLimits, refusal
 from pocketllm.server.config import ServerConfig
 from pocketllm.server.metrics import RequestTimer, ServerMetrics
 from pocketllm.server.responses import INTERNAL_ERROR, SSEResponse, to_json
@@ -94,14 +95,6 @@ class Job:
                        sum(o.num_cached_tokens for o in outs))
 
 
-def check_limits(*limits: tuple[str, int, int, str]) -> None:
-    """(param, count, limit, flag): a 400 for the first count over its limit, naming the flag."""
-    for param, count, limit, flag in limits:
-        if count > limit:
-            raise P.APIError(400, f"Invalid '{param}': {count} entries, more than the {limit} this server "
-                                  f"accepts ({flag}).", param=param, code="invalid_value")
-
-
 async def unless_client_leaves(request: Request, coro) -> asyncio.Future | None:
     """Runs coro to its end, or cancels it when the client disconnects first: its finished task,
     or None if the client left."""
@@ -137,12 +130,15 @@ class OpenAIServing:
         # their work holds the interpreter lock in stretches, and each thread more doing so slows
         # the engine thread's steps again, and holds one more large request's memory.
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pocketllm-prep")
+        self._screen: concurrent.futures.ProcessPoolExecutor | None = None  # started by the first huge body
 
     def close(self) -> None:
-        """Stop the helpers: the grammar compiler process (if one started) and the preparation thread."""
+        """Stop the helpers: the grammar compiler and body-checking processes (if started) and the preparation thread."""
         if "_grammars" in self.__dict__:
             self._grammars.close()
         self._prep.shutdown(wait=False, cancel_futures=True)
+        if self._screen is not None:
+            self._screen.shutdown(wait=False, cancel_futures=True)
 
     async def _prepare(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args, **kwargs))
@@ -158,42 +154,14 @@ class OpenAIServing:
         strings, stop token ids or bias entries, or more sequences (n x prompts) than the queue holds."""
         stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
         prompts = len(req.prompt_list()) if isinstance(req, P.CompletionRequest) else 1
-        self._check_counts(len(stops), len(req.stop_token_ids or []), len(req.logit_bias or {}), req.n, prompts)
+        self.limits.check_counts(len(stops), len(req.stop_token_ids or []), len(req.logit_bias or {}), req.n,
+                                 prompts)
 
-    def _check_counts(self, stops: int, stop_token_ids: int, logit_bias: int, n: int, prompts: int) -> None:
+    @functools.cached_property
+    def limits(self) -> BodyLimits:
         cfg = self.cfg
-        check_limits(("stop", stops, cfg.max_stop_strings, "--max-stop-strings"),
-                      ("stop_token_ids", stop_token_ids, cfg.max_stop_token_ids, "--max-stop-token-ids"),
-                      ("logit_bias", logit_bias, cfg.max_logit_bias, "--max-logit-bias"))
-        queue = self.llm.max_queued_requests
-        if queue is not None and n * prompts > queue:
-            what = f"n={n} x {prompts} prompts" if prompts > 1 else f"n={n}"
-            raise P.APIError(400, f"The request asks for {n * prompts} sequences ({what}); this server queues at "
-                                  f"most {queue} (--max-queued-requests).", param="n" if prompts == 1 else "prompt",
-                             code="invalid_value")
-
-    def _check_raw_counts(self, raw: dict) -> None:
-        """The count limits, on a large body's plain JSON before it is validated: validating holds
-        the interpreter lock throughout (~4 us per message or list entry), and with it the engine
-        thread, for as long as the body's largest list takes; json.loads is ~10x faster."""
-        def count(v) -> int:
-            return len(v) if isinstance(v, (list, dict)) else 0
-
-        def integer(v, default: int) -> int:
-            return v if type(v) is int and v > 0 else default  # a wrong type is validation's to report
-
-        stop, prompt = raw.get("stop"), raw.get("prompt")
-        ids_prompt = isinstance(prompt, list) and bool(prompt) and type(prompt[0]) is int
-        prompts = 1 if not isinstance(prompt, list) or ids_prompt else max(1, len(prompt))
-        self._check_counts(1 if isinstance(stop, str) else count(stop), count(raw.get("stop_token_ids")),
-                           count(raw.get("logit_bias")), integer(raw.get("n"), 1), prompts)
-        self._check_chat_size(count(raw.get("messages")), count(raw.get("tools")))
-        longest = max((len(p) for p in ([prompt] if ids_prompt else prompt if isinstance(prompt, list) else [])
-                       if isinstance(p, list)), default=0)
-        if longest > self.engine.max_model_len:
-            raise P.APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. "
-                                  f"However, your prompt has {longest} tokens. Please reduce the length of the "
-                                  "prompt.", param="prompt", code="context_length_exceeded")
+        return BodyLimits(cfg.max_stop_strings, cfg.max_stop_token_ids, cfg.max_logit_bias, cfg.max_messages,
+                          cfg.max_tools, self.llm.max_queued_requests, self.engine.max_model_len)
 
     def tokenizer(self):
         if self.engine.tokenizer is None:
@@ -260,19 +228,21 @@ class OpenAIServing:
 
     async def parsed(self, model: type, body: bytes):
         """The request, validated on a worker thread when the body is large, after its counts are
-        checked on its plain JSON (_check_raw_counts)."""
+        checked on its plain JSON: in a helper process for the largest bodies (body_limits)."""
         if len(body) <= self._OFF_LOOP_CHARS:
             return P.parse(model, body)
-        return await self._prepare(self._parse_large, model, body)
+        if len(body) <= SCREENED_BYTES:
+            return await self._prepare(self._parse_large, model, body)
+        if self._screen is None:
+            self._screen = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        problem = await asyncio.get_running_loop().run_in_executor(self._screen, refusal, body, self.limits)
+        if problem is not None:
+            status, message, kind, param, code = problem
+            raise P.APIError(status, message, kind, param, code)
+        return await self._prepare(P.parse, model, body)
 
     def _parse_large(self, model: type, body: bytes):
-        try:
-            raw = json.loads(body)
-        except ValueError:
-            raw = None  # P.parse says what is wrong with it
-        if isinstance(raw, dict):
-            self._check_raw_counts(raw)
-        del raw
+        self.limits.check_body(body)
         return P.parse(model, body)
 
     def _check_tokens(self, at_least: int, where: str, what: str) -> None:
@@ -311,14 +281,10 @@ class OpenAIServing:
                            f"{'rendered to' if rendered else 'has'} {len(text)} characters with {len(markers)} "
                            "special tokens")
 
-    def _check_chat_size(self, messages: int, tools: int) -> None:
-        check_limits(("messages", messages, self.cfg.max_messages, "--max-messages"),
-                      ("tools", tools, self.cfg.max_tools, "--max-tools"))
-
     async def chat_prompt(self, messages: list[P.ChatMessage], tools: list[dict] | None,
                            template_kwargs: dict | None = None,
                            add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        self._check_chat_size(len(messages), len(tools or []))
+        self.limits.check_chat_size(len(messages), len(tools or []))
         num_chars = sum(len(p) for m in messages for p in m.texts())
         # Each message costs at least a token in any template (its role's marker).
         self._check_tokens(max(num_chars // (2 * self.tokenizer().max_token_chars), len(messages)), "messages",
