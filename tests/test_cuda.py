@@ -126,3 +126,27 @@ def test_bf16_verification_rows_compute_plain_decodings_bits(tiny):
             if not wrong_every:
                 assert accepted == drafted, (len(p), accepted, drafted)
     engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steps_are_timed_on_the_gpus_clock(tiny, async_scheduling):
+    """`bench latency`'s prefill figure: a step's time on the GPU (CUDA events around its work), read
+    back with its results. Under asynchronous scheduling the host's clock timed only the launch (an
+    8B model's 512-token prefill came out at 667k-910k tok/s); the GPU's time of a prefill is more
+    than its launch took, and within the wall time a synchronous step takes."""
+    _, path = tiny
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", async_scheduling=async_scheduling)
+    engine = llm.engine
+    engine.runner.time_steps = True
+    engine.add_request("a", {"prompt_token_ids": prompts_of([120])[0]},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    stats = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats.append(engine.last_step)
+    timed = [s.device_time for s in stats if s.device_time is not None]
+    assert len(timed) == 4  # one per step read back: the prefill and 3 decodes
+    prefill = stats[1 if async_scheduling else 0].device_time
+    assert prefill > 0
+    if not async_scheduling:
+        assert prefill <= stats[0].total_time

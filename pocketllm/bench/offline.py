@@ -64,8 +64,9 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, conc
         elif timed.num_seqs and timed.num_decodes == timed.num_seqs:  # a pure decode step
             overhead_at.setdefault(timed.num_seqs, []).append(st.overhead_time)
             decode_steps.append((timed.num_seqs, st.total_time, st.forward_time))
-        elif timed.num_tokens > timed.num_decodes:
-            prefill_steps.append((timed.num_tokens - timed.num_decodes, st.total_time))
+        elif timed.num_tokens > timed.num_decodes:  # on CUDA the GPU's time: the host's is the launch
+            prefill_steps.append((timed.num_tokens - timed.num_decodes,
+                                  st.total_time if st.device_time is None else st.device_time))
         for o in outs:
             ttft.setdefault(o.request_id, now - starts[o.request_id])
             if o.finished:
@@ -92,6 +93,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, conc
 
 def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_args_from(args))
+    engine.runner.time_steps = True  # prefill on the GPU's clock (a no-op on the CPU)
     vocab = engine.model_config.vocab_size
     if args.bench == "latency":
         sweep = [args.batch_size]

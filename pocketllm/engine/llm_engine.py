@@ -59,6 +59,9 @@ class StepStats:
     prepare_time: float = 0.0
     forward_time: float = 0.0
     total_time: float = 0.0
+    # the GPU's time for the step whose results this call read back (this one, or with asynchronous
+    # scheduling the one before), when the runner times steps (`ModelRunner.time_steps`)
+    device_time: float | None = None
 
     @property
     def overhead_time(self) -> float:
@@ -188,6 +191,7 @@ class LLMEngine:
         self._step_scheds: list[SchedulerOutput] | None = []  # the running step's batches (failure scope)
         self._failed_steps = 0  # consecutive
         self._wait_time = 0.0
+        self._device_time: float | None = None  # of the step read back in this call (StepStats)
         self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)
         self.proposer = None
@@ -403,6 +407,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._wait_time = 0.0
+        self._device_time = None
         outs: list[RequestOutput] = []
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
@@ -429,7 +434,7 @@ class LLMEngine:
         self.last_step = StepStats(sched.total_tokens, len(sched.scheduled), sched.num_decodes, t1 - t0,
                                    launched.prepare_time if launched else 0.0,
                                    (launched.launch_time if launched else 0.0) + self._wait_time,
-                                   time.perf_counter() - t0)
+                                   time.perf_counter() - t0, self._device_time)
         return outs
 
     def _complete(self, sched: SchedulerOutput, launched: LaunchedStep, propose: bool = False) -> list[RequestOutput]:
@@ -438,6 +443,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.runner.collect(launched)
         self._wait_time += time.perf_counter() - t0
+        self._device_time = result.device_time
         parents: dict[str, ParentState] = {}
         for rid, error in result.failed.items():  # sampling failed for these rows alone
             parents.update(self._fail_requests([rid], error))

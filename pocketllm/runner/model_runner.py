@@ -33,6 +33,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> why it could not be sampled
     forward_time: float = 0.0  # seconds spent in the model and sampler (launch and wait)
+    device_time: float | None = None  # the step's time on the GPU's clock, when the runner times steps
     prepare_time: float = 0.0  # seconds spent building inputs
 
 
@@ -47,6 +48,7 @@ class LaunchedStep:
     launch_time: float
     prompt_scores: list[tuple] = field(default_factory=list)  # StepInputs.prompt_scores
     prompt_sample: DeviceSample | None = None  # their logprobs, a row per scored position
+    events: tuple | None = None  # CUDA events around the step's work, when the runner times steps
 
     def sample_row(self) -> dict[str, int]:
         """Where each request's (one) sampled token is: a step with drafts is never overlapped."""
@@ -88,6 +90,9 @@ class ModelRunner:
                             [g for g, _ in place])
         self.sampler = Sampler(seed, device)
         self.use_kernels = device.type == "cuda"
+        # CUDA: time each step on the GPU's clock (benchmarks; the host's clock times the launch
+        # under asynchronous scheduling). Reading a step's time waits for it, chunks without samples too.
+        self.time_steps = False
         self.graphs = None
         self.broadcast = None  # tensor parallelism: rank 0 sends each step to the other ranks, they receive it
         # a step was sent to the other ranks and has not run all its collectives: if it raised, the
@@ -299,6 +304,10 @@ class ModelRunner:
                        torch.tensor(src).to(dev, non_blocking=True))
         graphed = (self.graphs is not None and step.num_decodes == len(step.rows)
                    and self.graphs.fits(len(step.rows)))
+        events = None
+        if self.time_steps and dev.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         if graphed:
             t1 = time.perf_counter()
             hidden = self.graphs.run(step, pending)
@@ -327,11 +336,14 @@ class ModelRunner:
             except Exception:  # noqa: BLE001  (find the rows at fault; the others go on)
                 sample = self.sampler.sample_each(logits, step.sampling)
             tokens = sample.tokens  # the next step's pending inputs read this copy, on the device
-            sample.start_copy()
         else:
             tokens = None
+        if events is not None:
+            events[1].record()
+        if sample is not None:
+            sample.start_copy()
         return LaunchedStep(sample, tokens, step.sampling, t1 - t0, time.perf_counter() - t1,
-                            step.prompt_scores, prompt_sample)
+                            step.prompt_scores, prompt_sample, events)
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -397,6 +409,10 @@ class ModelRunner:
             for req, first, _, targets in launched.prompt_scores:
                 result.prompt_logprobs[req.request_id] = (first, scored[i:i + len(targets)])
                 i += len(targets)
+        if launched.events is not None:
+            start, end = launched.events
+            end.synchronize()
+            result.device_time = start.elapsed_time(end) / 1e3
         result.forward_time = launched.launch_time + time.perf_counter() - t0
         return result
 

@@ -108,8 +108,9 @@ class Sampler:
                 logits[i].index_fill_(0, state.banned, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """`logits`: the rows' own copy (changed in place: a vocabulary's floats a row, 64 rows a step)."""
         dev = logits.device
-        logits = logits / _column([r.params.temperature for r in reqs], dev)
+        logits = logits.div_(_column([r.params.temperature for r in reqs], dev))
         top_k = [r.params.top_k for r in reqs]
         if any(top_k):
             vocab = logits.shape[1]  # k beyond the vocabulary keeps every token, as k = 0 does
@@ -117,6 +118,7 @@ class Sampler:
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        del logits
         if any(r.params.top_p < 1 for r in reqs):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             drop = (sorted_p.cumsum(dim=-1) - sorted_p) > _column([r.params.top_p for r in reqs], dev)
@@ -129,13 +131,15 @@ class Sampler:
         # batch nor the device can change what they sample.
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
-        if unseeded:
+        if len(unseeded) == len(reqs):  # the same draws, in the same order, as the rows' copy below
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
                 generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(dev, non_blocking=True)
-        return (probs / noise).argmax(dim=-1)
+        return probs.div_(noise).argmax(dim=-1)
 
 
 def _with_logprobs(tokens: torch.Tensor, raw: torch.Tensor, reqs: list[Request],
