@@ -30,10 +30,13 @@ class EngineArgs:
     reserve_kv_cache: bool = False
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
-    # Most tokens one step computes; None: 2048 on a GPU, 128 on the CPU, where a step's time grows
-    # with its tokens (about 2 ms a token for the default model on 2 cores) and every running stream
-    # waits for the step, while prefill throughput hardly depends on the chunk's size there.
+    # Most tokens one step computes; None: 2048 on a GPU, 256 on the CPU, where prefill throughput
+    # hardly depends on the chunk's size past that.
     max_num_batched_tokens: int | None = None
+    # Most prompt tokens in a step that also decodes (chunked prefill); None: no more than the step's
+    # own limit on a GPU, 64 on the CPU, where a step's time grows with its tokens (about 2 ms a token
+    # for the default model on 2 cores) and every decoding stream waits for the step.
+    max_prefill_tokens_with_decodes: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -61,10 +64,13 @@ class EngineArgs:
         self.validate()
 
     def resolve_step_tokens(self, device_type: str) -> None:
-        """The platform's step size where none was given (before anything reads it)."""
+        """The platform's step sizes where none was given (before anything reads them)."""
+        cpu = device_type == "cpu"
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 128 if device_type == "cpu" else 2048
-            self.validate()
+            self.max_num_batched_tokens = 256 if cpu else 2048
+        if self.max_prefill_tokens_with_decodes is None:
+            self.max_prefill_tokens_with_decodes = 64 if cpu else self.max_num_batched_tokens
+        self.validate()
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -84,6 +90,8 @@ class EngineArgs:
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        need(self.max_prefill_tokens_with_decodes is None or self.max_prefill_tokens_with_decodes >= 1,
+             f"max_prefill_tokens_with_decodes must be >= 1; got {self.max_prefill_tokens_with_decodes}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"max_model_len must be >= 1; got {self.max_model_len}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,

@@ -276,3 +276,28 @@ def test_failed_step_forgets_released_blocks_nobody_holds():
     kv.forget_exclusive_blocks(a)
     assert all(b.block_hash is None for b in released)
     assert all(kv.pool.blocks[i].block_hash is None for i in a.block_tables[0][:a.num_hashed_blocks])
+
+
+def test_a_step_that_decodes_takes_few_prompt_tokens():
+    """`max_prefill_tokens_with_decodes`: while a stream decodes, a long prompt comes in chunks of the cap
+    (so that the stream's next token waits for a short step); a step with nothing to decode takes the
+    whole budget, and prompts without a decoding stream beside them (a prompt of one token) do not
+    count as one."""
+    sched, _ = make(num_blocks=64, budget=48, max_prefill_tokens_with_decodes=8)
+    a = req("a", [1])
+    sched.add_request(a)
+    assert [s.num_tokens for s in run_step(sched).scheduled] == [1]
+    long = req("long", list(range(100, 140)))
+    sched.add_request(long)
+    steps = [[(s.request.request_id, s.num_tokens) for s in run_step(sched).scheduled] for _ in range(3)]
+    assert steps == [[("a", 1), ("long", 8)], [("a", 1), ("long", 8)], [("a", 1), ("long", 8)]]
+    sched, _ = make(num_blocks=64, budget=48, max_prefill_tokens_with_decodes=8)
+    sched.add_request(req("one", [1]))
+    sched.add_request(req("long", list(range(100, 140))))
+    assert [s.num_tokens for s in run_step(sched).scheduled] == [1, 40]  # nobody decodes yet
+    # without chunked prefill the cap does not apply: a prompt must go in whole
+    sched, _ = make(num_blocks=64, budget=48, max_prefill_tokens_with_decodes=8, enable_chunked_prefill=False)
+    sched.add_request(req("a", [1]))
+    run_step(sched)
+    sched.add_request(req("long", list(range(100, 140))))
+    assert [s.num_tokens for s in run_step(sched).scheduled] == [1, 40]

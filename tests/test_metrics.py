@@ -134,7 +134,7 @@ def test_each_request_counts_once_and_histograms_match_usage(tiny_qwen3):
     assert m("iteration_tokens_total_bucket", le="+Inf") == steps
     assert steps > 0
     les = [s.labels["le"] for s in m.samples if s.name == "pocketllm:iteration_tokens_total_bucket"]
-    assert les[-2:] == ["128.0", "+Inf"]  # cut at max_num_batched_tokens (128 on the CPU)
+    assert les[-2:] == ["256.0", "+Inf"]  # cut at max_num_batched_tokens (256 on the CPU)
     counts = [m("iteration_tokens_total_bucket", le=le) for le in les]
     assert counts == sorted(counts)  # cumulative
 

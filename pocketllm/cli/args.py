@@ -22,7 +22,10 @@ _HELP = {
     "gpu_memory_utilization": "CUDA: fraction of the GPU's memory for weights and KV cache together "
                               "(default: 0.9)",
     "max_num_seqs": "most sequences in one step (default: 64)",
-    "max_num_batched_tokens": "most tokens in one step (default: 2048 on a GPU, 128 on the CPU)",
+    "max_num_batched_tokens": "most tokens in one step (default: 2048 on a GPU, 256 on the CPU)",
+    "max_prefill_tokens_with_decodes": "most prompt tokens in a step that also decodes, so that a long prompt "
+                                       "delays the decoding streams by a bounded step (default: the step's "
+                                       "limit on a GPU, 64 on the CPU)",
     "enable_prefix_caching": "reuse the KV cache of a prompt prefix seen before (default: on)",
     "enable_chunked_prefill": "split a long prompt over several steps (default: on; off: a prompt must fit "
                               "in --max-num-batched-tokens)",

@@ -180,7 +180,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=self.max_model_len,
-                            enable_chunked_prefill=args.enable_chunked_prefill), self.kv)
+                            enable_chunked_prefill=args.enable_chunked_prefill,
+                            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes), self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)

@@ -35,6 +35,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # most prompt tokens in a step that also decodes (None: max_num_batched_tokens); chunked prefill only
+    max_prefill_tokens_with_decodes: int | None = None
     watermark: float = 0.01  # share of blocks new admissions must leave free for running requests
 
 
@@ -80,6 +82,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
         batch: dict[str, ScheduledRequest] = {}
+        cap = self.config.max_prefill_tokens_with_decodes if self.config.enable_chunked_prefill else None
+        prefilled = 0  # prompt tokens (of chunks, not decode rows) scheduled so far
+
+        def prefill_room() -> int:
+            """Prompt tokens this step may still take: fewer when a stream decodes in it (the cap)."""
+            if cap is None or not any(s.request.num_output_tokens + s.request.num_pending for s in batch.values()):
+                return budget
+            return max(0, min(budget, cap - prefilled))
+
         # Decode rows first, then running requests still in prefill.
         order = sorted(self.running, key=lambda r: r.num_tokens + r.num_pending - r.num_computed_tokens > 1)
         for req in order:
@@ -91,6 +102,10 @@ class Scheduler:
                 continue  # its token in flight is its last: nothing more to compute
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {req}"
+            if num_new > 1:  # a prefill chunk (decode rows come first in `order`)
+                num_new = min(num_new, prefill_room())
+                if num_new == 0:
+                    continue
             drafts = self._drafts(req, budget - num_new) if num_new == 1 else []
             if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
                 batch[req.request_id] = ScheduledRequest(req, 1 + len(drafts), spec_token_ids=drafts)
@@ -108,6 +123,7 @@ class Scheduler:
             else:
                 batch[req.request_id] = ScheduledRequest(req, num_new)
                 budget -= num_new
+                prefilled += num_new if num_new > 1 else 0
 
         # Admit waiting requests only when nobody was preempted this step: otherwise the
         # freed blocks belong to the running requests that needed them.
@@ -126,10 +142,11 @@ class Scheduler:
             hit = self.kv.find_cached_blocks(req) if req.params.prompt_logprobs is None else None
             num_cached = hit.num_tokens if hit else 0
             num_new = req.num_tokens - num_cached
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
+            room = prefill_room()
+            if num_new > room:
+                if not self.config.enable_chunked_prefill or room == 0:
                     break
-                num_new = budget
+                num_new = room
             reserve = self.reserve_blocks if self.running else 0
             if not self.kv.allocate_slots(req, num_new, hit, reserve=reserve):
                 break
@@ -143,6 +160,7 @@ class Scheduler:
             self.running.append(req)
             batch[req.request_id] = ScheduledRequest(req, num_new)
             budget -= num_new
+            prefilled += num_new
         self.waiting.extendleft(reversed(skipped))
 
         # Decode rows first: the runner batches their attention.

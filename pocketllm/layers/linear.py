@@ -55,7 +55,7 @@ def _shard(tensor, rows: tuple[int, int] | None, cols: tuple[int, int] | None):
 def _materialize(module: torch.nn.Module) -> None:
     """A weight built on the meta device takes its memory on the module's device, once."""
     w = module.weight
-    if w.is_meta and module.device.type != "meta":
+    if w.is_meta and w.device != module.device:  # (a module built for the meta device stays there)
         module.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=module.device),
                                            requires_grad=False)
 

@@ -115,9 +115,8 @@ class CausalLM(torch.nn.Module):
         if missing:
             raise ConfigurationError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                                      + (" ..." if len(missing) > 8 else ""))
-        if self.model.embed_tokens.device.type != "meta":  # every weight was built on meta and loaded
-            unloaded = [n for n, p in self.named_parameters() if p.is_meta]
-            assert not unloaded, f"weights never loaded: {unloaded[:8]}"
+        unloaded = [n for n, p in self.named_parameters() if p.is_meta]  # every weight was built on meta and loaded
+        assert not unloaded, f"weights never loaded: {unloaded[:8]}"
         for module in self.modules():  # layers that re-lay their weights once all are in (expert stacks)
             if hasattr(module, "finish_loading"):
                 module.finish_loading()

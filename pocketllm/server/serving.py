@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import multiprocessing
+import os
 import re
 import time
 import uuid
@@ -32,7 +33,7 @@ from pocketllm.server.responses import INTERNAL_ERROR, SSEResponse, to_json
 from pocketllm.structured.chat import ReplyParser, template_messages, template_tools
 from pocketllm.structured.reasoning import get_reasoning_parser, infer_reasoning_parser
 from pocketllm.structured.tool_parsers import ToolParser, get_tool_parser, infer_tool_parser
-from pocketllm.structured.worker import GrammarBusyError, GrammarCompilerFailedError, GrammarWorkers
+from pocketllm.structured.worker import HELPER_NICENESS, GrammarBusyError, GrammarCompilerFailedError, GrammarWorkers
 from pocketllm.tokenizer.chat_template import TemplateOutputTooLongError, render_limits
 
 log = logging.getLogger("pocketllm")
@@ -234,7 +235,8 @@ class OpenAIServing:
         if len(body) <= SCREENED_BYTES:
             return await self._prepare(self._parse_large, model, body)
         if self._screen is None:
-            self._screen = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._screen = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(HELPER_NICENESS,))
         problem = await asyncio.get_running_loop().run_in_executor(self._screen, refusal, body, self.limits)
         if problem is not None:
             status, message, kind, param, code = problem
