@@ -62,8 +62,8 @@ def test_one_call_decode_equals_the_module_forward(files, kind, lengths):
     want_tokens, want_logits, _ = generate(llm, prompts, one_call=False)
     assert tokens == want_tokens
     assert len(logits) == len(want_logits)
-    for got, want in zip(logits, want_logits):
-        assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    for got, want in zip(logits, want_logits):  # (the one-prompt case's first step mixes a 1-token row in)
+        assert float((got - want).abs().max()) <= 2e-4 * float(want.abs().max())
     if kind == "llama256-Q4_K_M":  # the case of a projection with parts of two types
         layers = llm.engine.runner.model.model.layers
         assert any(isinstance(layer.self_attn.qkv_proj.quantized, ConcatLinear) for layer in layers)
@@ -78,3 +78,27 @@ def test_models_it_does_not_cover_keep_the_module_forward(files):
     assert tokens == generate(fast, prompts, one_call=False)[0]
     exact = LLM(str(files["qwen2-Q8_0"]), max_model_len=128, num_kv_blocks=64, exact_kernels=True)
     assert generate(exact, prompts, one_call=True)[2] is None  # never built: not the fast path
+
+
+def test_decode_rows_compute_the_same_bits_beside_a_prompt(files):
+    """A step that decodes some requests and prefills another runs its decode rows in the one call too:
+    a request's logits are the same bits whether or not other prompts shared its steps (and the mixed
+    steps are not the modules' slower masked attention over every decode row)."""
+    prompt, late = prompts_of([20, 40], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(files["qwen2-Q8_0"]), max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=16)
+    engine = llm.engine
+    with captured_logits(llm) as alone:
+        llm.generate([{"prompt_token_ids": prompt}], params)
+    with captured_logits(llm) as mixed:
+        engine.add_request("a", {"prompt_token_ids": prompt}, params)
+        for _ in range(4):  # its prompt (two steps), then two tokens
+            engine.step()
+        engine.add_request("b", {"prompt_token_ids": late}, params)  # 40 tokens: chunks beside a's rows
+        steps = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps.append((engine.last_step.num_decodes, engine.last_step.num_tokens))
+    assert any(0 < d < t - 1 for d, t in steps[:3]), steps  # a's rows shared steps with b's chunks
+    a_rows = [x[0] for x in mixed[:2 + 10]]  # a's row comes first in every step (decode rows first)
+    assert all(torch.equal(got, want[0]) for got, want in zip(a_rows[2:], alone[2:12])), "a's logits moved"

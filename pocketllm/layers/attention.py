@@ -7,7 +7,7 @@ a token at position p of a request lives in slot block_ids[p // bs] * bs + p % b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,18 @@ class AttentionMetadata:
     groups: list[AttentionMetadata] | None = None  # per KV group (this one first), if several
     # Sliding-window layers of a full group read a narrower mask, made from the same metadata on first use.
     _window_masks: dict | None = None
+
+    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed step (one KV group, torch path) as two: its decode rows' metadata and its prefill
+        chunks', each counting its rows from 0. Rows of different requests are independent, so the
+        two may run apart (the CPU's one-call decoder takes the first)."""
+        assert self.groups is None and self.decode_lens is not None and self.prefills
+        n = self.num_decodes
+        decodes = replace(self, slot_mapping=self.slot_mapping[:n], prefills=[], _window_masks=None)
+        chunks = replace(self, slot_mapping=self.slot_mapping[n:], num_decodes=0, decode_block_tables=None,
+                         decode_mask=None, decode_lens=None, _window_masks=None,
+                         prefills=[replace(p, query_start=p.query_start - n) for p in self.prefills])
+        return decodes, chunks
 
     @property
     def cpu_decode_only(self) -> bool:
