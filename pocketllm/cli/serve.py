@@ -195,15 +195,23 @@ def load_engine(engine_args: EngineArgs) -> LLMEngine:
             shower.join()
 
 
-def fewer_malloc_arenas() -> None:
-    """glibc gives threads that allocate at once arenas of their own (up to 8 a core), and memory
-    freed in one arena serves only its own threads: a server whose threads take turns with large
-    passing buffers (request bodies, a step's logits) keeps every arena's high-water mark. Two
-    arenas, set before any thread starts (the setting Python servers commonly take): the hostile
-    traffic benchmark's RSS growth over the quiet phase went from 225-298 MB to 133-145 MB in its
-    grammar and template phases (benchmarks/results/cpu-hostile-traffic.json)."""
+def tune_malloc() -> None:
+    """A server's memory should not grow with the traffic it has seen. glibc's defaults let it:
+    - threads that allocate at once get arenas of their own (up to 8 a core), and memory freed in
+      one serves only its threads, so each arena keeps its high-water mark: two arenas (set before
+      any thread starts; the setting Python servers commonly take);
+    - its threshold for serving an allocation from mmap (returned to the system when freed) rises to
+      the largest block freed so far, up to 32 MiB, after which a step's large passing tensors and
+      request bodies are carved from the heap among long-lived objects, and the heap cannot shrink:
+      a fixed 8 MiB (a step's logits over 64 rows are past it; the CPU kernels' weight tiles are not).
+    In the hostile traffic benchmark's phase of many-choice requests beside huge refused bodies, the
+    server's memory grew 300-412 MB over the quiet phase with glibc's defaults and 48-67 MB with a fixed
+    threshold; the arenas took the grammar and template phases from 225-298 MB to 106-137 MB
+    (benchmarks/results/cpu-hostile-traffic.md)."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+        libc.mallopt(-3, 8 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc
         pass
 
@@ -213,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     from pocketllm.server.config import ServerConfig
     from pocketllm.server.launcher import serve
 
-    fewer_malloc_arenas()
+    tune_malloc()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Every setting is checked before the model loads: a mistake costs no loading time.
     chat_template = read_chat_template(args.chat_template)
