@@ -73,7 +73,7 @@ def test_speculative_decoding_on_cuda_equals_transformers(tiny):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 32) for p in prompts]
-    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
     llm.engine.check_no_leaks()
 
 
@@ -110,13 +110,13 @@ def test_bf16_verification_rows_compute_plain_decodings_bits(tiny):
     spec = LLM(str(path), device="cuda", dtype="bfloat16", speculative_config={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     engine = spec.engine
-    engine.draft_length.limit = lambda req, cost: 4  # every step verifies four drafts
+    engine.speculator.draft_length.limit = lambda req, cost: 4  # every step verifies four drafts
     for wrong_every in (0, 3):
         for p, w in zip(prompts, want):
-            engine.proposer = _Continuation(len(p), w.token_ids, wrong_every)
-            before = engine.spec_stats.copy()
+            engine.speculator.proposer = _Continuation(len(p), w.token_ids, wrong_every)
+            before = engine.speculator.stats.copy()
             got = spec.generate({"prompt_token_ids": p}, params)[0].outputs[0]
-            after = engine.spec_stats
+            after = engine.speculator.stats
             assert got.token_ids == w.token_ids, (len(p), wrong_every)
             for lw, lg in zip(w.logprobs, got.logprobs):
                 assert {t: v.logprob for t, v in lw.items()} == {t: v.logprob for t, v in lg.items()}

@@ -132,13 +132,13 @@ def test_greedy_tokens_match_transformers_under_speculation(tiny):
     expected = [hf_greedy(model, p, NEW) for p in prompts]
     got, _, llm = run(path, prompts, speculative_config=NGRAM)
     assert got == expected
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculator.stats
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     # drafts cut by a small token budget, chunked prompts beside them, steps scheduled ahead (a step
     # that looks for drafts reads the one before back first; one that found none lets a few overlap)
     chunked, _, llm = run(path, prompts, speculative_config=NGRAM, max_num_batched_tokens=8, async_scheduling=True)
     assert chunked == expected
-    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
     tight, outs, llm = run(path, prompts, speculative_config=NGRAM, num_kv_blocks=tight_blocks(path),
                            max_model_len=128)
     assert tight == expected
@@ -157,7 +157,7 @@ def test_draft_model_greedy_tokens_match_transformers(tiny):
     expected = [hf_greedy(model, p, NEW) for p in prompts]
     got, _, llm = run(path, prompts, speculative_config=draft_of(path))
     assert got == expected
-    assert llm.engine.spec_stats.acceptance_rate > 0.9, llm.engine.spec_stats
+    assert llm.engine.speculator.stats.acceptance_rate > 0.9, llm.engine.speculator.stats
     chunked, _, _ = run(path, prompts, speculative_config=draft_of(path), max_num_batched_tokens=8,
                         async_scheduling=True)
     assert chunked == expected
@@ -190,7 +190,7 @@ def test_a_draft_model_catches_up_after_its_drafts_were_dropped(tiny_models):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].outputs[0].token_ids == hf_greedy(model, prompt, 12)
-    assert engine.spec_stats.num_accepted_tokens > 0
+    assert engine.speculator.stats.num_accepted_tokens > 0
     engine.check_no_leaks()
 
 
@@ -207,7 +207,7 @@ def test_a_lower_bit_gguf_of_the_model_drafts_for_it(tiny_models, tokenizer_file
     prompts = prompts_of(LENGTHS)
     got, _, llm = run(src, prompts, speculative_config=draft_of(draft))
     assert got == [hf_greedy(model, p, NEW) for p in prompts]
-    assert llm.engine.spec_stats.acceptance_rate > 0.5, llm.engine.spec_stats
+    assert llm.engine.speculator.stats.acceptance_rate > 0.5, llm.engine.speculator.stats
     # the memory plan counted the draft's weights too (within 10% here: in layers this small, the
     # bytes a layer holds beside its weights weigh more)
     planned, held = llm.engine.planned_weight_bytes, llm.engine.weight_bytes
@@ -257,7 +257,7 @@ def test_sampling_processors_see_the_drafts(tiny_models):
             [{"prompt_token_ids": p} for p in prompts], params)]
         llm.engine.check_no_leaks()
     assert outs[False] == outs[True]
-    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
 
 
 # -- sampling: the target's distribution, exactly -------------------------------------------------
@@ -321,12 +321,12 @@ def test_speculative_sampling_draws_from_the_target_distribution(tmp_path, tempe
     spec = (draft_of(tmp_path) if method == "draft_model" else  # the model's argmax as its drafts
             {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     llm = LLM(str(tmp_path), dtype="float32", exact_kernels=True, max_num_seqs=256, seed=11, speculative_config=spec)
-    llm.engine.draft_length.limit = lambda req, cost: 3  # drafts at every step, whatever 256 rows cost here
+    llm.engine.speculator.draft_length.limit = lambda req, cost: 3  # drafts at every step, whatever 256 rows cost here
     params = SamplingParams(temperature=temperature, top_k=top_k, repetition_penalty=repetition_penalty,
                             max_tokens=new, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params)
     samples = [tuple(o.outputs[0].token_ids) for o in outs]
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculator.stats
     assert stats.num_drafts > n and stats.accepted_per_pos[0] > n // 10 and stats.accepted_per_pos[1] > 0, stats
 
     def marginal(dist_or_samples, positions, weights=None):
@@ -385,7 +385,7 @@ def test_default_model_copies_with_the_same_tokens_and_logprobs(default_llms):
     for lw, lg in zip(want[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
         assert lw.keys() == lg.keys()
         assert all(abs(lw[t].logprob - lg[t].logprob) < 1e-5 for t in lw)
-    stats = spec.engine.spec_stats
+    stats = spec.engine.speculator.stats
     assert stats.acceptance_rate > 0.5, stats  # the reply copies its prompt
     spec.engine.check_no_leaks()
 
@@ -413,7 +413,7 @@ def test_grammars_hold_under_speculation(default_llms, monkeypatch):
     plain, spec = default_llms
     # Six rows of the default model can cost more than drafts would win on a slower CPU, and the
     # draft-length rule then proposes none (it times the steps): here every found draft is proposed.
-    monkeypatch.setattr(spec.engine.draft_length, "limit", lambda req, cost: 4)
+    monkeypatch.setattr(spec.engine.speculator.draft_length, "limit", lambda req, cost: 4)
     tok = plain.get_tokenizer()
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                "people": {"type": "array", "maxItems": 4,
@@ -432,9 +432,9 @@ def test_grammars_hold_under_speculation(default_llms, monkeypatch):
             params.append(SamplingParams(temperature=0, max_tokens=64, structured_outputs=constraint))
             checks.append(check)
     want = plain.generate(prompts, params)
-    before = spec.engine.spec_stats.num_draft_tokens
+    before = spec.engine.speculator.stats.num_draft_tokens
     got = spec.generate(prompts, params)
-    assert spec.engine.spec_stats.num_draft_tokens > before
+    assert spec.engine.speculator.stats.num_draft_tokens > before
     for w, g, check in zip(want, got, checks):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].finish_reason == "stop" and check(g.outputs[0].text), g.outputs[0].text
@@ -465,7 +465,7 @@ def test_metrics_count_drafts_and_acceptance(tiny_models):
 
     m = asyncio.run(main())
     engine.check_no_leaks()
-    s = engine.spec_stats
+    s = engine.speculator.stats
     assert s.num_accepted_tokens > 0
     assert m("spec_decode_num_drafts_total", model_name=MODEL) == s.num_drafts
     assert m("spec_decode_num_draft_tokens_total", model_name=MODEL) == s.num_draft_tokens

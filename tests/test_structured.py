@@ -338,3 +338,19 @@ def test_tokenizer_info_matches_model_and_vocab_kind(llm):
     newline = spm.encode("\n", add_special_tokens=False)[-1]
     assert info.decoded_vocab[newline] == b"\n"
     assert info.decoded_vocab[spm.encode(" hello", add_special_tokens=False)[-1]] == b" hello"
+
+
+def test_drafts_stop_short_of_the_token_that_ends_the_grammar(llm):
+    """A draft that would end the grammar (its stop token) is cut with the drafts after it: the row after
+    a draft is sampled under the grammar as the drafts leave it, and an ended grammar allows no token
+    (a live server's speculative request with a grammar failed with a 500 that way)."""
+    tok = llm.get_tokenizer()
+    structured = StructuredOutputs(tok, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids)
+    state = structured.new_state(structured.compile(normalize({"regex": "ab"})))
+    ids = tok.encode("ab", add_special_tokens=False)
+    eos = min(llm.engine.eos_token_ids)
+    assert state.valid_prefix(ids + [eos, ids[0]]) == len(ids)  # not the stop token, not what follows
+    assert state.valid_prefix(ids) == len(ids) and not state.is_terminated  # the matcher is left as it was
+    for t in ids + [eos]:
+        state.accept(t)
+    assert state.is_terminated and not state.rejected

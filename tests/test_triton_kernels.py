@@ -497,7 +497,7 @@ def test_speculative_rows_on_kernel_attention_read_keys_in_runs(tiny_models, mon
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
-    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
     assert any(c is not None and int(c.max()) > 0 for c in seen)  # runs of a request's rows
     llm.engine.check_no_leaks()
 

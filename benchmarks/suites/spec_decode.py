@@ -98,9 +98,9 @@ class DraftTimer:
     the model, so the draft length rule would otherwise stop drafting)."""
 
     def __init__(self, engine, k: int):
-        self.engine, self.drafter = engine, engine.proposer
-        engine.draft_length.limit = lambda req, cost: k
-        engine.proposer = self
+        self.engine, self.drafter = engine, engine.speculator.proposer
+        engine.speculator.draft_length.limit = lambda req, cost: k
+        engine.speculator.proposer = self
         self.reset()
 
     def reset(self) -> None:
@@ -181,11 +181,11 @@ def main() -> None:
                 for llm in (plain, spec):  # warm-up: the prompt in both prefix caches, graphs captured
                     run(llm, [prompt], params, conc, 1)
                 base = fast = 0.0
-                before = spec.engine.spec_stats.copy()
+                before = spec.engine.speculator.stats.copy()
                 for _ in range(args.reps):  # alternated: the machine's drift reaches both engines alike
                     (b, want), (f, got) = run(plain, [prompt], params, conc, 1), run(spec, [prompt], params, conc, 1)
                     base, fast = max(base, b), max(fast, f)
-                after = spec.engine.spec_stats.copy()
+                after = spec.engine.speculator.stats.copy()
                 drafted = after.num_draft_tokens - before.num_draft_tokens
                 accepted = after.num_accepted_tokens - before.num_accepted_tokens
                 oracle = None
@@ -193,17 +193,17 @@ def main() -> None:
                     # The plain run's continuation, then (where low precision makes speculation's rows
                     # compute other bits than plain decoding's, as bf16 on a GPU does) the oracle run's
                     # own output until it repeats: drafts that are all right.
-                    ngram, continuation = spec.engine.proposer, want[0]
+                    ngram, continuation = spec.engine.speculator.proposer, want[0]
                     for _ in range(3):
-                        spec.engine.proposer = Oracle(len(prompt["prompt_token_ids"]), continuation)
+                        spec.engine.speculator.proposer = Oracle(len(prompt["prompt_token_ids"]), continuation)
                         run(spec, [prompt], params, conc, 1)
-                        s0 = spec.engine.spec_stats.copy()
+                        s0 = spec.engine.speculator.stats.copy()
                         oracle, got_oracle = run(spec, [prompt], params, conc, args.reps)
-                        s1 = spec.engine.spec_stats.copy()
+                        s1 = spec.engine.speculator.stats.copy()
                         if got_oracle[0] == continuation:
                             break
                         continuation = got_oracle[0]
-                    spec.engine.proposer = ngram
+                    spec.engine.speculator.proposer = ngram
                 draft_cost = {}
                 if drafting is not None:
                     run(drafting, [prompt], params, conc, 1)

@@ -206,7 +206,7 @@ def tune_malloc() -> None:
       a fixed 8 MiB (a step's logits over 64 rows are past it; the CPU kernels' weight tiles are not).
     In the hostile traffic benchmark's phase of many-choice requests beside huge refused bodies, the
     server's memory grew 300-412 MB over the quiet phase with glibc's defaults and 48-67 MB with a fixed
-    threshold; the arenas took the grammar and template phases from 225-298 MB to 106-137 MB
+    threshold; the arenas took the grammar and template phases from 225-298 MB to 123-145 MB
     (benchmarks/results/cpu-hostile-traffic.md)."""
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -7,7 +7,7 @@ import logging
 import numbers
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,24 +30,6 @@ from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured.backend import StructuredOutputs
 
 log = logging.getLogger("pocketllm")
-
-
-@dataclass
-class SpecDecodingStats:
-    """Cumulative counts of speculative decoding, vLLM's spec_decode_* metrics."""
-
-    num_drafts: int = 0  # steps of a request that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
-
-    def copy(self) -> SpecDecodingStats:
-        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                                 list(self.accepted_per_pos))
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass
@@ -195,23 +177,17 @@ class LLMEngine:
         self._device_time: float | None = None  # of the step read back in this call (StepStats)
         self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)
-        self.proposer = None
-        self.spec_stats = SpecDecodingStats()
-        self._last_done: float | None = None  # when the last step's results were read back
-        self._draft_pause = self._draft_backoff = 0  # overlapped steps before drafts are looked for again
+        self.speculator = None
         if spec is not None:
-            from pocketllm.speculative.draft_length import DraftLength
             from pocketllm.speculative.ngram import NgramProposer
+            from pocketllm.speculative.speculator import Speculator
 
             if self.drafter is not None:
                 self.drafter.bind(num_blocks, self.kv, self.scheduler.reserve_blocks)
-                self.proposer = self.drafter
-            else:
-                self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                              spec.prompt_lookup_max)
-            # until steps are measured: a row's share of a decode step at batch 1 (docs/performance/speculative-decoding.md)
-            self.draft_length = DraftLength(spec.num_speculative_tokens, 0.3 if self.device.type == "cpu" else 0.05)
-            self.spec_stats.accepted_per_pos = [0] * spec.num_speculative_tokens
+            proposer = self.drafter or NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                     spec.prompt_lookup_max)
+            self.speculator = Speculator(proposer, spec.num_speculative_tokens, self.device.type == "cpu",
+                                         self.async_scheduling)
         groups = f" ({self.kv_layout.describe()})" if self.kv_layout.is_hybrid else ""
         log.info("Loaded %s (%s; weights %s) on %s in %.1f s: %d KV blocks of %d tokens%s, context %d",
                  cfg.architecture, self._describe_weights(model, quant_types), size_text(self.weight_bytes),
@@ -384,7 +360,6 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     MAX_FAILED_STEPS = 3  # consecutive failed steps after which the engine gives up (EngineDeadError)
-    MAX_DRAFT_PAUSE = 32  # the longest run of overlapped steps between looks for drafts
 
     def step(self) -> list[RequestOutput]:
         """Schedules and launches a step, then returns the outputs of the step that completes:
@@ -415,9 +390,7 @@ class LLMEngine:
             self._step_scheds.append(inflight[0])
         # Drafts are proposed from the tokens just sampled: a step that speculates reads the one
         # before back first, and gives up the overlap with it.
-        speculate = self.proposer is not None and self._draft_pause == 0
-        if self.proposer is not None and not speculate:
-            self._draft_pause -= 1
+        speculate = self.speculator is not None and self.speculator.wants_drafts()
         if inflight is not None and (speculate or any(r.needs_host_tokens for r in self.scheduler.requests.values())):
             outs, inflight = self._complete(*inflight, propose=speculate), None  # its tokens are needed on the host
         self._step_scheds = None  # a scheduler failure involves every running request
@@ -466,8 +439,8 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
         touched = self.scheduler.update_from_output(sched, sampled, on_token)
-        if self.proposer is not None:
-            self._spec_step_done(sched, result)
+        if self.speculator is not None:
+            self.speculator.step_done(sched, result.sampled, self.scheduler.has_work())
         now = time.monotonic()
         for req in touched:
             if req.first_token_time is None:
@@ -475,48 +448,9 @@ class LLMEngine:
             parent = self.outputs.parent_of.get(req.request_id)
             if parent is not None:
                 parents[parent.request_id] = parent
-        found = propose and self.proposer is not None and self._propose(touched)
-        if propose and self.async_scheduling and self.proposer is not None:
-            # Steps that find nothing to draft give up the overlap for nothing: after such a step,
-            # the next ones run overlapped (1, 2, 4, ... 32 of them) before drafts are looked for again.
-            self._draft_backoff = 0 if found else min(2 * self._draft_backoff or 1, self.MAX_DRAFT_PAUSE)
-            self._draft_pause = self._draft_backoff
+        if propose and self.speculator is not None:
+            self.speculator.propose(touched)
         return self._emit(parents)
-
-    def _propose(self, reqs: list[Request]) -> bool:
-        """Drafts for the requests' next step, as many as are worth their rows; under a grammar,
-        only those it accepts. Whether any were found."""
-        cost = self.draft_length.cost()
-        wanted = [(r, n) for r in reqs if r.status == RequestStatus.RUNNING and (n := self.draft_length.limit(r, cost))]
-        found = False
-        for (req, _), drafts in zip(wanted, self.proposer.propose_for(wanted)):
-            if drafts and req.structured is not None:
-                drafts = drafts[:req.structured.valid_prefix(drafts)]
-            req.spec_token_ids = drafts
-            found |= bool(drafts)
-        return found
-
-    def _spec_step_done(self, sched: SchedulerOutput, result) -> None:
-        """Speculation's counters, each request's acceptance, and the step's cost per row."""
-        stats, emitted = self.spec_stats, 0
-        for sr in sched.scheduled:
-            toks = result.sampled.get(sr.request.request_id)
-            if not toks:
-                continue
-            emitted += len(toks)
-            accepted, drafts = len(toks) - 1, len(sr.spec_token_ids)
-            self.draft_length.observe_request(sr.request, drafts, accepted)
-            if drafts:
-                stats.num_drafts += 1
-                stats.num_draft_tokens += drafts
-                stats.num_accepted_tokens += accepted
-                for i in range(accepted):
-                    stats.accepted_per_pos[i] += 1
-        # The time between two steps' results is a step's time, whether or not steps overlap.
-        now = time.perf_counter()
-        if self._last_done is not None and sched.num_decodes == len(sched.scheduled):
-            self.draft_length.observe_step(sched.total_tokens, emitted, now - self._last_done)
-        self._last_done = now if self.scheduler.has_work() else None
 
     def _emit(self, parents: dict[str, ParentState]) -> list[RequestOutput]:
         """The outputs of these requests; the finished ones leave the engine."""

@@ -378,10 +378,10 @@ class AsyncLLM:
             i = next((i for i, b in enumerate(bounds) if step.num_tokens <= b), len(bounds))
             counts = counts[:i] + (counts[i] + 1,) + counts[i + 1:]
             tokens += step.num_tokens
-        spec = self.engine.spec_stats
+        spec = self.engine.speculator
         self.stats = EngineStats(len(sched.running), len(sched.waiting), kv.usage,
                                  kv.num_queried_tokens, kv.num_hit_tokens, sched.num_preemptions,
-                                 counts, tokens, spec.copy() if self.engine.proposer else None, step)
+                                 counts, tokens, spec.stats.copy() if spec else None, step)
 
     def _close_all(self) -> None:
         """Abort whatever is left and tell its consumers; the engine thread ends after this."""

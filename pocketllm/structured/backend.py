@@ -84,10 +84,16 @@ class GrammarState:
         return self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` the grammar accepts in a row from here (the matcher is left as it was)."""
+        """How many of `tokens` the grammar accepts in a row from here, short of a stop token that
+        would end it: the row after a draft is sampled under the grammar as the draft leaves it, and
+        an ended grammar allows no token (its row's logits would all be -inf). A stop token is
+        sampled at that row instead. (The matcher is left as it was.)"""
         n = 0
         for t in tokens:
             if self.rejected or not self.matcher.accept_token(t):
+                break
+            if self.matcher.is_terminated():
+                self.matcher.rollback(1)
                 break
             n += 1
         if n:
