@@ -87,7 +87,8 @@ class Scheduler:
 
         def prefill_room() -> int:
             """Prompt tokens this step may still take: fewer when a stream decodes in it (the cap)."""
-            if cap is None or not any(s.request.num_output_tokens + s.request.num_pending for s in batch.values()):
+            if cap is None or not any(s.is_decode and s.request.num_output_tokens + s.request.num_pending
+                                      for s in batch.values()):
                 return budget
             return max(0, min(budget, cap - prefilled))
 
