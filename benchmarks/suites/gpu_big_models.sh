@@ -3,8 +3,9 @@
 # this tree and on a tree before a change (BEFORE, optional), batch-1 decode, and llama.cpp on the
 # same files in the same call.
 #   benchmarks/suites/gpu_big_models.sh [BEFORE_DIR]
-#   FILES: shape:type pairs (default "llama3-70b:IQ2_XXS"); GGUF_DIR (default .gguf, kept between
-#   warm calls); LLAMACPP_DIR (default .peer/llama.cpp, built there from .peer/llamacpp.sh)
+#   FILES: shape:type pairs (default "llama3-70b:IQ2_XXS"); GGUF_DIR (default /tmp/gg: /tmp is kept
+#   between the calls of a warm lease, ignored folders of the checkout were not); LLAMACPP_DIR
+#   (default /tmp/llama.cpp, built there from .peer/llamacpp.sh); PYTHONPATH must name the checkout
 #   STAGES: any of "write build load bench peer" (default all); build runs in the background and is
 #   waited for by "peer"
 # Results in $OUT: load-<tree>-<file>.json, pocketllm-<file>-b1.json, llamacpp-big.json, logs.
@@ -12,8 +13,8 @@ set -uo pipefail
 BEFORE=${1:-}
 OUT=$(realpath -m "${OUT:-benchmarks/results}")
 FILES=${FILES:-"llama3-70b:IQ2_XXS"}
-GGUF_DIR=$(realpath -m "${GGUF_DIR:-.gguf}")
-export LLAMACPP_DIR=$(realpath -m "${LLAMACPP_DIR:-.peer/llama.cpp}")
+GGUF_DIR=$(realpath -m "${GGUF_DIR:-/tmp/gg}")
+export LLAMACPP_DIR=$(realpath -m "${LLAMACPP_DIR:-/tmp/llama.cpp}")
 STAGES=${STAGES:-"write build load bench peer"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
