@@ -84,13 +84,18 @@ class Scheduler:
         batch: dict[str, ScheduledRequest] = {}
         cap = self.config.max_prefill_tokens_with_decodes if self.config.enable_chunked_prefill else None
         prefilled = 0  # prompt tokens (of chunks, not decode rows) scheduled so far
+        streams: bool | None = None  # whether a stream decodes in this step: known at the first chunk
 
         def prefill_room() -> int:
-            """Prompt tokens this step may still take: fewer when a stream decodes in it (the cap)."""
-            if cap is None or not any(s.is_decode and s.request.num_output_tokens + s.request.num_pending
-                                      for s in batch.values()):
+            """Prompt tokens this step may still take: fewer when a stream decodes in it (the cap). Every
+            decode row is in `batch` by the first call: they come first in `order`, admissions last."""
+            nonlocal streams
+            if cap is None:
                 return budget
-            return max(0, min(budget, cap - prefilled))
+            if streams is None:
+                streams = any(s.is_decode and s.request.num_output_tokens + s.request.num_pending
+                              for s in batch.values())
+            return max(0, min(budget, cap - prefilled)) if streams else budget
 
         # Decode rows first, then running requests still in prefill.
         order = sorted(self.running, key=lambda r: r.num_tokens + r.num_pending - r.num_computed_tokens > 1)

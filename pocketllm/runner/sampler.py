@@ -131,7 +131,7 @@ class Sampler:
         # batch nor the device can change what they sample.
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
-        if len(unseeded) == len(reqs):  # the same draws, in the same order, as the rows' copy below
+        if len(unseeded) == len(reqs):  # in place: no second vocabulary-wide buffer
             _exponential(noise, self.generator)
         elif unseeded:
             noise[unseeded] = _exponential(torch.empty(len(unseeded), probs.shape[1], device=dev), self.generator)
@@ -143,8 +143,8 @@ class Sampler:
 
 def _exponential(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """`t` filled with Exp(1) draws, -log u for uniforms u, never 0 (a 0 would let a token of any
-    probability win). torch's exponential_ takes 5-6x as long on the CPU (65 ms against 11 ms for
-    64 rows of a 49k vocabulary on 2 cores)."""
+    probability win). torch's exponential_ took 63 ms of a 64-row step of the default model on 2 cores,
+    this 11 ms (benchmarks/results/cpu-hostile-traffic.md)."""
     return t.uniform_(generator=generator).clamp_(min=torch.finfo(t.dtype).tiny).log_().neg_()
 
 

@@ -239,8 +239,7 @@ class OpenAIServing:
                 1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(HELPER_NICENESS,))
         problem = await asyncio.get_running_loop().run_in_executor(self._screen, refusal, body, self.limits)
         if problem is not None:
-            status, message, kind, param, code = problem
-            raise P.APIError(status, message, kind, param, code)
+            raise P.APIError(*problem)
         return await self._prepare(P.parse, model, body)
 
     def _parse_large(self, model: type, body: bytes):
