@@ -252,16 +252,17 @@ class Embedding(torch.nn.Module):
         lin = Linear(self.dim, [self.num_embeddings], dtype=self.dtype, device="meta")
         lin.device, lin.gather = self.device, self.tp.size > 1  # this rank's rows already
         lin.kernels, lin.int8_activations = self.kernels, self.int8_activations
-        if self.source is not None:  # stays quantized (CUDA: the Triton kernels)
+        if self.rows_from is not None:  # off the CPU: the table's packed GGUF blocks serve both, one copy
+            lin.quantized, lin.int8_rows, lin.weight = self.rows_from, self.rows_from.int8_rows, None
+            self.source = None
+        elif self.quantized is not None:  # the CPU: stays quantized, maybe repacked for the fast path
             lin.load(self.source)
             q = lin.quantized
             held = q.fast_path_weights() if hasattr(q, "fast_path_weights") else None
-            if self.quantized is not None and held is not None and held[1]:
+            if held is not None and held[1]:
                 # repacked for the fast path's kernels: the table is read from there, one copy
                 self.quantized = self.source = None
                 self.rows_from = q
-            elif self.rows_from is not None and getattr(q, "path", None) == "triton":
-                self.source, self.rows_from = None, q  # the same packed blocks: one copy
-        else:
-            lin.weight = self.weight
+        else:  # dense (or dequantized at load): the same tensor
+            lin.weight, self.source = self.weight, None
         return lin
