@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pocketllm.core.kv_dtype import KV_CACHE_DTYPES
 from pocketllm.errors import ConfigurationError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -24,6 +25,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides memory-based sizing
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8: 8-bit values, a scale per token and head
     # CPU: write the KV cache's memory at start, so that the process holds all it will use from the
     # first request on (and fails then, not mid-request, where memory is short); off: pages are
     # taken as blocks are first used. `pocketllm serve` turns it on. (CUDA memory is always held.)
@@ -96,6 +98,8 @@ class EngineArgs:
              f"max_model_len must be >= 1; got {self.max_model_len}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         need(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 bytes; got {self.kv_cache_memory}")
         need(0 < self.gpu_memory_utilization <= 1,
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")

@@ -17,6 +17,9 @@ _HELP = {
     "block_size": "tokens per KV cache block, a multiple of 8 (default: 16)",
     "num_kv_blocks": "number of KV blocks (overrides --kv-cache-memory and --gpu-memory-utilization)",
     "kv_cache_memory": "bytes of KV cache on CPU (default: 1073741824, 1 GiB)",
+    "kv_cache_dtype": "auto | int8 | fp8: what the KV cache holds (auto: the model's dtype; int8 and fp8 "
+                      "(e4m3): 8-bit values and a scale per token and head, about half the memory of bfloat16 "
+                      "and a quarter of float32; the CPU takes int8, CUDA both)",
     "reserve_kv_cache": "CPU: hold the KV cache's memory from the start, not as blocks are first used "
                         "(default: on for serve, off for chat and generate)",
     "gpu_memory_utilization": "CUDA: fraction of the GPU's memory for weights and KV cache together "

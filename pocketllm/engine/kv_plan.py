@@ -66,7 +66,9 @@ class KVPlan:
             return
         per_token = kv / max(tokens, 1)
         fixes = [f"--max-model-len (the KV cache takes {size_text(int(per_token * 1024))} per 1,024 tokens)"
-                 if args.max_model_len is not None else None, "a file of fewer bits per weight"]
+                 if args.max_model_len is not None else None,
+                 "--kv-cache-dtype int8 (8-bit keys and values)" if args.kv_cache_dtype == "auto" else None,
+                 "a file of fewer bits per weight"]
         if self.device.type == "cuda":
             fixes += [f"--gpu-memory-utilization (now {args.gpu_memory_utilization})", "--tensor-parallel-size"]
         elif not mapped and args.dtype in ("auto", "float32"):  # the CPU holds dense weights in float32 by default

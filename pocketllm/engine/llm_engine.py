@@ -126,7 +126,8 @@ class LLMEngine:
             self.drafter = DraftModel(spec, self)
         # A block id holds its tokens' KV in every layer, a draft model's too (of this rank's KV heads).
         tp = args.tensor_parallel_size
-        per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, self.dtype, tp)
+        per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, self.dtype, tp,
+                                                   args.kv_cache_dtype)
         self.kv_plan.bytes_per_block = per_block + (self.drafter.kv_bytes_per_block if self.drafter else 0)
         # What loading will take, checked before a weight is read (this rank's share on CUDA; the
         # ranks share the host's memory on the CPU).

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from pocketllm.core.kv_dtype import dequantize, quant_of, quantize
+
 
 @dataclass
 class PrefillSpan:
@@ -93,58 +95,79 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """k/v [T, Hkv, D] into the caches' slots; an 8-bit cache (scales given) takes them quantized."""
     nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_scale is None:
+        k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    quant = quant_of(k_cache.dtype)
+    for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        values, s = quantize(x, quant)
+        # (as bytes: index_copy_ has no float8 kernel on the CPU)
+        cache.view(torch.uint8).view(nb * bs, h, d).index_copy_(0, slot_mapping, values.view(torch.uint8))
+        scales.view(nb * bs, h).index_copy_(0, slot_mapping, s)
+
+
+def _blocks(cache: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks `ids` of a cache [blocks, bs, Hkv, D], an 8-bit one's dequantized (the gathered copy, not the cache)."""
+    if scales is None:
+        return cache.index_select(0, ids)
+    values = cache.view(torch.uint8).index_select(0, ids).view(cache.dtype)
+    return dequantize(values, scales.index_select(0, ids), dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None = None, softcap: float | None = None,
                     cpu_fused: bool = False, sinks: torch.Tensor | None = None,
-                    int8_rows: int = 0, kv_written: bool = False) -> torch.Tensor:
+                    int8_rows: int = 0, kv_written: bool = False, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> output [T, Hq, D]. `cpu_fused`:
     the CPU fast path writes the cache and attends the decode rows in C (layer_ops). `sinks`
     [Hq] float32: a logit per head that joins every row's softmax and attends to nothing (gpt-oss).
     `int8_rows`: the kernels' (see kernels.triton.attention.paged_attention). `kv_written`: the
-    kernels' path, k and v already in the cache (the rotary kernel wrote them)."""
+    kernels' path, k and v already in the cache (the rotary kernel wrote them). `k_scale`/`v_scale`
+    [blocks, bs, Hkv] float32: the caches hold 8-bit values (pocketllm.core.kv_dtype)."""
     if meta.block_tables is not None:
         from pocketllm.kernels.triton import attention as kernels
 
         if not kv_written:
-            kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, scale, window, softcap,
-                                       sinks=sinks, int8_rows=int8_rows, chain_pos=meta.chain_pos)
+                                       sinks=sinks, int8_rows=int8_rows, chain_pos=meta.chain_pos,
+                                       k_scale=k_scale, v_scale=v_scale)
     n = meta.num_decodes
     if cpu_fused:
         from pocketllm.kernels.cpu import layer_ops
 
-        layer_ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        layer_ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         if not meta.prefills:
             return layer_ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
-                                              scale, window, softcap, sinks)
+                                              scale, window, softcap, sinks, k_scale, v_scale)
     else:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
     nb, bs, hkv, d = k_cache.shape
     out = torch.empty_like(q)
     dec_mask, pre_masks = (meta.decode_mask, [s.mask for s in meta.prefills]) if window == meta.window \
         else meta.windowed(window)
     if n and cpu_fused:
         out[:n] = layer_ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
-                                             scale, window, softcap, sinks)
+                                             scale, window, softcap, sinks, k_scale, v_scale)
     elif n:
         tables = meta.decode_block_tables
         # index_select, not k_cache[tables]: advanced indexing is far slower on large caches.
         flat = tables.reshape(-1)
-        kd = k_cache.index_select(0, flat).view(n, -1, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
-        vd = v_cache.index_select(0, flat).view(n, -1, hkv, d).transpose(1, 2)
+        kd = _blocks(k_cache, k_scale, flat, q.dtype).view(n, -1, hkv, d).transpose(1, 2)  # [n, Hkv, L, D]
+        vd = _blocks(v_cache, v_scale, flat, q.dtype).view(n, -1, hkv, d).transpose(1, 2)
         out[:n] = _sdpa(q[:n].unsqueeze(2), kd, vd, dec_mask, scale, softcap, sinks).squeeze(2)
     for span, mask in zip(meta.prefills, pre_masks):
         s, ql, cl = span.query_start, span.query_len, span.context_len
-        kp = k_cache.index_select(0, span.block_ids).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
-        vp = v_cache.index_select(0, span.block_ids).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
+        kp = _blocks(k_cache, k_scale, span.block_ids, q.dtype).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
+        vp = _blocks(v_cache, v_scale, span.block_ids, q.dtype).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
         qp = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
         out[s:s + ql] = _sdpa(qp, kp, vp, mask, scale, softcap, sinks)[0].transpose(0, 1)
     return out

@@ -60,12 +60,15 @@ class CausalLM(torch.nn.Module):
         return self.lm_head(hidden).float()
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                      groups: list[int] | None = None) -> None:
-        """Per layer: its K and V caches (tensors shared by layers of different KV groups) and the
-        KV group whose block table it reads."""
+                      groups: list[int] | None = None, scales: list[tuple] | None = None) -> None:
+        """Per layer: its K and V caches (tensors shared by layers of different KV groups), the KV
+        group whose block table it reads and, for an 8-bit cache, its (K, V) scales."""
         groups = groups or [0] * len(k_caches)
-        for layer, k, v, g in zip(self.model.layers, k_caches, v_caches, groups, strict=True):
-            layer.self_attn.k_cache, layer.self_attn.v_cache, layer.self_attn.kv_group = k, v, g
+        scales = scales or [(None, None)] * len(k_caches)
+        for layer, k, v, g, s in zip(self.model.layers, k_caches, v_caches, groups, scales, strict=True):
+            attn = layer.self_attn
+            attn.k_cache, attn.v_cache, attn.kv_group = k, v, g
+            attn.k_scale, attn.v_scale = s
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         # On the CPU fast path the output projection (a tied one: the embedding table's) takes a

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pocketllm.core.kv_dtype import KV_CACHE_DTYPES
 from pocketllm.errors import UnsupportedFeatureError
 
 # GGUF types every runtime can hold: the quant package implements all of them for every layer.
@@ -31,6 +32,9 @@ class RuntimeCapabilities:
     # Tensor parallelism: every layer sharded as pocketllm.layers.linear describes (attention heads,
     # MLP and expert intermediate features, vocabulary), under the rule of `check_tensor_parallel`.
     tensor_parallel: bool = True
+    # What the KV cache may hold (pocketllm.core.kv_dtype): every runtime whose layers attend
+    # through pocketllm.layers.attention (the Attention of pocketllm.models.llama) reads 8-bit caches.
+    kv_cache_dtypes: frozenset[str] = frozenset(KV_CACHE_DTYPES)
 
 
 SLIDING_WINDOW_KV = frozenset({"full", "window"})  # the KV layouts the engine builds
@@ -53,14 +57,15 @@ class PlatformCapabilities:
     # platform dequantizes the other quantized types at load, to the model's dtype (exact, but
     # 2 bytes a weight in bfloat16: the slower path).
     kept_quantized: frozenset[str]
+    kv_cache_dtypes: frozenset[str]  # the KV caches its attention kernels read
 
 
 PLATFORMS = {
     "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"}), GGUF_TYPES,
-                                GGUF_TYPES - {"F32", "F16", "BF16"}),
+                                GGUF_TYPES - {"F32", "F16", "BF16"}, frozenset({"auto", "int8"})),
     # Every GGUF type loads on CUDA, and every quantized one stays in its GGUF encoding there.
     "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"}), GGUF_TYPES,
-                                 CUDA_KERNEL_TYPES),
+                                 CUDA_KERNEL_TYPES, frozenset(KV_CACHE_DTYPES)),
 }
 
 

@@ -55,6 +55,7 @@ class Attention(torch.nn.Module):
         self.scale = d ** -0.5 if scale is None else scale
         self.sinks = Sinks((q0, hq), device) if sinks else None
         self.k_cache = self.v_cache = None  # bound by the runner
+        self.k_scale = self.v_scale = None  # an 8-bit cache's (pocketllm.core.kv_dtype), bound by the runner
         self.kv_group = 0  # the KV group whose block table this layer reads (bound by the runner)
         self.kernels = kernels_for(device)
 
@@ -79,7 +80,8 @@ class Attention(torch.nn.Module):
             rot = self.rotary
             o = layer_ops.fused_decode_attention(qkv, hq, self.k_cache, self.v_cache, meta.slot_mapping,
                                                  meta.decode_block_tables, meta.decode_lens, self.scale,
-                                                 self.window, self.softcap, (positions, rot.cos, rot.sin), sinks)
+                                                 self.window, self.softcap, (positions, rot.cos, rot.sin), sinks,
+                                                 self.k_scale, self.v_scale)
             return self.o_proj(o.reshape(t, -1))
         kv = None  # on the attention kernels' path the rotary kernel writes the cache too: one launch less
         if meta.block_tables is not None and self.k_cache.dtype == qkv.dtype:
@@ -87,7 +89,8 @@ class Attention(torch.nn.Module):
         qk = self.rotary(positions, qk, norms, kv)  # queries and keys rotate in one pass
         q, k = qk[:, :hq], qk[:, hq:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap,
-                            fast, sinks, self.o_proj.int8_rows, kv_written=kv is not None)
+                            fast, sinks, self.o_proj.int8_rows, kv_written=kv is not None, k_scale=self.k_scale,
+                            v_scale=self.v_scale)
         if self.kernels.gpu:  # the 8-bit form attention's split merge wrote goes along (int8_act)
             from pocketllm.kernels.triton.int8_act import flattened
 
@@ -208,8 +211,8 @@ class LlamaForCausalLM(CausalLM):
             x, residual = layer(positions, x, residual, meta)
         return x, residual
 
-    def bind_kv_cache(self, k_caches, v_caches, groups=None) -> None:
-        super().bind_kv_cache(k_caches, v_caches, groups)
+    def bind_kv_cache(self, k_caches, v_caches, groups=None, scales=None) -> None:
+        super().bind_kv_cache(k_caches, v_caches, groups, scales)
         self._cpu_decoder = None  # it points at the caches
 
     def _decoder(self):

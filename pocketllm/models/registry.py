@@ -54,6 +54,8 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
     for qtype in sorted(quant_types):
         check("quantization type", qtype, caps.quantizations, where)
         check("quantization type", qtype, platform.quantizations, f"the {device} platform")
+    check("KV cache dtype", args.kv_cache_dtype, caps.kv_cache_dtypes, where)
+    check("KV cache dtype", args.kv_cache_dtype, platform.kv_cache_dtypes, f"the {device} platform")
     for kind in cls.attention_kinds(cfg):
         check("attention kind", kind, caps.attention_kinds, where)
     windows = cls.layer_windows(cfg)

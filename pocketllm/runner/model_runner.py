@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pocketllm.core.kv_dtype import kv_quant, value_bytes
 from pocketllm.core.kv_layout import NO_BLOCK, KVLayout
 from pocketllm.core.scheduler_output import SchedulerOutput
 from pocketllm.core.step import StepInputs
@@ -69,7 +70,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, res
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, seed: int = 0, max_decode_rows: int = 64, max_model_len: int = 2048,
-                 enforce_eager: bool = False, kv_layout: KVLayout | None = None, reserve_kv: bool = False):
+                 enforce_eager: bool = False, kv_layout: KVLayout | None = None, reserve_kv: bool = False,
+                 kv_cache_dtype: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -80,14 +82,20 @@ class ModelRunner:
         shape = (num_blocks, block_size, self.tp.kv_heads(cfg.num_kv_heads)[1], cfg.head_dim)  # this rank's heads
         # KV tensor t holds place t of every group: layers of different groups share it, each
         # through its own group's block ids.
-        self.k_caches = [_zeros(shape, kv_dtype, device, reserve_kv) for _ in range(layout.layers_per_block)]
-        self.v_caches = [_zeros(shape, kv_dtype, device, reserve_kv) for _ in range(layout.layers_per_block)]
+        quant = kv_quant(kv_cache_dtype)
+        held = kv_dtype if quant is None else quant.storage
+        self.k_caches = [_zeros(shape, held, device, reserve_kv) for _ in range(layout.layers_per_block)]
+        self.v_caches = [_zeros(shape, held, device, reserve_kv) for _ in range(layout.layers_per_block)]
+        # 8-bit caches: (K, V) scales a token and head, beside the values, indexed by the same block ids
+        self.kv_scales = None if quant is None else [
+            tuple(_zeros(shape[:3], torch.float32, device, reserve_kv) for _ in range(2))
+            for _ in range(layout.layers_per_block)]
         place = layout.placement(cfg.num_layers)
         for layer, (g, _) in zip(model.model.layers, place):
             w = layer.self_attn.window
             assert self.windows[g] in (None, w), f"a layer of window {w} in a KV group of window {self.windows[g]}"
         model.bind_kv_cache([self.k_caches[t] for _, t in place], [self.v_caches[t] for _, t in place],
-                            [g for g, _ in place])
+                            [g for g, _ in place], None if quant is None else [self.kv_scales[t] for _, t in place])
         self.sampler = Sampler(seed, device)
         self.use_kernels = device.type == "cuda"
         # CUDA: time each step on the GPU's clock (benchmarks; the host's clock times the launch
@@ -110,11 +118,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows)
 
     @staticmethod
-    def kv_bytes_per_block(cfg, layout: KVLayout, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
-        """K and V of one block id on one rank: `layout.layers_per_block` layers' worth of its KV heads."""
-        elem = torch.empty((), dtype=kv_dtype).element_size()
+    def kv_bytes_per_block(cfg, layout: KVLayout, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1,
+                           kv_cache_dtype: str = "auto") -> int:
+        """K and V of one block id on one rank: `layout.layers_per_block` layers' worth of its KV heads
+        (values, and an 8-bit cache's scales)."""
         heads = TPGroup(0, tp_size).kv_heads(cfg.num_kv_heads)[1]
-        return 2 * layout.layers_per_block * block_size * heads * cfg.head_dim * elem
+        values = 2 * layout.layers_per_block * block_size * heads
+        return round(values * cfg.head_dim * value_bytes(kv_cache_dtype, kv_dtype, cfg.head_dim))
 
     def flatten(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         bs = self.block_size

@@ -48,5 +48,6 @@ class Worker:
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.args.seed,
                                   max_decode_rows=max_decode_rows, max_model_len=max_model_len,
                                   enforce_eager=self.args.enforce_eager if enforce_eager is None else enforce_eager,
-                                  kv_layout=kv_layout or self.runtime.kv_layout, reserve_kv=self.args.reserve_kv_cache)
+                                  kv_layout=kv_layout or self.runtime.kv_layout, reserve_kv=self.args.reserve_kv_cache,
+                                  kv_cache_dtype=self.args.kv_cache_dtype)
         return self.runner

@@ -43,7 +43,7 @@ class DraftModel:
         self.args = EngineArgs(model=spec.model, load_format=args.load_format, device=str(target.device),
                                dtype=target.dtype_name, max_num_seqs=args.max_num_seqs, seed=args.seed,
                                enforce_eager=args.enforce_eager, exact_kernels=args.exact_kernels,
-                               dequantize_at_load=args.dequantize_at_load)
+                               dequantize_at_load=args.dequantize_at_load, kv_cache_dtype=args.kv_cache_dtype)
         where = f"the draft model {spec.model!r}"
         try:
             self.worker = Worker.open(spec.model, self.args, target.device, target.dtype_name)
@@ -66,7 +66,8 @@ class DraftModel:
         # Every draft layer reads the target's full-attention block table (a sliding draft layer
         # masks its window there).
         self.layout = KVLayout.of([None] * cfg.num_layers)
-        self.kv_bytes_per_block = ModelRunner.kv_bytes_per_block(cfg, self.layout, target.block_size, target.dtype)
+        self.kv_bytes_per_block = ModelRunner.kv_bytes_per_block(cfg, self.layout, target.block_size, target.dtype,
+                                                                 kv_cache_dtype=args.kv_cache_dtype)
         self.model = self.runner = self.kv = None
         self.reserve = 0
         self.shadows: dict[str, Request] = {}

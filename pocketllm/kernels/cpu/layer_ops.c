@@ -55,15 +55,38 @@ int cpu_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t row_stride, co
     return 0;
 }
 
-/* K and V of T tokens (rows of `width` floats, k_stride and v_stride apart) into cache slots;
- * slot -1: nowhere. Caches are [slots, width]. */
-int cpu_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T, int64_t width,
-                 const int64_t *slots, float *k_cache, float *v_cache) {
+/* An 8-bit cache (pocketllm/core/kv_dtype.py): each of a token's hkv heads of d values as int8
+ * values and a float32 scale, amax / 127, in the reference's arithmetic (nearest even). */
+static void quantize_heads(const float *x, int64_t hkv, int64_t d, int8_t *q, float *scales) {
+    for (int64_t h = 0; h < hkv; h++) {
+        const float *xh = x + h * d;
+        float m = 0.f;
+        for (int64_t e = 0; e < d; e++) m = fabsf(xh[e]) > m ? fabsf(xh[e]) : m;
+        const float s = m / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+        scales[h] = s;
+        for (int64_t e = 0; e < d; e++) {
+            const float y = nearbyintf(xh[e] * inv);
+            q[h * d + e] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y);
+        }
+    }
+}
+
+/* A token's keys or values (hkv heads of d floats) into cache slot `slot`: copied, or quantized
+ * where the cache is 8-bit (`scales` [slots, hkv] given). */
+static inline void store_row(const float *x, int64_t hkv, int64_t d, void *cache, float *scales, int64_t slot) {
+    if (scales) quantize_heads(x, hkv, d, (int8_t *)cache + slot * hkv * d, scales + slot * hkv);
+    else memcpy((float *)cache + slot * hkv * d, x, (size_t)(hkv * d) * sizeof(float));
+}
+
+/* K and V of T tokens (hkv heads of d floats, rows k_stride and v_stride apart) into cache
+ * slots; slot -1: nowhere. Caches are [slots, hkv, d]: floats, or int8 with `k_scales` and
+ * `v_scales` [slots, hkv] (NULL for a float cache). */
+int cpu_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T, int64_t hkv,
+                 int64_t d, const int64_t *slots, void *k_cache, void *v_cache, float *k_scales, float *v_scales) {
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
-        float *kd = k_cache + slots[t] * width, *vd = v_cache + slots[t] * width;
-        const float *ks = k + t * k_stride, *vs = v + t * v_stride;
-        for (int64_t i = 0; i < width; i++) { kd[i] = ks[i]; vd[i] = vs[i]; }
+        store_row(k + t * k_stride, hkv, d, k_cache, k_scales, slots[t]);
+        store_row(v + t * v_stride, hkv, d, v_cache, v_scales, slots[t]);
     }
     return 0;
 }
@@ -89,7 +112,8 @@ static inline float exp_approx(float x) {
 
 /* Attention of n single-token queries over their paged context.
  * qkv: [n, hq + 2 hkv, d] rows `q_stride` apart (queries, keys, values); caches [blocks, bs, hkv,
- * d]; tables [n, width] block ids; lens[i]: context length of query i (itself included);
+ * d] of floats, or of int8 with k_scales and v_scales [blocks, bs, hkv] (an 8-bit cache: a score is
+ * scaled by its key's scale, a weight by its value's); tables [n, width] block ids; lens[i]: context length of query i (itself included);
  * window > 0: only its last `window` positions; softcap > 0: scores s become
  * softcap * tanh(s / softcap); sinks (or NULL): a logit per head that joins each softmax and
  * attends to nothing (gpt-oss), added where the chunks merge. out: [n, hq, d].
@@ -104,8 +128,12 @@ static inline float exp_approx(float x) {
  * no denormal arithmetic. */
 #define MIN_CHUNK 64
 #define MAX_CHUNKS 8
-static inline const float *cache_row(const float *cache, const int64_t *table, int64_t p, int64_t bs, int64_t row) {
-    return cache + (table[p / bs] * bs + p % bs) * row;
+/* The cache slot of position p, and a cache's row there: `row` values of `es` bytes (4: float32,
+ * 1: an 8-bit cache's int8). */
+static inline int64_t slot_of(const int64_t *table, int64_t p, int64_t bs) { return table[p / bs] * bs + p % bs; }
+static inline const void *cache_row(const void *cache, const int64_t *table, int64_t p, int64_t bs, int64_t row,
+                                    int64_t es) {
+    return (const char *)cache + slot_of(table, p, bs) * row * es;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -120,58 +148,73 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* Sixteen cache values from p (floats, or int8 widened exactly). */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int I8) {
+    return I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)))
+              : _mm512_loadu_ps((const float *)p);
+}
+
 /* Scores of G query heads (d = 16 DV values, d apart in q; their rows of `scores` L apart) that
- * share the key head at offset koff of each cache row, over positions c0 .. c0 + L - 1: the
- * queries stay in registers, four positions at a time. */
-static inline __attribute__((always_inline)) void qk_heads(const int DV, const int G, const float *q,
-        const float *k_cache, const int64_t *table, int64_t bs, int64_t row, int64_t koff, int64_t c0,
-        int64_t L, float scale, float *scores) {
+ * share key head g (values at offset koff of each cache row), over positions c0 .. c0 + L - 1: the
+ * queries stay in registers, four positions at a time. An 8-bit cache's dot products are scaled
+ * by their key's scale (ks [slots, hkv]). */
+static inline __attribute__((always_inline)) void qk_heads(const int DV, const int G, const int I8, const float *q,
+        const void *k_cache, const float *ks, const int64_t *table, int64_t bs, int64_t row, int64_t koff,
+        int64_t hkv, int64_t g, int64_t c0, int64_t L, float scale, float *scores) {
+    const int64_t es = I8 ? 1 : 4;
     __m512 qv[4][8];
     for (int h = 0; h < G; h++)
         for (int v = 0; v < DV; v++) qv[h][v] = _mm512_loadu_ps(q + h * 16 * DV + 16 * v);
     const __m128 sc = _mm_set1_ps(scale);
     int64_t j = 0;
     for (; j + 4 <= L; j += 4) {
-        const float *k0 = cache_row(k_cache, table, c0 + j, bs, row) + koff;
-        const float *k1 = cache_row(k_cache, table, c0 + j + 1, bs, row) + koff;
-        const float *k2 = cache_row(k_cache, table, c0 + j + 2, bs, row) + koff;
-        const float *k3 = cache_row(k_cache, table, c0 + j + 3, bs, row) + koff;
+        const int64_t s0 = slot_of(table, c0 + j, bs), s1 = slot_of(table, c0 + j + 1, bs);
+        const int64_t s2 = slot_of(table, c0 + j + 2, bs), s3 = slot_of(table, c0 + j + 3, bs);
+        const char *k0 = (const char *)k_cache + (s0 * row + koff) * es, *k1 = (const char *)k_cache + (s1 * row + koff) * es;
+        const char *k2 = (const char *)k_cache + (s2 * row + koff) * es, *k3 = (const char *)k_cache + (s3 * row + koff) * es;
+        const __m128 scj = I8 ? _mm_mul_ps(sc, _mm_setr_ps(ks[s0 * hkv + g], ks[s1 * hkv + g], ks[s2 * hkv + g],
+                                                           ks[s3 * hkv + g])) : sc;
         for (int h = 0; h < G; h++) {
-            __m512 a0 = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(k0)), a1 = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(k1));
-            __m512 a2 = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(k2)), a3 = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(k3));
+            __m512 a0 = _mm512_mul_ps(qv[h][0], load16(k0, I8)), a1 = _mm512_mul_ps(qv[h][0], load16(k1, I8));
+            __m512 a2 = _mm512_mul_ps(qv[h][0], load16(k2, I8)), a3 = _mm512_mul_ps(qv[h][0], load16(k3, I8));
             for (int v = 1; v < DV; v++) {
-                a0 = _mm512_fmadd_ps(qv[h][v], _mm512_loadu_ps(k0 + 16 * v), a0);
-                a1 = _mm512_fmadd_ps(qv[h][v], _mm512_loadu_ps(k1 + 16 * v), a1);
-                a2 = _mm512_fmadd_ps(qv[h][v], _mm512_loadu_ps(k2 + 16 * v), a2);
-                a3 = _mm512_fmadd_ps(qv[h][v], _mm512_loadu_ps(k3 + 16 * v), a3);
+                a0 = _mm512_fmadd_ps(qv[h][v], load16(k0 + 16 * v * es, I8), a0);
+                a1 = _mm512_fmadd_ps(qv[h][v], load16(k1 + 16 * v * es, I8), a1);
+                a2 = _mm512_fmadd_ps(qv[h][v], load16(k2 + 16 * v * es, I8), a2);
+                a3 = _mm512_fmadd_ps(qv[h][v], load16(k3 + 16 * v * es, I8), a3);
             }
-            _mm_storeu_ps(scores + h * L + j, _mm_mul_ps(sum4(a0, a1, a2, a3), sc));
+            _mm_storeu_ps(scores + h * L + j, _mm_mul_ps(sum4(a0, a1, a2, a3), scj));
         }
     }
     for (; j < L; j++) {
-        const float *k0 = cache_row(k_cache, table, c0 + j, bs, row) + koff;
+        const int64_t s0 = slot_of(table, c0 + j, bs);
+        const char *k0 = (const char *)k_cache + (s0 * row + koff) * es;
+        const float scj = I8 ? scale * ks[s0 * hkv + g] : scale;
         for (int h = 0; h < G; h++) {
-            __m512 a = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(k0));
-            for (int v = 1; v < DV; v++) a = _mm512_fmadd_ps(qv[h][v], _mm512_loadu_ps(k0 + 16 * v), a);
-            scores[h * L + j] = _mm512_reduce_add_ps(a) * scale;
+            __m512 a = _mm512_mul_ps(qv[h][0], load16(k0, I8));
+            for (int v = 1; v < DV; v++) a = _mm512_fmadd_ps(qv[h][v], load16(k0 + 16 * v * es, I8), a);
+            scores[h * L + j] = _mm512_reduce_add_ps(a) * scj;
         }
     }
 }
 
-/* o[h] += sum_j w[h, j] v_j for the G heads sharing the value head at koff, their outputs in
- * registers over the whole chunk. */
-static inline __attribute__((always_inline)) void pv_heads(const int DV, const int G, const float *w,
-        const float *v_cache, const int64_t *table, int64_t bs, int64_t row, int64_t koff, int64_t c0,
-        int64_t L, float *o) {
+/* o[h] += sum_j w[h, j] v_j for the G heads sharing value head g, their outputs in registers
+ * over the whole chunk (an 8-bit cache's weights times their value's scale, vs [slots, hkv]). */
+static inline __attribute__((always_inline)) void pv_heads(const int DV, const int G, const int I8, const float *w,
+        const void *v_cache, const float *vs, const int64_t *table, int64_t bs, int64_t row, int64_t koff,
+        int64_t hkv, int64_t g, int64_t c0, int64_t L, float *o) {
+    const int64_t es = I8 ? 1 : 4;
     __m512 acc[4][8];
     for (int h = 0; h < G; h++)
         for (int v = 0; v < DV; v++) acc[h][v] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
-        const float *vr = cache_row(v_cache, table, c0 + j, bs, row) + koff;
+        const int64_t s = slot_of(table, c0 + j, bs);
+        const char *vr = (const char *)v_cache + (s * row + koff) * es;
+        const float f = I8 ? vs[s * hkv + g] : 1.f;
         __m512 vv[8];
-        for (int v = 0; v < DV; v++) vv[v] = _mm512_loadu_ps(vr + 16 * v);
+        for (int v = 0; v < DV; v++) vv[v] = load16(vr + 16 * v * es, I8);
         for (int h = 0; h < G; h++) {
-            const __m512 wh = _mm512_set1_ps(w[h * L + j]);
+            const __m512 wh = _mm512_set1_ps(w[h * L + j] * f);
             for (int v = 0; v < DV; v++) acc[h][v] = _mm512_fmadd_ps(wh, vv[v], acc[h][v]);
         }
     }
@@ -179,47 +222,57 @@ static inline __attribute__((always_inline)) void pv_heads(const int DV, const i
         for (int v = 0; v < DV; v++) _mm512_storeu_ps(o + h * 16 * DV + 16 * v, acc[h][v]);
 }
 
-/* Both for head dims 64 and 128, in groups of up to 4 (64) or 2 (128) query heads: returns 0
- * for a head dim they do not cover. */
-#define HEADS_DISPATCH(FN, DV, G, ...)                                                              \
+/* Both for head dims 64 and 128, in groups of up to 4 (64) or 2 (128) query heads, float or 8-bit
+ * caches: does nothing for a head dim they do not cover. */
+#define HEADS_CASES(FN, DV, G, I8, ...)                                                             \
     switch ((DV) * 8 + (G)) {                                                                       \
-    case 4 * 8 + 1: FN(4, 1, __VA_ARGS__); break;                                                   \
-    case 4 * 8 + 2: FN(4, 2, __VA_ARGS__); break;                                                   \
-    case 4 * 8 + 3: FN(4, 3, __VA_ARGS__); break;                                                   \
-    case 4 * 8 + 4: FN(4, 4, __VA_ARGS__); break;                                                   \
-    case 8 * 8 + 1: FN(8, 1, __VA_ARGS__); break;                                                   \
-    case 8 * 8 + 2: FN(8, 2, __VA_ARGS__); break;                                                   \
+    case 4 * 8 + 1: FN(4, 1, I8, __VA_ARGS__); break;                                               \
+    case 4 * 8 + 2: FN(4, 2, I8, __VA_ARGS__); break;                                               \
+    case 4 * 8 + 3: FN(4, 3, I8, __VA_ARGS__); break;                                               \
+    case 4 * 8 + 4: FN(4, 4, I8, __VA_ARGS__); break;                                               \
+    case 8 * 8 + 1: FN(8, 1, I8, __VA_ARGS__); break;                                               \
+    case 8 * 8 + 2: FN(8, 2, I8, __VA_ARGS__); break;                                               \
     }
-static int attend_chunk_avx512(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                               int64_t bs, int64_t hkv, int64_t d, int64_t hq, int64_t c0, int64_t L, float scale,
-                               float *scores, float *o, int values) {
+#define HEADS_DISPATCH(FN, DV, G, I8, ...)                                                          \
+    do {                                                                                            \
+        if (I8) { HEADS_CASES(FN, DV, G, 1, __VA_ARGS__) }                                          \
+        else { HEADS_CASES(FN, DV, G, 0, __VA_ARGS__) }                                             \
+    } while (0)
+static int attend_chunk_avx512(const float *q, const void *k_cache, const void *v_cache, const float *ks,
+                               const float *vs, const int64_t *table, int64_t bs, int64_t hkv, int64_t d, int64_t hq,
+                               int64_t c0, int64_t L, float scale, float *scores, float *o, int values) {
     if (d != 64 && d != 128) return 0;
     const int64_t DV = d / 16, most = d == 64 ? 4 : 2, group = hq / hkv, row = hkv * d;
+    const int i8 = ks != NULL;
     for (int64_t g = 0; g < hkv; g++)
         for (int64_t h0 = 0; h0 < group; h0 += most) {
             const int64_t G = group - h0 < most ? group - h0 : most, hh = g * group + h0;
             if (!values) {
-                HEADS_DISPATCH(qk_heads, DV, G, q + hh * d, k_cache, table, bs, row, g * d, c0, L, scale, scores + hh * L)
+                HEADS_DISPATCH(qk_heads, DV, G, i8, q + hh * d, k_cache, ks, table, bs, row, g * d, hkv, g, c0, L,
+                               scale, scores + hh * L);
             } else {
-                HEADS_DISPATCH(pv_heads, DV, G, scores + hh * L, v_cache, table, bs, row, g * d, c0, L, o + hh * d)
+                HEADS_DISPATCH(pv_heads, DV, G, i8, scores + hh * L, v_cache, vs, table, bs, row, g * d, hkv, g, c0,
+                               L, o + hh * d);
             }
         }
     return 1;
 }
 #else
-static int attend_chunk_avx512(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                               int64_t bs, int64_t hkv, int64_t d, int64_t hq, int64_t c0, int64_t L, float scale,
-                               float *scores, float *o, int values) {
+static int attend_chunk_avx512(const float *q, const void *k_cache, const void *v_cache, const float *ks,
+                               const float *vs, const int64_t *table, int64_t bs, int64_t hkv, int64_t d, int64_t hq,
+                               int64_t c0, int64_t L, float scale, float *scores, float *o, int values) {
     return 0;
 }
 #endif
 
-int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
-                         int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
-                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap,
+int cpu_decode_attention(float *qkv, int64_t q_stride, void *k_cache, void *v_cache, float *k_scales,
+                         float *v_scales, int64_t bs, int64_t hkv, int64_t d, int64_t hq, const int64_t *tables,
+                         int64_t width, const int64_t *lens, int64_t n, float scale, int64_t window, float softcap,
                          const float *sinks, float *out, const int64_t *slots, const int64_t *pos,
                          const float *cos_t, const float *sin_t, int nthreads) {
     const int64_t group = hq / hkv, row = hkv * d;
+    const int i8 = k_scales != NULL;
+    const int64_t es = i8 ? 1 : 4;
     if (slots)
         for (int64_t i = 0; i < n; i++) {
             float *q = qkv + i * q_stride, *k = q + hq * d, *v = k + hkv * d;
@@ -227,8 +280,8 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
                 const float *c = cos_t + pos[i] * (d / 2), *s = sin_t + pos[i] * (d / 2);
                 for (int64_t h = 0; h < hq + hkv; h++) rotate_head(q + h * d, d, c, s);
             }
-            memcpy(k_cache + slots[i] * row, k, (size_t)row * sizeof(float));
-            memcpy(v_cache + slots[i] * row, v, (size_t)row * sizeof(float));
+            store_row(k, hkv, d, k_cache, k_scales, slots[i]);
+            store_row(v, hkv, d, v_cache, v_scales, slots[i]);
         }
     /* A row's chunks follow from its own context length alone, never from the rest of the batch
      * or the thread count: a query's output is the same bits whatever else the step holds (a
@@ -270,14 +323,25 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
             memset(o, 0, (size_t)(hq * d) * sizeof(float));
             for (int64_t hh = 0; hh < hq; hh++) { mx[hh] = -INFINITY; sum[hh] = 0.f; }
             if (!scores || L == 0) continue;
-            if (!attend_chunk_avx512(q, k_cache, v_cache, table, bs, hkv, d, hq, c0, L, scale, scores, o, 0))
+            if (!attend_chunk_avx512(q, k_cache, v_cache, k_scales, v_scales, table, bs, hkv, d, hq, c0, L, scale,
+                                     scores, o, 0))
                 for (int64_t j = 0; j < L; j++) {
-                    const float *kr = cache_row(k_cache, table, c0 + j, bs, row);
+                    const void *kr = cache_row(k_cache, table, c0 + j, bs, row, es);
+                    const float *ksr = i8 ? k_scales + slot_of(table, c0 + j, bs) * hkv : NULL;
                     for (int64_t hh = 0; hh < hq; hh++) {
-                        const float *qh = q + hh * d, *kh = kr + (hh / group) * d;
+                        const float *qh = q + hh * d;
+                        const int64_t g = hh / group;
                         float s = 0.f;
-                        #pragma omp simd reduction(+ : s)
-                        for (int64_t e = 0; e < d; e++) s += qh[e] * kh[e];
+                        if (i8) {
+                            const int8_t *kh = (const int8_t *)kr + g * d;
+                            #pragma omp simd reduction(+ : s)
+                            for (int64_t e = 0; e < d; e++) s += qh[e] * (float)kh[e];
+                            s *= ksr[g];
+                        } else {
+                            const float *kh = (const float *)kr + g * d;
+                            #pragma omp simd reduction(+ : s)
+                            for (int64_t e = 0; e < d; e++) s += qh[e] * kh[e];
+                        }
                         scores[hh * L + j] = s * scale;
                     }
                 }
@@ -294,15 +358,25 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_
                 }
                 mx[hh] = m; sum[hh] = total;
             }
-            if (!attend_chunk_avx512(q, k_cache, v_cache, table, bs, hkv, d, hq, c0, L, scale, scores, o, 1))
+            if (!attend_chunk_avx512(q, k_cache, v_cache, k_scales, v_scales, table, bs, hkv, d, hq, c0, L, scale,
+                                     scores, o, 1))
                 for (int64_t j = 0; j < L; j++) {
-                    const float *vr = cache_row(v_cache, table, c0 + j, bs, row);
+                    const void *vr = cache_row(v_cache, table, c0 + j, bs, row, es);
+                    const float *vsr = i8 ? v_scales + slot_of(table, c0 + j, bs) * hkv : NULL;
                     for (int64_t hh = 0; hh < hq; hh++) {
-                        const float w = scores[hh * L + j], *vh = vr + (hh / group) * d;
+                        const int64_t g = hh / group;
+                        const float w = scores[hh * L + j] * (i8 ? vsr[g] : 1.f);
                         float *oh = o + hh * d;
                         if (w == 0.f) continue;
-                        #pragma omp simd
-                        for (int64_t e = 0; e < d; e++) oh[e] += w * vh[e];
+                        if (i8) {
+                            const int8_t *vh = (const int8_t *)vr + g * d;
+                            #pragma omp simd
+                            for (int64_t e = 0; e < d; e++) oh[e] += w * (float)vh[e];
+                        } else {
+                            const float *vh = (const float *)vr + g * d;
+                            #pragma omp simd
+                            for (int64_t e = 0; e < d; e++) oh[e] += w * vh[e];
+                        }
                     }
                 }
         }

@@ -38,30 +38,46 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     return x
 
 
+def _scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[int, int]:
+    """The scale pointers of an 8-bit (int8) cache, 0 for a float32 one."""
+    if k_scale is None:
+        assert k_cache.dtype == torch.float32
+        return 0, 0
+    assert k_cache.dtype == torch.int8 and k_cache.is_contiguous()
+    for s in (k_scale, v_scale):
+        assert s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:3]
+    return k_scale.data_ptr(), v_scale.data_ptr()
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] (rows at any stride) into the caches' slots."""
+             slots: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """k, v [T, Hkv, D] (rows at any stride) into the caches' slots (quantized, with scales: an 8-bit cache)."""
     t, h, d = k.shape
     for x in (k, v):
         assert x.stride(2) == 1 and x.stride(1) == d and x.dtype == torch.float32
-    assert k_cache.dtype == torch.float32 and slots.dtype == torch.int64 and slots.is_contiguous()
-    load_cpu_kernels().cpu_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, h * d,
-                                    slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    assert slots.dtype == torch.int64 and slots.is_contiguous()
+    load_cpu_kernels().cpu_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, h, d,
+                                    slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    *_scales(k_cache, k_scale, v_scale))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, Hq, D] (one token per request, already in the cache) over caches [blocks, bs, Hkv, D]
-    -> [n, Hq, D]. `sinks`: float32 [Hq], a logit per head in each softmax (gpt-oss)."""
-    return _decode_attention(q, q.shape[1], k_cache, v_cache, tables, lens, scale, window, softcap, sinks)
+    -> [n, Hq, D]. `sinks`: float32 [Hq], a logit per head in each softmax (gpt-oss). `k_scale` and
+    `v_scale` [blocks, bs, Hkv]: the caches are int8 (pocketllm.core.kv_dtype)."""
+    return _decode_attention(q, q.shape[1], k_cache, v_cache, tables, lens, scale, window, softcap, sinks,
+                             scales=(k_scale, v_scale))
 
 
 def fused_decode_attention(qkv: torch.Tensor, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                            window: int | None, softcap: float | None,
                            rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A decode-only step in one call: qkv [n, Hq + 2 Hkv, D] has its queries and keys rotated in
     place (`rotary` = (positions, cos, sin) tables, if given), keys and values written to `slots`,
     then each query attends its paged context -> [n, Hq, D]."""
@@ -69,21 +85,22 @@ def fused_decode_attention(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
     if rotary is not None:
         assert rotary[0].dtype == torch.int64 and rotary[0].is_contiguous()
     return _decode_attention(qkv, num_heads, k_cache, v_cache, tables, lens, scale, window, softcap, sinks, slots,
-                             rotary)
+                             rotary, (k_scale, v_scale))
 
 
 def _decode_attention(qkv, hq, k_cache, v_cache, tables, lens, scale, window, softcap, sinks=None, slots=None,
-                      rotary=None):
+                      rotary=None, scales=(None, None)):
     n, _, d = qkv.shape
     _, bs, hkv, _ = k_cache.shape
-    assert qkv.stride(2) == 1 and qkv.stride(1) == d and qkv.dtype == k_cache.dtype == torch.float32
+    assert qkv.stride(2) == 1 and qkv.stride(1) == d and qkv.dtype == torch.float32
+    ks, vs = _scales(k_cache, *scales)
     assert tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
     out = torch.empty(n, hq, d)
     pos, cos, sin = (p.data_ptr() for p in rotary) if rotary is not None else (0, 0, 0)
     if sinks is not None:
         assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == hq
     rc = load_cpu_kernels().cpu_decode_attention(
-        qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bs, hkv, d, hq, tables.data_ptr(),
+        qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, bs, hkv, d, hq, tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), n, scale, window or 0, softcap or 0.0,
         0 if sinks is None else sinks.data_ptr(), out.data_ptr(),
         0 if slots is None else slots.data_ptr(), pos, cos, sin, torch.get_num_threads())

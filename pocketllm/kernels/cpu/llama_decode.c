@@ -24,9 +24,9 @@ int gguf_gemm_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, const float 
                  int passes, int nthreads);
 int cpu_rms_norm(const float *x, float *res, const float *w, float *y, int64_t rows, int64_t dim, float eps,
                  int nthreads);
-int cpu_decode_attention(float *qkv, int64_t q_stride, float *k_cache, float *v_cache, int64_t bs,
-                         int64_t hkv, int64_t d, int64_t hq, const int64_t *tables, int64_t width,
-                         const int64_t *lens, int64_t n, float scale, int64_t window, float softcap,
+int cpu_decode_attention(float *qkv, int64_t q_stride, void *k_cache, void *v_cache, float *k_scales,
+                         float *v_scales, int64_t bs, int64_t hkv, int64_t d, int64_t hq, const int64_t *tables,
+                         int64_t width, const int64_t *lens, int64_t n, float scale, int64_t window, float softcap,
                          const float *sinks, float *out, const int64_t *slots, const int64_t *pos,
                          const float *cos_t, const float *sin_t, int nthreads);
 int cpu_gated_act(const float *gate_up, int64_t T, int64_t I, int act, float *out, int nthreads);
@@ -50,7 +50,8 @@ typedef struct {
     const float *in_norm, *post_norm; /* RMSNorm scales */
     const float *q_norm, *k_norm;     /* per-head RMSNorm scales of the queries and keys, or NULL */
     ld_proj qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;   /* floats, or int8 with the scales (an 8-bit cache) */
+    float *k_scales, *v_scales; /* [slots, kv_heads], or NULL */
     int64_t window;
     float softcap;
 } ld_layer;
@@ -115,7 +116,8 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
                 cpu_rms_norm(qkv + r * qkv_w, NULL, L->q_norm, qkv + r * qkv_w, hq, d, m->eps, 1);
                 cpu_rms_norm(qkv + r * qkv_w + hq * d, NULL, L->k_norm, qkv + r * qkv_w + hq * d, hkv, d, m->eps, 1);
             }
-        if ((rc = cpu_decode_attention(qkv, qkv_w, L->k_cache, L->v_cache, m->block_size, hkv, d, hq, tables,
+        if ((rc = cpu_decode_attention(qkv, qkv_w, L->k_cache, L->v_cache, L->k_scales, L->v_scales, m->block_size,
+                                       hkv, d, hq, tables,
                                        width, lens, t, m->scale, L->window, L->softcap, NULL, attn, slots, pos,
                                        m->cos, m->sin, nthreads)))
             break;

@@ -23,7 +23,7 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", _Proj),
                 ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("k_cache", _ptr), ("v_cache", _ptr),
-                ("window", _i64), ("softcap", _f32)]
+                ("k_scales", _ptr), ("v_scales", _ptr), ("window", _i64), ("softcap", _f32)]
 
 
 class _Model(ctypes.Structure):
@@ -52,6 +52,16 @@ def _proj(linear, keep: list) -> _Proj | None:
         proj.part[i] = _Part(type=int(p.qtype), passes=p.int8, interleaved=int(interleaved), w=w.data_ptr(),
                              bias=None if p.bias is None else _f32_ptr(p.bias, keep), n=p.out_features)
     return proj
+
+
+def _cache_ptrs(attn, keep: list) -> tuple:
+    """(K values, V values, K scales, V scales) of a layer's cache: float32, or int8 with scales."""
+    if attn.k_scale is None:
+        return _f32_ptr(attn.k_cache, keep), _f32_ptr(attn.v_cache, keep), None, None
+    for t in (attn.k_cache, attn.v_cache):
+        assert t.dtype == torch.int8 and t.is_contiguous()
+        keep.append(t)
+    return attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), _f32_ptr(attn.k_scale, keep), _f32_ptr(attn.v_scale, keep)
 
 
 class LlamaDecoder:
@@ -87,8 +97,7 @@ class LlamaDecoder:
                       (_f32_ptr(attn.q_norm.scale(), keep), _f32_ptr(attn.k_norm.scale(), keep)))
             specs.append(_Layer(_f32_ptr(layer.input_layernorm.scale(), keep),
                                 _f32_ptr(layer.post_attention_layernorm.scale(), keep), qn, kn, *projs,
-                                _f32_ptr(attn.k_cache, keep), _f32_ptr(attn.v_cache, keep),
-                                attn.window or 0, attn.softcap or 0.0))
+                                *_cache_ptrs(attn, keep), attn.window or 0, attn.softcap or 0.0))
         array = (_Layer * len(specs))(*specs)
         rot = model.rotary
         spec = _Model(len(specs), layers[0].input_layernorm.weight.numel(), a0.num_heads, a0.num_kv_heads,

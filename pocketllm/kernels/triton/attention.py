@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pocketllm.core.kv_dtype import quant_of
+
 from .int8_act import attach, buffers_for, kernel_args, store_groups
 
 
@@ -50,14 +52,15 @@ def _find_seq(query_start_loc, qb, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, tickets, block_tables, seq_lens, query_start_loc, sinks,
-        chain_pos, scale, softcap, window, num_seqs, num_q_heads,
+        q_ptr, k_cache, v_cache, k_scale, v_scale, out_ptr, part_acc, part_ml, tickets, block_tables, seq_lens,
+        query_start_loc, sinks, chain_pos, scale, softcap, window, num_seqs, num_q_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_sb, stride_ss,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         KV_BLOCK: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, RUN: tl.constexpr,
         BLOCK_M: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
-        PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHAINS: tl.constexpr, MERGE: tl.constexpr):
+        PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, CHAINS: tl.constexpr, MERGE: tl.constexpr,
+        QUANT_KV: tl.constexpr):
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,7 +125,11 @@ def _paged_attention_kernel(
         slot_in = k_pos % KV_BLOCK
         k = tl.load(k_cache + phys[:, None] * stride_kb + slot_in[:, None] * stride_ks + kvh * stride_kh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        if QUANT_KV:  # 8-bit values, exact in q's dtype; a score takes its key's scale
+            k_sc = tl.load(k_scale + phys * stride_sb + slot_in * stride_ss + kvh, mask=n_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (scale * k_sc[None, :])
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
         if USE_SOFTCAP:
             # tanh(x) = 2 * sigmoid(2x) - 1
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
@@ -137,7 +144,12 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + phys[:, None] * stride_vb + slot_in[:, None] * stride_vs + kvh * stride_vh
                     + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if QUANT_KV:  # a weight takes its value's scale
+            v_sc = tl.load(v_scale + phys * stride_sb + slot_in * stride_ss + kvh, mask=n_ok, other=0.0)
+            pv = tl.dot((p * v_sc[None, :]).to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     if NUM_SPLITS == 1:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -234,7 +246,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int, scale: float, window: int | None = None,
                     softcap: float | None = None, out: torch.Tensor | None = None,
                     num_splits: int | None = None, sinks: torch.Tensor | None = None,
-                    int8_rows: int = 0, chain_pos: torch.Tensor | None = None) -> torch.Tensor:
+                    int8_rows: int = 0, chain_pos: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (any row/head strides, unit last stride) -> out [T, Hq, D]. ``sinks`` [Hq]
     float32: a logit per head in every row's softmax denominator (gpt-oss). Up to ``int8_rows``
     rows, decode steps whose key splits are merged also give the output's 8-bit form
@@ -242,7 +255,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     index among its request's consecutive rows (a request with drafts has several); where the keys are
     not split, a program takes a run of one request's rows and reads their keys once (each row the same
     bits as alone: the keys past a row's own are masked out of its softmax, whole tiles of them adding
-    exact zeros).
+    exact zeros). ``k_scale``/``v_scale`` [blocks, bs, Hkv] float32: the caches hold 8-bit values
+    (int8 or fp8, pocketllm.core.kv_dtype), read as such and scaled in the kernel.
 
     block_tables [R, W] int32, seq_lens [R] int32, query_start_loc [R + 1] int32; the step's
     K/V must already be in the cache. With a window, entries for blocks wholly before each tile's
@@ -278,18 +292,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     merge = num_splits > 1 and x8 is None
     assert not merge or grid[0] * hkv <= MAX_TICKETS, grid
     tickets = _tickets(q.device) if merge else seq_lens
+    quant = k_scale is not None
+    if quant:
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+        assert k_scale.stride(2) == 1
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml, tickets, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, k_scale if quant else out, v_scale if quant else out, out, part_acc, part_ml, tickets,
+        block_tables, seq_lens, query_start_loc,
         out if sinks is None else sinks, chain_pos if chains else seq_lens, scale, softcap or 0.0, window or 0,
         num_seqs, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0,
         GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(max(d, 16)),
         KV_BLOCK=kv_block, TILE_N=tile_n, BLOCK_Q=block_q, RUN=triton.next_power_of_2(block_q), BLOCK_M=block_m,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no TF32
-        NUM_SPLITS=num_splits, CHAINS=chains, MERGE=merge)
+        NUM_SPLITS=num_splits, CHAINS=chains, MERGE=merge, QUANT_KV=quant)
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(t, hq)](part_acc, part_ml, out, *kernel_args(x8, out), out.stride(0), out.stride(1),
                                       hq, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
@@ -312,11 +332,55 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_mapping, stride_kt, st
     tl.store(v_cache + slot * stride_vcs + offs, tl.load(v_ptr + t * stride_vt + offs, mask=ok), mask=ok)
 
 
+@triton.jit
+def _quantize_heads(x_ptr, cache, scales, slot, stride_cs, HKV: tl.constexpr, D: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """A token's HKV heads of D values into its cache slot as 8-bit values and a float32 scale a head
+    (pocketllm.core.kv_dtype's reference: scale = amax / QMAX, int8 rounded to the nearest even)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
+    x = tl.load(x_ptr + offs_h[:, None] * D + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = tl.max(tl.abs(x), 1) / QMAX
+    y = x * tl.where(s > 0.0, 1.0 / s, 0.0)[:, None]
+    if INT8:
+        f = tl.floor(y)
+        odd = f - 2.0 * tl.floor(f * 0.5)  # 1.0 where f is odd
+        r = f + tl.where(y - f > 0.5, 1.0, tl.where(y - f < 0.5, 0.0, odd))
+        values = tl.minimum(tl.maximum(r, -127.0), 127.0).to(cache.dtype.element_ty)
+    else:
+        values = tl.minimum(tl.maximum(y, -QMAX), QMAX).to(cache.dtype.element_ty)
+    tl.store(cache + slot * stride_cs + offs_h[:, None] * D + offs_d[None, :], values, mask=ok)
+    tl.store(scales + slot * HKV + offs_h, s, mask=offs_h < HKV)
+
+
+@triton.jit
+def _write_kv_quant_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapping, stride_kt, stride_vt,
+                           stride_cs, stride_vcs, HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_D: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    if slot < 0:
+        return
+    _quantize_heads(k_ptr + t * stride_kt, k_cache, k_scale, slot, stride_cs, HKV, D, BLOCK_H, BLOCK_D, QMAX, INT8)
+    _quantize_heads(v_ptr + t * stride_vt, v_cache, v_scale, slot, stride_vcs, HKV, D, BLOCK_H, BLOCK_D, QMAX, INT8)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k/v [T, Hkv, D] (heads contiguous within a row) -> cache slots; slot -1 is skipped."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """k/v [T, Hkv, D] (heads contiguous within a row) -> cache slots; slot -1 is skipped. With scales
+    [blocks, bs, Hkv] (contiguous), the caches are 8-bit: each head quantized with its scale."""
     t, hkv, d = k.shape
     assert k.stride(1) == d and v.stride(1) == d and k.stride(2) == 1 and v.stride(2) == 1
+    if k_scale is not None:
+        assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_cache.stride(1) == v_cache.stride(1)
+        quant = quant_of(k_cache.dtype)
+        _write_kv_quant_kernel[(t,)](k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, k.stride(0),
+                                     v.stride(0), k_cache.stride(1), v_cache.stride(1), HKV=hkv, D=d,
+                                     BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+                                     QMAX=quant.qmax, INT8=quant.storage == torch.int8)
+        return
     assert k.dtype == k_cache.dtype
     row = hkv * d
     _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
