@@ -58,6 +58,9 @@ class EngineArgs:
     # vLLM's speculative_config, as a dict or its JSON text: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     speculative_config: str | dict | None = None
+    # GPU: the experts of the first N mixture-of-experts layers ("all": every one) held in host memory and
+    # computed there by the CPU's kernels (llama.cpp's --n-cpu-moe), the rest of the model on the GPU
+    cpu_offload_experts: str | None = None
     # ranks of one engine, each holding a shard of every layer (vLLM's name); on CUDA one GPU each,
     # on the CPU processes sharing the cores (gloo)
     tensor_parallel_size: int = 1
@@ -100,6 +103,9 @@ class EngineArgs:
              f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        need(self.cpu_offload_experts is None or self.cpu_offload_experts == "all"
+             or str(self.cpu_offload_experts).isdigit(),
+             f"cpu_offload_experts must be a number of layers or 'all'; got {self.cpu_offload_experts!r}")
         need(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 bytes; got {self.kv_cache_memory}")
         need(0 < self.gpu_memory_utilization <= 1,
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")

@@ -20,6 +20,9 @@ _HELP = {
     "kv_cache_dtype": "auto | int8 | fp8: what the KV cache holds (auto: the model's dtype; int8 and fp8 "
                       "(e4m3): 8-bit values and a scale per token and head, about half the memory of bfloat16 "
                       "and a quarter of float32; the CPU takes int8, CUDA both)",
+    "cpu_offload_experts": "CUDA, mixture-of-experts models: N | all: the experts of the first N layers (all: every "
+                           "layer) stay in host memory and run on the CPU's kernels, the rest on the GPU (llama.cpp's "
+                           "--n-cpu-moe), for a model whose experts do not fit the card (default: none)",
     "reserve_kv_cache": "CPU: hold the KV cache's memory from the start, not as blocks are first used "
                         "(default: on for serve, off for chat and generate)",
     "gpu_memory_utilization": "CUDA: fraction of the GPU's memory for weights and KV cache together "

@@ -42,7 +42,12 @@ class KernelConfig:
     def choose(cls, device: torch.device, dtype: torch.dtype, *, exact_kernels: bool, tp_size: int) -> KernelConfig:
         if device.type in TRITON_DEVICES:
             return cls(gpu=True)
-        if exact_kernels or dtype != torch.float32 or tp_size != 1:
+        return cls.host(exact_kernels=exact_kernels or dtype != torch.float32 or tp_size != 1)
+
+    @classmethod
+    def host(cls, *, exact_kernels: bool) -> KernelConfig:
+        """The CPU's own kernels, in float32 (what host memory's experts run, beside a GPU's model)."""
+        if exact_kernels:
             return cls()
         from pocketllm.kernels.cpu import layer_ops
 

@@ -17,6 +17,13 @@ Two ways through the experts:
   tile kernel covers the experts' encoding. On the GPU the routing (softmax, top k,
   renormalization) and the weighted sum of the experts' outputs are a kernel each
   (`kernels/triton/moe.py`), and the experts' biases are added by the activation and the sum.
+
+Experts in host memory (`offload_experts`, cpu_offload_experts): a layer's experts are built for the
+CPU and its kernels before any weight loads, so they take host memory only; the router stays on the
+GPU, and each step sends the layer's input and its routing to the host, runs the selected experts
+there (the sorted path, or one C call for one token) and sends the sum back: the same routing, the
+experts computed in float32 by the CPU's kernels. Such a step waits for the host, so the model runs
+without CUDA graphs.
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.distributed.parallel_state import get_tp
-from pocketllm.kernels.platform import kernels_for
+from pocketllm.errors import ConfigurationError
+from pocketllm.kernels.platform import building_with, kernels_for
 from pocketllm.layers.linear import ConcatLinear, Linear
 from pocketllm.quant.linear import GGUFLinear
 
@@ -161,14 +169,16 @@ class SparseMoE(torch.nn.Module):
     (``softmax_of_top_k``, a router bias) takes the top k logits, then a softmax over those."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 make_expert: Callable[[], torch.nn.Module], dtype, device, router_bias: bool = False,
-                 softmax_of_top_k: bool = False):
+                 make_expert: Callable[[torch.device | str, torch.dtype], torch.nn.Module], dtype, device,
+                 router_bias: bool = False, softmax_of_top_k: bool = False):
         super().__init__()
         assert 0 < top_k <= num_experts, (top_k, num_experts)
         self.top_k, self.renormalize, self.softmax_of_top_k = top_k, renormalize, softmax_of_top_k
         self.tp = get_tp()
         self.gate = Linear(hidden_size, [num_experts], router_bias, dtype=dtype, device=device)
-        self.experts = torch.nn.ModuleList(make_expert() for _ in range(num_experts))
+        self.make_expert = make_expert  # (device, dtype) -> an expert
+        self.experts = torch.nn.ModuleList(make_expert(device, dtype) for _ in range(num_experts))
+        self.on_host = False  # the experts live in host memory and run on the CPU's kernels (offload_experts)
         self.stacks: tuple[ExpertStack, ExpertStack] | None = None  # (gate_up, down), after loading
         self.fused_kind: str | None = None  # "gguf" / "dense" where the tile kernel covers both stacks
         self.kernels = kernels_for(device)  # the CPU fast path: a token's experts in one C call (DecodeExperts)
@@ -177,9 +187,16 @@ class SparseMoE(torch.nn.Module):
         # activation's output) in 8 bits, so that its producer writes them (int8_act)
         self.int8_tokens = self.int8_pairs = 0
 
+    def place_experts_on_host(self, kernels) -> None:
+        """Before loading: the experts rebuilt for the CPU, in float32 (what its kernels compute in),
+        running `kernels` (the CPU's configuration); the router stays where the layer is."""
+        with building_with(kernels):
+            self.experts = torch.nn.ModuleList(self.make_expert("cpu", torch.float32) for _ in self.experts)
+        self.on_host = True
+
     def finish_loading(self) -> None:
         """Stack the experts' projections where the grouped kernels take them."""
-        if not self.kernels.gpu:
+        if not self.kernels.gpu or self.on_host:
             return
         gate_up = ExpertStack.of([e.gate_up_proj for e in self.experts])
         down = ExpertStack.of([e.down_proj for e in self.experts]) if gate_up is not None else None
@@ -227,6 +244,9 @@ class SparseMoE(torch.nn.Module):
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.on_host:  # (waits for the device: the routing is read on the host)
+            y = self._host_experts(x.to("cpu", torch.float32), weights.cpu(), ids.cpu())
+            return y.to(x.device, x.dtype, non_blocking=True)
         t, k = ids.shape
         routing = None
         if self.fused_kind is not None:
@@ -247,14 +267,21 @@ class SparseMoE(torch.nn.Module):
             return weighted_sum(down(h, ids, 1, routing, add_bias=False), weights, down.bias, pair_ids).to(x.dtype)
         assert not (self.kernels.gpu and torch.cuda.is_current_stream_capturing()), \
             "a CUDA graph was captured over more tokens than the grouped expert path takes"
-        if x.shape[0] == 1 and self.kernels.cpu_fused and x.dtype == torch.float32:  # the experts in one C call
+        return self._host_experts(x, weights, ids) if not self.kernels.gpu else self._sorted_experts(x, weights, ids)
+
+    def _host_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The CPU's experts: one token's in one C call on the fast path, else sorted by expert."""
+        if x.shape[0] == 1 and self.experts[0].kernels.cpu_fused and x.dtype == torch.float32:
             if self._cpu_experts is None:
                 from pocketllm.kernels.cpu.llama_decode import DecodeExperts
 
                 self._cpu_experts = DecodeExperts.build(self.experts) or False
             if self._cpu_experts:
                 return self._cpu_experts(x.contiguous(), ids, weights)
-        # (token, slot) pairs grouped by expert: each selected expert runs once on its tokens
+        return self._sorted_experts(x, weights, ids)
+
+    def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """(token, slot) pairs grouped by expert: each selected expert runs once on its tokens."""
         flat = ids.flatten()
         if x.shape[0] == 1:  # decode of one sequence: its k experts in turn, no grouping work
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -272,3 +299,17 @@ class SparseMoE(torch.nn.Module):
                 out.index_add_(0, rows, expert(x[rows]).float() * w[start:start + n, None])
                 start += n
         return out.to(x.dtype)
+
+
+def offload_experts(model: torch.nn.Module, setting: str, kernels) -> list[SparseMoE]:
+    """Before loading: the experts of the first N mixture-of-experts layers (`setting`: N, or "all") in
+    host memory, on the CPU's `kernels` (llama.cpp's --n-cpu-moe keeps the first N layers' experts on
+    the CPU). The layers whose experts moved."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    layers = len(blocks) if setting == "all" else int(setting)
+    if layers > len(blocks):
+        raise ConfigurationError(f"cpu_offload_experts {layers}: the model has {len(blocks)} layers of experts; "
+                                 f"give at most {len(blocks)}, or all")
+    for moe in blocks[:layers]:
+        moe.place_experts_on_host(kernels)
+    return blocks[:layers]

@@ -45,6 +45,12 @@ _LAYER_NAMES = {
 }
 # The experts' stacked [n_expert, rows, cols] tensors: expert e's matrix is mlp.experts.{e}.<proj>
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+
+
+def _expert_layer(name: str) -> int | None:
+    """The layer of a stacked experts tensor (blk.N.ffn_*_exps.*), else None."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[2] in EXPERT_NAMES else None
 # Gemma 3 has four norms per layer; llama.cpp names them differently.
 _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -81,11 +87,19 @@ class GGUFModelFile:
     def quant_types(self) -> set[str]:
         return {t.tensor_type.name for t in self.reader.tensors if len(t.shape) > 1}
 
-    def held_bytes(self, kept: frozenset[str], dense_bytes: int) -> int:
+    def held_bytes(self, kept: frozenset[str], dense_bytes: int, left_out: frozenset[int] = frozenset()) -> int:
         """The weights' bytes in memory: the file's blocks for the types in `kept`, `dense_bytes` a
-        weight for the others (dequantized at load)."""
+        weight for the others (dequantized at load); the experts of the layers in `left_out` not counted."""
         return sum(int(t.n_bytes) if t.tensor_type.name in kept else int(t.n_elements) * dense_bytes
-                   for t in self.reader.tensors)
+                   for t in self.reader.tensors if _expert_layer(t.name) not in left_out)
+
+    def expert_layers(self, cpu_offload_experts: str | None) -> frozenset[int]:
+        """The layers whose experts `cpu_offload_experts` (N, or "all") puts in host memory: the first N
+        with a router."""
+        if cpu_offload_experts is None:
+            return frozenset()
+        routed = sorted(int(t.name.split(".")[1]) for t in self.reader.tensors if t.name.endswith("ffn_gate_inp.weight"))
+        return frozenset(routed if cpu_offload_experts == "all" else routed[:int(cpu_offload_experts)])
 
     def model_config(self) -> ModelConfig:
         if self._config is None:

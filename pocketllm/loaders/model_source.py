@@ -55,31 +55,45 @@ class ModelSource:
         from pocketllm.tokenizer import get_tokenizer
         return get_tokenizer(tok_path)
 
-    def weight_bytes(self, model_class, dtype: torch.dtype, device: torch.device, *, dequantize_at_load: bool) -> int:
-        """What the weights will take on `device`, from the file's header or the model's shapes
-        (built on the meta device: no memory), before any weight is read."""
+    def weight_bytes(self, model_class, dtype: torch.dtype, device: torch.device, *, dequantize_at_load: bool,
+                     cpu_offload_experts: str | None = None) -> int:
+        """What the weights will take on `device` (experts offloaded to host memory left out), from the
+        file's header or the model's shapes (built on the meta device: no memory), before any weight is read."""
         from pocketllm.models.capabilities import PLATFORMS
 
         dense = torch.finfo(torch.float32 if device.type == "cpu" else dtype).bits // 8
         if self.is_gguf:
             kept = frozenset() if dequantize_at_load else PLATFORMS[device.type].kept_quantized
-            return self.gguf.held_bytes(kept, dense)
+            return self.gguf.held_bytes(kept, dense, self.gguf.expert_layers(cpu_offload_experts))
         with building_with(KernelConfig()):
             model = model_class(self.config, dtype=dtype, device="meta", max_model_len=1)
-        return sum(p.numel() for p in model.parameters()) * (torch.finfo(dtype).bits // 8)
+        host = set()
+        if cpu_offload_experts is not None:
+            from pocketllm.layers.moe import offload_experts
+
+            host = {id(p) for moe in offload_experts(model, cpu_offload_experts, KernelConfig())
+                    for p in moe.experts.parameters()}
+        return sum(p.numel() for p in model.parameters() if id(p) not in host) * (torch.finfo(dtype).bits // 8)
 
     def load(self, model_class, dtype: torch.dtype, device: torch.device, max_model_len: int, *, seed: int,
-             dequantize_at_load: bool, exact_kernels: bool):
-        """The runtime's model with its weights read (random ones for a dummy source)."""
+             dequantize_at_load: bool, exact_kernels: bool, cpu_offload_experts: str | None = None):
+        """The runtime's model with its weights read (random ones for a dummy source); with
+        `cpu_offload_experts`, the experts of those layers in host memory on the CPU's kernels."""
         kernels = KernelConfig.choose(device, dtype, exact_kernels=exact_kernels, tp_size=get_tp().size)
+        host = KernelConfig.host(exact_kernels=exact_kernels)
         if self.is_gguf:
             from pocketllm.kernels.dispatch import int8_passes
 
             passes = 0 if exact_kernels else int8_passes(self.config.hidden_size)
             kernels = replace(kernels, int8_passes=passes, dequantize_at_load=dequantize_at_load)
+            host = replace(host, int8_passes=passes if host.cpu_fused else 0, dequantize_at_load=dequantize_at_load)
         # (modules built while the weights load, a tied output layer say, run the same kernels)
         with building_with(kernels):
             model = model_class(self.config, dtype=dtype, device=device, max_model_len=max_model_len)
+            if cpu_offload_experts is not None:
+                from pocketllm.layers.moe import offload_experts
+
+                offload_experts(model, cpu_offload_experts, host)
             if self.dummy:
                 from pocketllm.loaders.dummy_loader import dummy_weights
                 model.load_weights(dummy_weights(model, dtype, device, seed))

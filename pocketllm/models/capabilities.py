@@ -35,6 +35,9 @@ class RuntimeCapabilities:
     # What the KV cache may hold (pocketllm.core.kv_dtype): every runtime whose layers attend
     # through pocketllm.layers.attention (the Attention of pocketllm.models.llama) reads 8-bit caches.
     kv_cache_dtypes: frozenset[str] = frozenset(KV_CACHE_DTYPES)
+    # Mixture-of-experts layers (pocketllm.layers.moe.SparseMoE) whose experts may live in host memory
+    # (cpu_offload_experts).
+    expert_offload: bool = False
 
 
 SLIDING_WINDOW_KV = frozenset({"full", "window"})  # the KV layouts the engine builds
@@ -58,14 +61,16 @@ class PlatformCapabilities:
     # 2 bytes a weight in bfloat16: the slower path).
     kept_quantized: frozenset[str]
     kv_cache_dtypes: frozenset[str]  # the KV caches its attention kernels read
+    expert_offload: bool  # experts may be held in host memory, off the device (cpu_offload_experts)
 
 
 PLATFORMS = {
     "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"}), GGUF_TYPES,
-                                GGUF_TYPES - {"F32", "F16", "BF16"}, frozenset({"auto", "int8"})),
+                                GGUF_TYPES - {"F32", "F16", "BF16"}, frozenset({"auto", "int8"}),
+                                False),
     # Every GGUF type loads on CUDA, and every quantized one stays in its GGUF encoding there.
     "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"}), GGUF_TYPES,
-                                 CUDA_KERNEL_TYPES, frozenset(KV_CACHE_DTYPES)),
+                                 CUDA_KERNEL_TYPES, frozenset(KV_CACHE_DTYPES), True),
 }
 
 

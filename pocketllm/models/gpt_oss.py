@@ -64,7 +64,8 @@ class GptOssExpert(torch.nn.Module):
 class GptOssForCausalLM(LlamaForCausalLM):
     # Decode steps take the grouped expert path (no host sync): graphs up to its batch.
     capabilities = RuntimeCapabilities(attention_kinds=frozenset({"full", "sliding_window"}), cuda_graphs=True,
-                                       cuda_graph_max_batch=GROUPED_MAX_TOKENS, sliding_window_kv="window")
+                                       cuda_graph_max_batch=GROUPED_MAX_TOKENS, sliding_window_kv="window",
+                                       expert_offload=True)
     qkv_bias = o_bias = True
     renamed_modules = {"router": "gate"}
 
@@ -79,7 +80,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, False,
-                         lambda: GptOssExpert(cfg, dtype, device), dtype, device, router_bias=True,
+                         lambda dev, dt: GptOssExpert(cfg, dt, dev), dtype, device, router_bias=True,
                          softmax_of_top_k=True)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:

@@ -13,7 +13,8 @@ from pocketllm.models.llama import MLP, LlamaForCausalLM
 
 class MixtralForCausalLM(LlamaForCausalLM):
     # Decode steps take the grouped expert path (no host sync): graphs up to its batch.
-    capabilities = RuntimeCapabilities(cuda_graphs=True, cuda_graph_max_batch=GROUPED_MAX_TOKENS)
+    capabilities = RuntimeCapabilities(cuda_graphs=True, cuda_graph_max_batch=GROUPED_MAX_TOKENS,
+                                       expert_offload=True)
     # experts.{e}.w1 / w3 / w2: gate, up, down
     packed_modules = {**CausalLM.packed_modules,
                       "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
@@ -25,4 +26,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype, device) -> torch.nn.Module:
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, True,
-                         lambda: MLP(cfg, dtype, device, reduce=False), dtype, device)
+                         lambda dev, dt: MLP(cfg, dt, dev, reduce=False), dtype, device)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pocketllm.config import EngineArgs, ModelConfig
 from pocketllm.core.kv_layout import KVLayout
 from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.kernels import platform as kernel_platform
 from pocketllm.models.capabilities import PLATFORMS, SLIDING_WINDOW_KV, RuntimeCapabilities, check, check_tensor_parallel
 
 _RUNTIMES = {
@@ -54,6 +55,17 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
     for qtype in sorted(quant_types):
         check("quantization type", qtype, caps.quantizations, where)
         check("quantization type", qtype, platform.quantizations, f"the {device} platform")
+    if args.cpu_offload_experts is not None:
+        # (the platform whose kernels run the model: the GPU's, which tests run on CPU tensors too)
+        kernels = PLATFORMS["cuda" if device in kernel_platform.TRITON_DEVICES else device]
+        if not caps.expert_offload:
+            raise UnsupportedFeatureError(f"{where} has no mixture-of-experts layers: cpu_offload_experts is for "
+                                          "models with experts (Qwen3-MoE, Mixtral, gpt-oss)")
+        if not kernels.expert_offload:
+            raise UnsupportedFeatureError(f"the {device} platform holds every weight in host memory already: "
+                                          "cpu_offload_experts is for CUDA devices")
+        if args.tensor_parallel_size > 1:
+            raise UnsupportedFeatureError("cpu_offload_experts runs with tensor_parallel_size 1")
     check("KV cache dtype", args.kv_cache_dtype, caps.kv_cache_dtypes, where)
     check("KV cache dtype", args.kv_cache_dtype, platform.kv_cache_dtypes, f"the {device} platform")
     for kind in cls.attention_kinds(cfg):

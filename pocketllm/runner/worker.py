@@ -33,13 +33,15 @@ class Worker:
     def planned_weight_bytes(self) -> int:
         """What `load` will hold, from the file's header or the model's shapes, before any weight is read."""
         return self.source.weight_bytes(self.runtime.model_class, self.dtype, self.device,
-                                        dequantize_at_load=self.args.dequantize_at_load)
+                                        dequantize_at_load=self.args.dequantize_at_load,
+                                        cpu_offload_experts=self.args.cpu_offload_experts)
 
     def load(self, max_model_len: int, seed: int | None = None) -> torch.nn.Module:
         args = self.args
         self.model = self.source.load(self.runtime.model_class, self.dtype, self.device, max_model_len,
                                       seed=args.seed if seed is None else seed,
-                                      dequantize_at_load=args.dequantize_at_load, exact_kernels=args.exact_kernels)
+                                      dequantize_at_load=args.dequantize_at_load, exact_kernels=args.exact_kernels,
+                                      cpu_offload_experts=args.cpu_offload_experts)
         return self.model
 
     def build_runner(self, num_blocks: int, block_size: int, max_model_len: int, *, max_decode_rows: int = 64,
@@ -47,7 +49,9 @@ class Worker:
         assert self.model is not None, "load() first"
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.args.seed,
                                   max_decode_rows=max_decode_rows, max_model_len=max_model_len,
-                                  enforce_eager=self.args.enforce_eager if enforce_eager is None else enforce_eager,
+                                  # (a layer whose experts run on the host waits for it: no CUDA graphs)
+                                  enforce_eager=(self.args.enforce_eager if enforce_eager is None else enforce_eager)
+                                  or self.args.cpu_offload_experts is not None,
                                   kv_layout=kv_layout or self.runtime.kv_layout, reserve_kv=self.args.reserve_kv_cache,
                                   kv_cache_dtype=self.args.kv_cache_dtype)
         return self.runner
