@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pocketllm.core.kv_dtype import KV_CACHE_DTYPES
 from pocketllm.errors import ConfigurationError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # what the KV cache holds: pocketllm.core.kv_dtype
 
 
 @dataclass

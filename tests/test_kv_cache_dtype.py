@@ -67,6 +67,14 @@ def test_the_c_kernels_write_what_the_reference_quantizer_writes():
 
 
 @needs_c
+def test_the_c_gather_dequantizes_blocks_as_the_reference_does():
+    """Prefill chunks on the fast path read the cache's blocks dequantized in one C pass: the reference's bits."""
+    kq, _, ks, _, kd, _ = _random_cache(QUANTS["int8"], hkv=3, d=64)
+    ids = torch.tensor([7, 0, 39, 7, 12])
+    assert torch.equal(layer_ops.gather_int8_blocks(kq, ks, ids), kd[ids])
+
+
+@needs_c
 @pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 4, 2), (32, 4, 4)])  # d=32: the portable loops
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (40, 30.0, True)])
 def test_c_decode_attention_over_an_int8_cache_is_attention_over_its_dequantized_values(d, hq, hkv, window,
@@ -159,13 +167,17 @@ def test_an_int8_cache_agrees_with_the_float_cache_on_real_text():
 
 def test_an_int8_cache_holds_more_tokens_in_the_same_memory_and_survives_preemption():
     """The same kv_cache_memory holds 4 / (1 + 4 / 64) = 3.76x the blocks in int8 (SmolLM2's head_dim 64,
-    float32 on the CPU); with too few blocks for 4 requests at once the scheduler preempts and
-    recomputes, and every request still gets the tokens it gets alone."""
+    float32 on the CPU), exactly the bytes the memory plan counts; with too few blocks for 4 requests at
+    once the scheduler preempts and recomputes, and every request still gets the tokens it gets alone."""
     model = str(default_model_gguf())
     memory = 32 << 20
-    blocks = {kv: LLM(model, kv_cache_dtype=kv, kv_cache_memory=memory, max_model_len=256).engine.num_blocks
-              for kv in ("auto", "int8")}
-    assert blocks["int8"] == pytest.approx(blocks["auto"] * 4 / (1 + 4 / 64), rel=0.02)
+    engines = {kv: LLM(model, kv_cache_dtype=kv, kv_cache_memory=memory, max_model_len=256).engine
+               for kv in ("auto", "int8")}
+    assert engines["int8"].num_blocks == pytest.approx(engines["auto"].num_blocks * 4 / (1 + 4 / 64), rel=0.02)
+    for engine in engines.values():  # the plan's bytes a block are what the runner allocates
+        runner = engine.runner
+        held = [*runner.k_caches, *runner.v_caches, *(s for pair in runner.kv_scales or [] for s in pair)]
+        assert sum(t.numel() * t.element_size() for t in held) == engine.num_blocks * engine.kv_plan.bytes_per_block
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 160 + 7 * i))} for i in range(4)]
     # (exact kernels: on the fast path a recomputed prefix's keys come from the prefill kernels, whose float

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-
 
 @dataclass(frozen=True)
 class KVQuant:

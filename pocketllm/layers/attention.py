@@ -111,10 +111,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         scales.view(nb * bs, h).index_copy_(0, slot_mapping, s)
 
 
-def _blocks(cache: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks `ids` of a cache [blocks, bs, Hkv, D], an 8-bit one's dequantized (the gathered copy, not the cache)."""
+def _blocks(cache: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, dtype: torch.dtype,
+            cpu_fused: bool = False) -> torch.Tensor:
+    """Blocks `ids` of a cache [blocks, bs, Hkv, D], an 8-bit one's dequantized (the gathered copy, not the
+    cache; on the CPU fast path in one C pass, the same values)."""
     if scales is None:
         return cache.index_select(0, ids)
+    if cpu_fused and cache.dtype == torch.int8 and dtype == torch.float32:
+        from pocketllm.kernels.cpu import layer_ops
+
+        return layer_ops.gather_int8_blocks(cache, scales, ids)
     values = cache.view(torch.uint8).index_select(0, ids).view(cache.dtype)
     return dequantize(values, scales.index_select(0, ids), dtype)
 
@@ -166,8 +172,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[:n] = _sdpa(q[:n].unsqueeze(2), kd, vd, dec_mask, scale, softcap, sinks).squeeze(2)
     for span, mask in zip(meta.prefills, pre_masks):
         s, ql, cl = span.query_start, span.query_len, span.context_len
-        kp = _blocks(k_cache, k_scale, span.block_ids, q.dtype).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
-        vp = _blocks(v_cache, v_scale, span.block_ids, q.dtype).view(-1, hkv, d)[:cl].transpose(0, 1).unsqueeze(0)
+        kp = _blocks(k_cache, k_scale, span.block_ids, q.dtype, cpu_fused).view(-1, hkv, d)[:cl].transpose(0, 1)[None]
+        vp = _blocks(v_cache, v_scale, span.block_ids, q.dtype, cpu_fused).view(-1, hkv, d)[:cl].transpose(0, 1)[None]
         qp = q[s:s + ql].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
         out[s:s + ql] = _sdpa(qp, kp, vp, mask, scale, softcap, sinks)[0].transpose(0, 1)
     return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pocketllm.core.kv_dtype import KV_CACHE_DTYPES
+from pocketllm.config import KV_CACHE_DTYPES
 from pocketllm.errors import UnsupportedFeatureError
 
 # GGUF types every runtime can hold: the quant package implements all of them for every layer.

@@ -208,6 +208,7 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     f32 = ctypes.c_float
     dll.cpu_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
     dll.cpu_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    dll.cpu_gather_int8_blocks.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
     dll.cpu_write_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
     dll.cpu_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, f32,
                                          i64, f32, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]

@@ -91,6 +91,24 @@ int cpu_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
     return 0;
 }
 
+/* Blocks ids[0..n) of an int8 cache [blocks, bs, hkv, d] with scales [blocks, bs, hkv], dequantized
+ * into out [n, bs, hkv, d] (value times its head's scale: the reference's one product). */
+int cpu_gather_int8_blocks(const int8_t *cache, const float *scales, const int64_t *ids, int64_t n, int64_t bs,
+                           int64_t hkv, int64_t d, float *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * bs * hkv * d >= 65536)
+    for (int64_t r = 0; r < n * bs; r++) {
+        const int64_t slot = ids[r / bs] * bs + r % bs;
+        for (int64_t h = 0; h < hkv; h++) {
+            const int8_t *q = cache + (slot * hkv + h) * d;
+            const float s = scales[slot * hkv + h];
+            float *o = out + (r * hkv + h) * d;
+            #pragma omp simd
+            for (int64_t e = 0; e < d; e++) o[e] = (float)q[e] * s;
+        }
+    }
+    return 0;
+}
+
 /* exp(x) in float32 to within a few ulp, branch-free so that `omp simd` loops vectorize it:
  * x = n ln2 + r (|r| <= ln2 / 2), exp(r) by its degree-6 Taylor polynomial, 2^n in the exponent. */
 #pragma omp declare simd
