@@ -85,7 +85,8 @@ def main() -> None:
                      "max_kl_nats": kl.max().item()})
     print(json.dumps({**environment(), "model": model, "device": a.device,
                       "text": "README.md + Python's LICENSE.txt, 256-token chunks", "reference": "kv_cache_dtype auto",
-                      "rows": rows, **({"study_exact_path": study(model)} if a.study else {}), "goal": {"top1_agreement": ">= 0.99 (issue 44)"}}, indent=1))
+                      "rows": rows, **({"study_exact_path": study(model)} if a.study else {}),
+                      "goal": {"top1_agreement": ">= 0.99 (issue 44)"}}, indent=1))
 
 
 if __name__ == "__main__":
