@@ -1,6 +1,7 @@
 """Fuzzing the server from its own OpenAPI schema (schemathesis): valid and invalid bodies for
-every route, about a minute and a half in all. No 5xx, every 4xx an OpenAI error object, every stream
-closed by [DONE], and the server still serving at the end."""
+every route, about two minutes in all. No 5xx, every 4xx an error object of the route's protocol (OpenAI's,
+Anthropic's under /v1/messages), every stream closed by [DONE] (message_stop), and the server still serving
+at the end."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ from tiny_models import make_tiny_chat_model
 
 MODEL = "tiny-chat"
 # Examples per route and mode: ~1 minute on 2 cores with the one-layer model.
-EXAMPLES = {"/v1/chat/completions": 120, "/v1/completions": 120, "/tokenize": 60, "/detokenize": 40}
+EXAMPLES = {"/v1/chat/completions": 120, "/v1/completions": 120, "/tokenize": 60, "/detokenize": 40,
+            "/v1/messages": 80, "/v1/messages/count_tokens": 30}
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +33,16 @@ def server(tmp_path_factory):
 
 def check(status: int, text: str, path: str, body) -> None:
     assert status < 500, (path, body, status, text[:500])
-    if status >= 400:
+    anthropic = path.startswith("/v1/messages")
+    if status >= 400 and anthropic:  # Anthropic's shape
+        reply = json.loads(text)
+        assert reply["type"] == "error" and set(reply["error"]) == {"type", "message"}, reply
+    elif status >= 400:
         error = json.loads(text)["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
     elif isinstance(body, dict) and body.get("stream") is True:
-        assert text.rstrip().endswith("data: [DONE]"), (body, text[-300:])
+        end = "event: message_stop" if anthropic else "data: [DONE]"
+        assert end in text.rstrip().rsplit("\n\n", 1)[-1], (body, text[-300:])
 
 
 def send(server: Server, case) -> tuple[int, str]:

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketllm import __version__
 from pocketllm.errors import RequestError, RequestFailedError
+from pocketllm.server import anthropic
 from pocketllm.server import protocol as P
 from pocketllm.server import tokenize as tokenize_endpoints
 from pocketllm.server.admin import admin_routes
@@ -31,7 +32,8 @@ log = logging.getLogger("pocketllm")
 # The routes read their bodies themselves (P.parse: strict types, OpenAI's error messages); the
 # schema still declares them, for clients and fuzzers.
 _BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest,
-           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest}
+           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
+           "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens": anthropic.CountTokensRequest}
 
 
 def _with_request_bodies(app: FastAPI) -> None:
@@ -61,34 +63,35 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = Non
     app.state.server = state = state or ServerState()
     metrics = ServerMetrics(llm, cfg.model_name)
     serving = OpenAIServing(llm, cfg, metrics)
-    chat, completions = ChatCompletions(serving), Completions(serving)
+    chat, completions, messages = ChatCompletions(serving), Completions(serving), anthropic.Messages(serving)
 
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, e: P.APIError):
-        return error_response(e)
+        return error_response(e, request.url.path)
 
     @app.exception_handler(EngineUnavailableError)
     async def unavailable(request: Request, e: EngineUnavailableError):
         headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-        return error_response(P.APIError(503, str(e), type="server_error", headers=headers))
+        return error_response(P.APIError(503, str(e), type="server_error", headers=headers), request.url.path)
 
     @app.exception_handler(RequestFailedError)
     async def failed(request: Request, e: RequestFailedError):
-        return error_response(P.APIError(500, str(e), type="server_error"))
+        return error_response(P.APIError(500, str(e), type="server_error"), request.url.path)
 
     @app.exception_handler(RequestError)
     async def bad_request(request: Request, e: RequestError):
-        return error_response(P.APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value"))
+        return error_response(P.APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value"),
+                              request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         msg = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else str(e.detail)
-        return error_response(P.APIError(e.status_code, msg, headers=getattr(e, "headers", None)))
+        return error_response(P.APIError(e.status_code, msg, headers=getattr(e, "headers", None)), request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.error("request failed", exc_info=e)
-        return error_response(INTERNAL_ERROR)
+        return error_response(INTERNAL_ERROR, request.url.path)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -97,6 +100,14 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = Non
     @app.post("/v1/completions")
     async def legacy_completions(request: Request):
         return await completions.create(request)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request):
+        return await messages.create(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request):
+        return await anthropic.count_tokens(serving, await request.body())
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -58,7 +58,7 @@ class RequestGuard:
                 return await JSONResponse({"status": "draining"}, 503, headers=retry)(scope, receive, send)
             error = P.APIError(503, "The server is shutting down; please retry on another instance or later.",
                                type="server_error", headers=retry)
-            return await error_response(error)(scope, receive, send)
+            return await error_response(error, scope["path"])(scope, receive, send)
         if path in _ALWAYS_ANSWERED:
             return await self._checked(scope, receive, send)
         # Requests are counted here rather than connections by uvicorn: idle connections cost
@@ -67,7 +67,7 @@ class RequestGuard:
             error = P.APIError(503, f"The server is serving its maximum of {cfg.max_connections} concurrent "
                                     "requests (--max-connections); please retry shortly.",
                                type="server_error", headers={"Retry-After": "1"})
-            return await error_response(error)(scope, receive, send)
+            return await error_response(error, scope["path"])(scope, receive, send)
         self.in_flight += 1
         try:
             await self._checked(scope, receive, send)
@@ -83,22 +83,22 @@ class RequestGuard:
                 self._host_error(headers) or self._origin_error(scope["method"], headers))
         error = error or self._content_type_error(scope["method"], headers)
         if error is not None:
-            return await error_response(error)(scope, receive, send)
+            return await error_response(error, scope["path"])(scope, receive, send)
         too_large = P.APIError(413, f"The request body is larger than {cfg.max_request_bytes} bytes.",
                                code="request_too_large")
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > cfg.max_request_bytes:
-            return await error_response(too_large)(scope, receive, send)
+            return await error_response(too_large, path)(scope, receive, send)
         try:
             body = await asyncio.wait_for(self._read_body(receive), cfg.body_timeout)
         except asyncio.TimeoutError:
             error = P.APIError(408, f"The request body did not arrive within {cfg.body_timeout:g} seconds.",
                                code="request_timeout", headers={"Connection": "close"})
-            return await error_response(error)(scope, receive, send)
+            return await error_response(error, scope["path"])(scope, receive, send)
         if body is None:  # the client left
             return
         if len(body) > cfg.max_request_bytes:
-            return await error_response(too_large)(scope, receive, send)
+            return await error_response(too_large, path)(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -114,6 +114,10 @@ class RequestGuard:
         given = headers.get(b"authorization", b"").decode("latin-1")
         if given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), self.cfg.api_key.encode()):
             return None
+        anthropic = headers.get(b"x-api-key")  # how Anthropic's clients send the key
+        if anthropic is not None and secrets.compare_digest(anthropic, self.cfg.api_key.encode()):
+            return None
+        given = given or (anthropic or b"").decode("latin-1")
         msg = ("Incorrect API key provided." if given else
                "You didn't provide an API key. You need to provide your API key in an Authorization "
                "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")

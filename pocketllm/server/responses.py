@@ -15,8 +15,21 @@ def to_json(obj: dict) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def error_response(e: P.APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                     503: "overloaded_error"}
+
+
+def anthropic_error(e: P.APIError) -> dict:
+    """The error in Anthropic's shape (its Messages API)."""
+    kind = _ANTHROPIC_ERRORS.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(e: P.APIError, path: str = "") -> JSONResponse:
+    """The error as the protocol of the route at `path` shapes it: Anthropic's under /v1/messages, else OpenAI's."""
+    body = anthropic_error(e) if path.startswith("/v1/messages") else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 class SSEResponse(StreamingResponse):

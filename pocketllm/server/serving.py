@@ -389,6 +389,10 @@ class Endpoint:
     def __init__(self, serving: OpenAIServing):
         self.serving, self.cfg = serving, serving.cfg
 
+    async def parse(self, body: bytes):
+        """The request a body holds (another protocol's endpoint translates its own)."""
+        return await self.serving.parsed(self.request_model, body)
+
     async def prepare(self, request: Request, req) -> Prepared:
         raise NotImplementedError
 
@@ -407,7 +411,7 @@ class Endpoint:
 
     async def create(self, request: Request):
         serving = self.serving
-        req = await serving.parsed(self.request_model, await request.body())
+        req = await self.parse(await request.body())
         serving.check_model(req.model)
         serving.check_request_size(req)
         prep = await self.prepare(request, req)
@@ -454,29 +458,31 @@ class Endpoint:
             if job.req.return_token_ids:
                 choice.update(prompt_token_ids=job.prompts[i][1], token_ids=c.token_ids)
             choices.append(choice)
-        return JSONResponse({"id": job.id, "object": self.object_name, "created": job.created,
-                             "model": self.cfg.model_name, "choices": choices, "usage": job.usage(),
-                             "system_fingerprint": None})
+        return JSONResponse(self.reply(job, choices))
+
+    def reply(self, job: Job, choices: list[dict]) -> dict:
+        """The whole reply, from its choices."""
+        return {"id": job.id, "object": self.object_name, "created": job.created, "model": self.cfg.model_name,
+                "choices": choices, "usage": job.usage(), "system_fingerprint": None}
+
+    def stream_writer(self, job: Job) -> OpenAIStream:
+        """What a stream's chunks are written as (another protocol's endpoint writes its own events)."""
+        return OpenAIStream(job, self.chunk_object_name, self.cfg.model_name)
 
     def progress(self, job: Job, i: int) -> ChoiceProgress:
         """A stream's record of one choice of prompt i, before anything is sent."""
         return ChoiceProgress()
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
-        req = job.req
-        base = {"id": job.id, "object": self.chunk_object_name, "created": job.created,
-                "model": self.cfg.model_name, "system_fingerprint": None}
-        # As OpenAI: with include_usage every chunk has a usage, null until the last one.
-        usage = {"usage": None} if req.include_usage else {}
-
-        def chunk(choice: dict) -> str:
-            return f"data: {to_json({**base, 'choices': [choice], **usage})}\n\n"
-
+        req, writer = job.req, self.stream_writer(job)
         n = req.n
         progress = [self.progress(job, k // n) for k in range(n * len(job.prompts))]
         try:
+            for e in writer.start():
+                yield e
             for choice in self.opening(job):
-                yield chunk(choice)
+                for e in writer.choice(choice):
+                    yield e
             async for i, out in merge_outputs(job.streams):
                 events, new_tokens = [], 0
                 for c in out.outputs:
@@ -493,18 +499,42 @@ class Endpoint:
                     new = NewOutput(p.text, c.text[p.text:], (c.logprobs or [])[p.tokens:len(c.token_ids)], new_ids, ids)
                     new_tokens = max(new_tokens, len(c.token_ids) - p.tokens)
                     p.text, p.tokens = len(c.text), len(c.token_ids)
-                    events += [chunk(choice) for choice in self.deltas(job, k, i, out, c, p, new)]
+                    events += [e for choice in self.deltas(job, k, i, out, c, p, new) for e in writer.choice(choice)]
                 job.timers[i].tokens_sent(new_tokens)
                 job.record(i, out)
                 for e in events:
                     yield e
-            if req.include_usage:
-                yield f"data: {to_json({**base, 'choices': [], 'usage': job.usage()})}\n\n"
-        except EngineUnavailableError as e:  # headers are sent: the error goes in the stream, as OpenAI's do
-            yield f"data: {to_json(P.APIError(503, str(e), type='server_error').body())}\n\n"
-        except RequestFailedError as e:
-            yield f"data: {to_json(P.APIError(500, str(e), type='server_error').body())}\n\n"
+            for e in writer.end():
+                yield e
+        except (EngineUnavailableError, RequestFailedError) as e:  # headers are sent: the error goes in the stream
+            status = 503 if isinstance(e, EngineUnavailableError) else 500
+            for event in writer.error(P.APIError(status, str(e), type="server_error")):
+                yield event
         except Exception:
             log.exception("a streaming response failed")
-            yield f"data: {to_json(INTERNAL_ERROR.body())}\n\n"
-        yield "data: [DONE]\n\n"
+            for event in writer.error(INTERNAL_ERROR):
+                yield event
+
+
+class OpenAIStream:
+    """A stream's chunks as OpenAI's server-sent events: `data: {chunk}` each, `data: [DONE]` last."""
+
+    def __init__(self, job: Job, object_name: str, model: str):
+        self.job = job
+        self.base = {"id": job.id, "object": object_name, "created": job.created, "model": model,
+                     "system_fingerprint": None}
+        # As OpenAI: with include_usage every chunk has a usage, null until the last one.
+        self.usage = {"usage": None} if job.req.include_usage else {}
+
+    def start(self) -> list[str]:
+        return []
+
+    def choice(self, choice: dict) -> list[str]:
+        return [f"data: {to_json({**self.base, 'choices': [choice], **self.usage})}\n\n"]
+
+    def end(self) -> list[str]:
+        last = [f"data: {to_json({**self.base, 'choices': [], 'usage': self.job.usage()})}\n\n"] if self.usage else []
+        return last + ["data: [DONE]\n\n"]
+
+    def error(self, e: P.APIError) -> list[str]:
+        return [f"data: {to_json(e.body())}\n\n", "data: [DONE]\n\n"]
