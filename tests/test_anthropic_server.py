@@ -126,3 +126,41 @@ def test_bad_input_gets_anthropics_error_shape(client, url):
     raw = httpx.post(f"{url}/v1/chat/completions", content=b"{not json",
                      headers={"authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
     assert raw.status_code == 400 and "error" in json.loads(raw.text) and "type" not in json.loads(raw.text)
+
+
+# ChatML that shows earlier turns' reasoning and opens a <think> block for the reply unless thinking is off
+# (as Qwen3's template does; tests/test_structured_server.py)
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}")
+
+
+def test_reasoning_models_answer_with_thinking_blocks():
+    """With a reasoning parser, the reply's reasoning is a `thinking` block (thinking_delta events when
+    streamed), its earlier turns' thinking blocks go back to the template, and thinking disabled leaves none."""
+    llm = LLM(str(default_model_gguf()), max_model_len=1024, kv_cache_memory=64 << 20, exact_kernels=True)
+    app = create_app(AsyncLLM(llm.engine), ServerConfig(model_name="smol", reasoning_parser="qwen3",
+                                                        chat_template=THINKING_TEMPLATE))
+    shown = [{"role": "user", "content": "What is 2+2?"},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": "The user asks 2+2. That is 4.\n",
+                                                "signature": ""}, {"type": "text", "text": "4"}]},
+             {"role": "user", "content": "What is 3+5?"}]
+    with in_process(app) as base:
+        client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=120)
+        reply = client.messages.create(model="smol", max_tokens=48, extra_body=T0, messages=shown)
+        assert reply.content[0].type == "thinking" and reply.content[0].thinking
+        assert "</think>" not in reply.content[0].thinking
+        with client.messages.stream(model="smol", max_tokens=48, extra_body=T0, messages=shown) as stream:
+            kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
+            streamed = stream.get_final_message()
+        assert ("content_block_delta", "thinking_delta") in kinds
+        assert [b.model_dump(exclude={"signature"}) for b in streamed.content] == \
+            [b.model_dump(exclude={"signature"}) for b in reply.content]
+        off = client.messages.create(model="smol", max_tokens=16, extra_body=T0, messages=shown,
+                                     thinking={"type": "disabled"})
+        assert [b.type for b in off.content] == ["text"]
+    llm.engine.check_no_leaks()

@@ -121,7 +121,9 @@ def chat_request(req: CountTokensRequest) -> P.ChatCompletionRequest:
             text = _texts([b for b in m.content if isinstance(b, (TextBlock, ImageBlock))], where)
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in m.content if isinstance(b, ToolUseBlock)]
-            messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            thinking = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+            messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+                             **({"reasoning_content": thinking} if thinking else {})})  # (the templates' name)
             continue
         texts: list = []  # a user turn: tool results are tool messages, in order with the text between
         for b in m.content:
