@@ -1,7 +1,7 @@
 """Fuzzing the server from its own OpenAPI schema (schemathesis): valid and invalid bodies for
 every route, about two minutes in all. No 5xx, every 4xx an error object of the route's protocol (OpenAI's,
-Anthropic's under /v1/messages), every stream closed by [DONE] (message_stop), and the server still serving
-at the end."""
+Anthropic's under /v1/messages, Ollama's under /api/), every stream closed by [DONE] (message_stop, a done
+line), and the server still serving at the end."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,8 @@ from tiny_models import make_tiny_chat_model
 MODEL = "tiny-chat"
 # Examples per route and mode: ~1 minute on 2 cores with the one-layer model.
 EXAMPLES = {"/v1/chat/completions": 120, "/v1/completions": 120, "/tokenize": 60, "/detokenize": 40,
-            "/v1/messages": 80, "/v1/messages/count_tokens": 30}
+            "/v1/messages": 80, "/v1/messages/count_tokens": 30, "/api/chat": 60, "/api/generate": 40,
+            "/api/show": 10}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,12 @@ def server(tmp_path_factory):
 def check(status: int, text: str, path: str, body) -> None:
     assert status < 500, (path, body, status, text[:500])
     anthropic = path.startswith("/v1/messages")
-    if status >= 400 and anthropic:  # Anthropic's shape
+    if path.startswith("/api/"):  # Ollama's: {"error": ...}; replies NDJSON (streamed by default), done at the end
+        if status >= 400:
+            assert set(json.loads(text)) == {"error"}, text[:300]
+        elif path != "/api/show":
+            assert json.loads(text.strip().splitlines()[-1])["done"] is True, (body, text[-300:])
+    elif status >= 400 and anthropic:  # Anthropic's shape
         reply = json.loads(text)
         assert reply["type"] == "error" and set(reply["error"]) == {"type", "message"}, reply
     elif status >= 400:

@@ -225,6 +225,7 @@ class MessagesStream:
     """The chat endpoint's streamed choices as Anthropic's events: message_start, then per content block
     content_block_start, its deltas (text_delta, thinking_delta, input_json_delta) and content_block_stop,
     then message_delta (stop_reason, usage) and message_stop."""
+    media_type = "text/event-stream"
 
     _KINDS = {"content": ("text", "text_delta", "text"), "reasoning_content": ("thinking", "thinking_delta", "thinking")}
 

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketllm import __version__
 from pocketllm.errors import RequestError, RequestFailedError
-from pocketllm.server import anthropic
+from pocketllm.server import anthropic, ollama
 from pocketllm.server import protocol as P
 from pocketllm.server import tokenize as tokenize_endpoints
 from pocketllm.server.admin import admin_routes
@@ -33,7 +33,8 @@ log = logging.getLogger("pocketllm")
 # schema still declares them, for clients and fuzzers.
 _BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest,
            "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
-           "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens": anthropic.CountTokensRequest}
+           "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens": anthropic.CountTokensRequest,
+           "/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest, "/api/show": ollama.ShowRequest}
 
 
 def _with_request_bodies(app: FastAPI) -> None:
@@ -118,6 +119,7 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = Non
         return await tokenize_endpoints.detokenize(serving, request)
 
     app.include_router(admin_routes(llm, serving, metrics))
+    app.include_router(ollama.ollama_routes(serving))
     _with_request_bodies(app)
     app.add_middleware(RequestGuard, cfg=cfg, state=state)
     if cfg.allowed_origins:  # outermost, so that preflight requests need no API key

@@ -146,6 +146,7 @@ class RequestTimer:
         self.m = metrics
         self.arrival = arrival
         self.last_token_time: float | None = None
+        self.first_token_time: float | None = None
         self.done = False
 
     def tokens_sent(self, num_tokens: int) -> None:
@@ -154,6 +155,7 @@ class RequestTimer:
             return
         now = time.monotonic()
         if self.last_token_time is None:
+            self.first_token_time = now
             self.m.ttft.observe(now - self.arrival)
         else:
             gap = (now - self.last_token_time) / num_tokens

@@ -27,16 +27,19 @@ def anthropic_error(e: P.APIError) -> dict:
 
 
 def error_response(e: P.APIError, path: str = "") -> JSONResponse:
-    """The error as the protocol of the route at `path` shapes it: Anthropic's under /v1/messages, else OpenAI's."""
-    body = anthropic_error(e) if path.startswith("/v1/messages") else e.body()
+    """The error as the protocol of the route at `path` shapes it: Anthropic's under /v1/messages, Ollama's under
+    /api/, else OpenAI's."""
+    body = anthropic_error(e) if path.startswith("/v1/messages") else {"error": e.message} if path.startswith("/api/") \
+        else e.body()
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 class SSEResponse(StreamingResponse):
     """Calls `on_close` however the response ends, even if the body was never iterated."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
 

@@ -409,9 +409,10 @@ class Endpoint:
         """The streamed choices for what output c of prompt i adds to choice k."""
         raise NotImplementedError
 
-    async def create(self, request: Request):
+    async def create(self, request: Request, body: bytes | None = None):
+        """The reply to a request (its body read here, unless a route that looked at it first gives it)."""
         serving = self.serving
-        req = await self.parse(await request.body())
+        req = await self.parse(await request.body() if body is None else body)
         serving.check_model(req.model)
         serving.check_request_size(req)
         prep = await self.prepare(request, req)
@@ -435,7 +436,8 @@ class Endpoint:
             job.close()
             raise
         if req.stream:
-            return SSEResponse(self.stream(job), job.close)
+            writer = self.stream_writer(job)
+            return SSEResponse(self.stream(job, writer), job.close, writer.media_type)
         try:
             return await self.complete(request, job)
         finally:
@@ -473,8 +475,8 @@ class Endpoint:
         """A stream's record of one choice of prompt i, before anything is sent."""
         return ChoiceProgress()
 
-    async def stream(self, job: Job) -> AsyncIterator[str]:
-        req, writer = job.req, self.stream_writer(job)
+    async def stream(self, job: Job, writer) -> AsyncIterator[str]:
+        req = job.req
         n = req.n
         progress = [self.progress(job, k // n) for k in range(n * len(job.prompts))]
         try:
@@ -518,6 +520,7 @@ class Endpoint:
 
 class OpenAIStream:
     """A stream's chunks as OpenAI's server-sent events: `data: {chunk}` each, `data: [DONE]` last."""
+    media_type = "text/event-stream"
 
     def __init__(self, job: Job, object_name: str, model: str):
         self.job = job
