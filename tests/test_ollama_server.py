@@ -107,3 +107,24 @@ def test_errors_are_ollamas(client, url):
         r = httpx.post(f"{url}/api/chat", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
     assert httpx.get(f"{url}/api/version").json()["version"]
+
+
+def test_tool_calls_arrive_whole_with_their_arguments_as_objects(url):
+    """A forced call (OpenAI's tool_choice, which Ollama's API lacks): the reply's tool_calls hold the name and
+    the arguments as an object fitting the schema; streamed, the call comes whole in one line before the last."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [weather],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "options": {"temperature": 0, "num_predict": 48}}
+    reply = httpx.post(f"{url}/api/chat", json={**body, "stream": False}, timeout=120).json()
+    (call,) = reply["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(call["function"]["arguments"], weather["function"]["parameters"])
+    lines = [json.loads(line) for line in httpx.post(f"{url}/api/chat", json=body, timeout=120).text.splitlines()]
+    calls = [line["message"]["tool_calls"] for line in lines if line["message"].get("tool_calls")]
+    assert calls == [[call]] and lines[-1]["done"]
+    second = ollama.Client(host=url, timeout=120).chat(model=NAME, options=GREEDY, messages=[
+        *body["messages"], {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny, 24 C", "tool_name": "get_weather"}])
+    assert second.message.content
