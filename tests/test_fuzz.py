@@ -17,8 +17,8 @@ from tiny_models import make_tiny_chat_model
 MODEL = "tiny-chat"
 # Examples per route and mode: ~1 minute on 2 cores with the one-layer model.
 EXAMPLES = {"/v1/chat/completions": 120, "/v1/completions": 120, "/tokenize": 60, "/detokenize": 40,
-            "/v1/messages": 80, "/v1/messages/count_tokens": 30, "/api/chat": 60, "/api/generate": 40,
-            "/api/show": 10}
+            "/v1/messages": 80, "/v1/messages/count_tokens": 30, "/v1/responses": 60, "/api/chat": 60,
+            "/api/generate": 40, "/api/show": 10}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def check(status: int, text: str, path: str, body) -> None:
         error = json.loads(text)["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
     elif isinstance(body, dict) and body.get("stream") is True:
-        end = "event: message_stop" if anthropic else "data: [DONE]"
+        end = "event: message_stop" if anthropic else "event: response." if path == "/v1/responses" else "data: [DONE]"
         assert end in text.rstrip().rsplit("\n\n", 1)[-1], (body, text[-300:])
 
 

@@ -95,6 +95,9 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
 
 
+P.name_fields(MessagesRequest, Message, Tool, ToolChoice, Thinking, TextBlock, ToolUseBlock, ToolResultBlock)
+
+
 def _texts(blocks, where: str) -> str:
     """The text of text blocks; anything else (an image, a document) is refused."""
     out = []

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketllm import __version__
 from pocketllm.errors import RequestError, RequestFailedError
-from pocketllm.server import anthropic, ollama
+from pocketllm.server import anthropic, ollama, openai_responses
 from pocketllm.server import protocol as P
 from pocketllm.server import tokenize as tokenize_endpoints
 from pocketllm.server.admin import admin_routes
@@ -34,6 +34,7 @@ log = logging.getLogger("pocketllm")
 _BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest,
            "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
            "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens": anthropic.CountTokensRequest,
+           "/v1/responses": openai_responses.ResponsesRequest,
            "/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest, "/api/show": ollama.ShowRequest}
 
 
@@ -120,6 +121,7 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = Non
 
     app.include_router(admin_routes(llm, serving, metrics))
     app.include_router(ollama.ollama_routes(serving))
+    app.include_router(openai_responses.response_routes(openai_responses.Responses(serving)))
     _with_request_bodies(app)
     app.add_middleware(RequestGuard, cfg=cfg, state=state)
     if cfg.allowed_origins:  # outermost, so that preflight requests need no API key

@@ -92,6 +92,9 @@ class GenerateRequest(_Request):
     context: list[int] | None = None
 
 
+P.name_fields(ChatRequest, GenerateRequest, ShowRequest, Message, Options, ToolCall, ToolFunction)
+
+
 def _sampling(req: _Request) -> dict:
     """The chat or completion request's sampling fields, from `options` and `format`."""
     o = req.options or Options()

@@ -286,6 +286,11 @@ _FIELDS = {name for m in (ChatCompletionRequest, CompletionRequest, ChatMessage,
            for name in m.model_fields} | {"schema"}
 
 
+def name_fields(*models: type) -> None:
+    """Other protocols' request bodies: their fields named in errors as OpenAI's are."""
+    _FIELDS.update(name for m in models for name in m.model_fields)
+
+
 def _param(loc: tuple) -> str | None:
     """('messages', 0, 'content', 'str') -> 'messages[0].content'. Union-member tags end the path."""
     out = ""
