@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP API over one `AsyncLLM`: the app, its error handlers and middleware.
-Each endpoint family lives in its own module (`chat`, `completions`, `tokenize`, `admin`);
-`launcher.serve` runs the app under uvicorn."""
+"""The HTTP API over one `AsyncLLM`: the app, its error handlers and middleware. Each endpoint family
+lives in its own module (`chat`, `completions`, `tokenize`, `admin`; the other protocols' translations
+`anthropic`, `ollama`, `openai_responses`); `launcher.serve` runs the app under uvicorn."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,9 @@
 """What the generating endpoints share: one `OpenAIServing` (the model's tokenizer and template,
 request limits, sampling parameters, grammars, the preparation thread) and the `Endpoint` pipeline
 that turns a parsed request into engine requests and answers with a reply or a stream. Each
-endpoint family (`chat`, `completions`) fills in its prompts, its choices and its stream deltas."""
+endpoint family (`chat`, `completions`) fills in its prompts, its choices and its stream deltas; another
+protocol's endpoint (Anthropic's, Ollama's, OpenAI's Responses) subclasses one and translates the body
+(`parse`), the reply (`reply`) and the stream's events (`stream_writer`)."""
 from __future__ import annotations
 
 import asyncio
