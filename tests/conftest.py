@@ -29,7 +29,7 @@ from tiny_models import CONFIGS, make_model  # noqa: E402  (after TRITON_INTERPR
 # --no-loadscope-reorder, pytest.ini), so that no long file starts last while the other worker idles.
 SLOW_FILES = ("test_triton_gguf.py", "test_tensor_parallel.py", "test_triton_kernels.py", "test_structured_server.py",
               "test_structured_fuzz.py", "test_fuzz.py", "test_robustness.py", "test_sliding_window_kv.py",
-              "test_speculative.py")
+              "test_speculative.py", "test_expert_offload.py", "test_kv_cache_dtype.py")
 
 
 def pytest_collection_modifyitems(config, items):
