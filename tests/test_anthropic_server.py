@@ -8,6 +8,7 @@ import json
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 from fixtures import default_model_gguf
@@ -102,6 +103,14 @@ def test_tools_over_two_turns(client):
         tool_choice={"type": "none"})
     assert second.stop_reason in ("end_turn", "max_tokens") and second.content[0].type == "text"
     assert second.content[0].text
+
+
+def test_output_config_format_holds_the_reply_to_a_schema(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    reply = client.messages.create(model="smol", max_tokens=40, extra_body=T0, messages=QUESTION,
+                                   output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(reply.content[0].text), schema)
 
 
 def test_bad_input_gets_anthropics_error_shape(client, url):

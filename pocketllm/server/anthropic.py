@@ -76,6 +76,17 @@ class Thinking(_Block):
     budget_tokens: int | None = None
 
 
+class OutputFormat(_Block):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Block):
+    model_config = ConfigDict(**_ANY, populate_by_name=True)
+    format: OutputFormat | None = None
+    effort: str | None = None
+
+
 class CountTokensRequest(_Block):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -83,6 +94,8 @@ class CountTokensRequest(_Block):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None  # structured output: a JSON schema the reply follows
+    output_format: OutputFormat | None = None  # (its earlier name)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -95,7 +108,8 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
 
 
-P.name_fields(MessagesRequest, Message, Tool, ToolChoice, Thinking, TextBlock, ToolUseBlock, ToolResultBlock)
+P.name_fields(MessagesRequest, Message, Tool, ToolChoice, Thinking, TextBlock, ToolUseBlock, ToolResultBlock,
+              OutputConfig, OutputFormat)
 
 
 def _texts(blocks, where: str) -> str:
@@ -155,8 +169,17 @@ def chat_request(req: CountTokensRequest) -> P.ChatCompletionRequest:
         body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
                                else {"auto": "auto", "any": "required", "none": "none"}[choice.type])
         body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    kwargs = {}
     if req.thinking is not None:  # the templates of reasoning models take it (Qwen3's enable_thinking)
-        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+        kwargs["enable_thinking"] = req.thinking.type == "enabled"
+    config = req.output_config or OutputConfig()
+    if config.effort:
+        kwargs["reasoning_effort"] = config.effort
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    fmt = config.format or req.output_format
+    if fmt is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stream=req.stream, stop=req.stop_sequences,
                     **{k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
