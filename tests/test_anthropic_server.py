@@ -46,7 +46,7 @@ def test_a_message_is_the_chat_completion_of_the_same_conversation(client, url):
     chat = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
         model="smol", max_tokens=24, temperature=0,
         messages=[{"role": "system", "content": "Answer in one sentence."}, *QUESTION])
-    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg")
+    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
     assert [b.type for b in reply.content] == ["text"]
     assert reply.content[0].text == chat.choices[0].message.content
     assert reply.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]

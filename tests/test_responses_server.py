@@ -37,7 +37,7 @@ def test_a_response_is_the_chat_completion_streamed_or_not(client):
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
     r = client.responses.create(model=NAME, input=QUESTION, instructions="Be brief.", temperature=0,
                                 max_output_tokens=24)
-    assert r.object == "response" and r.id.startswith("resp")
+    assert r.object == "response" and r.id.startswith("resp_")
     assert r.output_text == chat.choices[0].message.content
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens

@@ -219,7 +219,7 @@ def _tool_input(arguments: str) -> dict:
 
 
 class Messages(ChatCompletions):
-    id_prefix = "msg"
+    id_prefix = "msg_"
 
     async def parse(self, body: bytes) -> P.ChatCompletionRequest:
         return chat_request(await self.serving.parsed(MessagesRequest, body))

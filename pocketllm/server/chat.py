@@ -13,7 +13,7 @@ from pocketllm.structured.tool_parsers import TOOL_PARSERS, ToolParser, get_tool
 
 class ChatCompletions(Endpoint):
     request_model = P.ChatCompletionRequest
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 

@@ -11,7 +11,7 @@ from pocketllm.server.serving import ChoiceProgress, Endpoint, Job, NewOutput, P
 
 class Completions(Endpoint):
     request_model = P.CompletionRequest
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
     object_name = chunk_object_name = "text_completion"
 
     async def prepare(self, request: Request, req: P.CompletionRequest) -> Prepared:

@@ -170,7 +170,7 @@ def _items(value: str | list[dict]) -> list[dict]:
 
 
 class Responses(ChatCompletions):
-    id_prefix = "resp"
+    id_prefix = "resp_"
 
     def __init__(self, serving):
         super().__init__(serving)

@@ -384,7 +384,7 @@ class Endpoint:
     give the request type, the id prefix and objects' names, and fill in `prepare`, `choice` and
     `deltas`."""
     request_model: type
-    id_prefix: str
+    id_prefix: str  # of a reply's id, as the protocol writes them ("chatcmpl-", Anthropic's "msg_")
     object_name: str  # of the whole reply
     chunk_object_name: str  # of a streamed chunk
 
@@ -423,7 +423,7 @@ class Endpoint:
             grammar = await serving.grammar(request, prep.params.structured_outputs, prep.where)
             if grammar is None:
                 return Response(status_code=499)  # the client left: nobody will read it
-        job = Job(f"{self.id_prefix}-{uuid.uuid4().hex}", req, prep.prompts, replies=prep.replies)
+        job = Job(f"{self.id_prefix}{uuid.uuid4().hex}", req, prep.prompts, replies=prep.replies)
         arrival = request.state.arrival_time
         try:
             for i, (text, ids) in enumerate(prep.prompts):
