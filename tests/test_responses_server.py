@@ -108,3 +108,5 @@ def test_bad_input_gets_openai_errors(client):
             {"type": "input_image", "image_url": "https://example.com/a.png"}]}])
     with pytest.raises(openai.BadRequestError, match="max_output_tokens"):
         client.responses.create(model=NAME, input=QUESTION, max_output_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="does not serve embeddings"):  # a clear 400, not a 404
+        client.embeddings.create(model=NAME, input="hello")

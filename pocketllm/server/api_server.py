@@ -111,6 +111,12 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = Non
     async def anthropic_count_tokens(request: Request):
         return await anthropic.count_tokens(serving, await request.body())
 
+    @app.post("/v1/embeddings", include_in_schema=False)
+    async def embeddings(request: Request):
+        raise P.APIError(400, f"The model `{cfg.model_name}` is a text generation model: it does not serve "
+                              "embeddings (this server runs no embedding models yet).", param="model",
+                         code="model_not_supported")
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return await tokenize_endpoints.tokenize(serving, request)
