@@ -13,6 +13,7 @@ import openai
 import pytest
 from fixtures import default_model_gguf
 from live_server import in_process
+from test_structured_server import THINKING_TEMPLATE
 
 from pocketllm import LLM
 from pocketllm.server.api_server import create_app
@@ -135,17 +136,6 @@ def test_bad_input_gets_anthropics_error_shape(client, url):
     raw = httpx.post(f"{url}/v1/chat/completions", content=b"{not json",
                      headers={"authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
     assert raw.status_code == 400 and "error" in json.loads(raw.text) and "type" not in json.loads(raw.text)
-
-
-# ChatML that shows earlier turns' reasoning and opens a <think> block for the reply unless thinking is off
-# (as Qwen3's template does; tests/test_structured_server.py)
-THINKING_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}</think>\n\n{% endif %}"
-    "{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
-    "{% endif %}")
 
 
 def test_reasoning_models_answer_with_thinking_blocks():

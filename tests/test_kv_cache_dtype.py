@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures import default_model_gguf
+from reference import captured_logits
 
 from pocketllm import LLM, SamplingParams
 from pocketllm.core.kv_dtype import QUANTS, dequantize, quantize
@@ -133,14 +134,9 @@ def _real_text_ids(llm: LLM, n: int) -> list[int]:
 def _log_probs(llm: LLM, ids: list[int]) -> torch.Tensor:
     """log-softmax [len(ids) - 1, vocab] of the model's prediction after each prefix of `ids` (teacher-forced,
     the logits as the runner computes them)."""
-    rt = llm.engine.runner.model
-    original, rows = rt.compute_logits, []
-    rt.compute_logits = lambda hidden: rows.append(original(hidden)) or rows[-1]
-    try:
+    with captured_logits(llm) as rows:
         llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
                      use_tqdm=False)
-    finally:
-        rt.compute_logits = original
     full = torch.cat([r for r in rows if r.shape[0] > 1])
     return torch.log_softmax(full[:len(ids) - 1].double(), -1)
 

@@ -328,7 +328,8 @@ class ResponsesStream:
         else:
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=index, arguments=item["arguments"]))
-        item["status"] = "completed" if "status" in item else item.get("status")
+        if "status" in item:
+            item["status"] = "completed"
         return events + [self._event("response.output_item.done", output_index=index, item=item)]
 
     def _open(self, key: tuple, item: dict) -> list[str]:
