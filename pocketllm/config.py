@@ -14,6 +14,7 @@ from pocketllm.errors import ConfigurationError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # what the KV cache holds: pocketllm.core.kv_dtype
+TASKS = ("auto", "generate", "embed")
 
 
 @dataclass
@@ -61,6 +62,9 @@ class EngineArgs:
     # GPU: the experts of the first N mixture-of-experts layers ("all": every one) held in host memory and
     # computed there by the CPU's kernels (llama.cpp's --n-cpu-moe), the rest of the model on the GPU
     cpu_offload_experts: str | None = None
+    # generate | embed (requests are pooled into vectors: /v1/embeddings); auto: embed for an embedding
+    # model (an encoder, sentence-transformers files, a GGUF's pooling_type), generate otherwise
+    task: str = "auto"
     # ranks of one engine, each holding a shard of every layer (vLLM's name); on CUDA one GPU each,
     # on the CPU processes sharing the cores (gloo)
     tensor_parallel_size: int = 1
@@ -106,6 +110,7 @@ class EngineArgs:
         need(self.cpu_offload_experts is None or self.cpu_offload_experts == "all"
              or str(self.cpu_offload_experts).isdigit(),
              f"cpu_offload_experts must be a number of layers or 'all'; got {self.cpu_offload_experts!r}")
+        need(self.task in TASKS, f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         need(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 bytes; got {self.kv_cache_memory}")
         need(0 < self.gpu_memory_utilization <= 1,
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
@@ -240,6 +245,10 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # An embedding model's pooling ("last" | "mean" | "cls", as its sentence-transformers files or its
+    # GGUF's pooling_type say; None: not known to be one) and whether it normalizes the vector
+    pooling: str | None = None
+    normalize_embeddings: bool = True
     # Family-specific keys (sliding windows, soft-capping, ...) stay in the raw dict.
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -300,4 +309,30 @@ class ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.exists():
             raise ConfigurationError(f"{path} has no config.json; is it a Hugging Face model directory?")
-        return cls.from_hf_dict(json.loads(cfg_path.read_text()))
+        config = cls.from_hf_dict(json.loads(cfg_path.read_text()))
+        config.pooling, config.normalize_embeddings = sentence_transformers_pooling(Path(path))
+        return config
+
+
+_ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+def sentence_transformers_pooling(path: Path) -> tuple[str | None, bool]:
+    """(pooling, normalize) from a sentence-transformers model's modules.json and its Pooling module's
+    config; (None, True) where the directory has none."""
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None, True
+    pooling, normalize = None, False
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", ""))
+        if kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("Pooling"):
+            try:
+                cfg = json.loads((path / str(module.get("path", "")) / "config.json").read_text())
+            except (OSError, ValueError):
+                continue
+            pooling = next((mode for key, mode in _ST_POOLING.items() if cfg.get(key)), None)
+    return pooling, normalize

@@ -9,6 +9,7 @@ from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.errors import RequestFailedError
 from pocketllm.outputs import RequestOutput
+from pocketllm.pooling_params import PoolingParams
 from pocketllm.sampling_params import SamplingParams
 
 
@@ -26,24 +27,34 @@ class LLM:
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
+        return self._run(prompts, sampling_params, SamplingParams, use_tqdm)
+
+    def embed(self, prompts: str | dict | Sequence[str | dict],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Each prompt's embedding (RequestOutput.embedding), for a model of task embed."""
+        return self._run(prompts, pooling_params, PoolingParams, use_tqdm)
+
+    def _run(self, prompts, params, kind, use_tqdm: bool | None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if params is None or isinstance(params, kind):
+            params = [params or kind()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} {kind.__name__}")
         engine = self.engine
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, sampling_params):
-                ids.append(engine.add_request(None, p, sp))
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(None, prompt, p))
         except BaseException:  # one bad prompt: queue none of the batch
             for rid in ids:
                 engine.abort_request(rid)
             raise
         done: dict[str, RequestOutput] = {}
         show = len(prompts) >= 8 if use_tqdm is None else use_tqdm
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not show) as bar:
+        desc = "Embedding" if kind is PoolingParams else "Generating"
+        with tqdm(total=len(ids), desc=desc, unit="req", disable=not show) as bar:
             try:
                 while engine.has_unfinished_requests():
                     for out in engine.step():

@@ -41,3 +41,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set when the engine failed this request (a bug it isolated); the request is finished, aborted.
     error: str | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, once finished (task embed)

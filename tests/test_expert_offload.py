@@ -71,3 +71,18 @@ def test_what_cannot_be_offloaded_is_refused_before_loading(tiny_models, mixtral
         LLM(str(mixtral_q8), device="cpu", cpu_offload_experts=str(layers + 1))
     with pytest.raises(ConfigurationError, match="cpu_offload_experts must be a number of layers or 'all'"):
         LLM(str(mixtral_q8), device="cpu", cpu_offload_experts="half")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+def test_on_cuda_offloaded_experts_give_the_resident_tokens(tiny_models, mixtral_q8, kind):
+    path = mixtral_q8 if kind == "gguf" else tiny_models["mixtral"][1]
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([5, 11, 17])]
+    tokens = {}
+    for offload in (None, "1", "all"):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=64, num_kv_blocks=16,
+                  cpu_offload_experts=offload)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        tokens[offload] = [o.outputs[0].token_ids for o in outs]
+        del llm
+    assert tokens["1"] == tokens[None] and tokens["all"] == tokens[None]

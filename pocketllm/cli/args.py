@@ -23,6 +23,9 @@ _HELP = {
     "cpu_offload_experts": "CUDA, mixture-of-experts models: N | all: the experts of the first N layers (all: every "
                            "layer) stay in host memory and run on the CPU's kernels, the rest on the GPU (llama.cpp's "
                            "--n-cpu-moe), for a model whose experts do not fit the card (default: none)",
+    "task": "auto | generate | embed: what requests do; embed pools each prompt into a vector (/v1/embeddings) "
+            "(default: auto: embed for an embedding model, as its sentence-transformers files or GGUF's "
+            "pooling_type say, generate otherwise)",
     "reserve_kv_cache": "CPU: hold the KV cache's memory from the start, not as blocks are first used "
                         "(default: on for serve, off for chat and generate)",
     "gpu_memory_utilization": "CUDA: fraction of the GPU's memory for weights and KV cache together "

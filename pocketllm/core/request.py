@@ -7,6 +7,7 @@ from enum import IntEnum
 
 import torch
 
+from pocketllm.pooling_params import PoolingParams
 from pocketllm.sampling_params import SamplingParams
 
 
@@ -35,7 +36,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
-                 leader: Request | None = None, seed: int | None = None, cache_salt: str | None = None):
+                 leader: Request | None = None, seed: int | None = None, cache_salt: str | None = None,
+                 pooling: PoolingParams | None = None):
         """`prompt_token_ids` is shared, not copied: the siblings of an n > 1 request hold one copy
         of the prompt (and one `params`), and nobody changes either. `seed` (default params.seed)
         is this sequence's own; `cache_salt` keeps its prefix-cache blocks apart from other salts'."""
@@ -48,6 +50,11 @@ class Request:
         # through the prefix cache instead of computing it again.
         self.leader = leader
         self.cache_salt = cache_salt
+        # An embedding request (its settings resolved): its prompt is pooled into `embedding` when its
+        # last chunk is computed, and it finishes there; `pool_sum` carries mean pooling across chunks
+        self.pooling = pooling
+        self.pool_sum: torch.Tensor | None = None
+        self.embedding: list[float] | None = None
 
         self._all_token_ids: list[int] | None = None  # prompt + output, made when first read
         self.output_token_ids: list[int] = []
@@ -119,7 +126,13 @@ class Request:
         penalties, a minimum length): its next step cannot be scheduled before the last
         one's token is back."""
         p = self.params
-        return self.structured is not None or p.needs_penalties or p.min_tokens > 0
+        return self.structured is not None or p.needs_penalties or p.min_tokens > 0 or self.pooling is not None
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed (no prefix-cache hits): its prompt is scored,
+        or pooled over more than its last token."""
+        return self.params.prompt_logprobs is not None or (self.pooling is not None and self.pooling.pooling != "last")
 
     @property
     def prefill_done(self) -> bool:

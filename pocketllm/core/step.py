@@ -24,3 +24,6 @@ class StepInputs:
     # per decode row, its index among its request's rows (0, 1, .. for a token and its drafts): the
     # attention kernel reads a run's keys once (empty: every request has one row, or TP ranks' copies)
     chain_pos: list[int] = field(default_factory=list)
+    # embedding requests' rows: (request, its first token row, its rows this step, its first position,
+    # whether its prompt ends in this step)
+    pooling: list[tuple] = field(default_factory=list)

@@ -23,6 +23,7 @@ from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
 from pocketllm.loaders.model_source import ModelSource
 from pocketllm.outputs import RequestOutput
+from pocketllm.pooling_params import PoolingParams
 from pocketllm.runner.memory import weight_bytes
 from pocketllm.runner.model_runner import LaunchedStep, ModelRunner
 from pocketllm.runner.worker import TORCH_DTYPES, Worker
@@ -30,6 +31,7 @@ from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured.backend import StructuredOutputs
 
 log = logging.getLogger("pocketllm")
+_POOLED = SamplingParams(max_tokens=1)  # the sampling settings of an embedding request: nothing is sampled
 
 
 @dataclass
@@ -116,6 +118,10 @@ class LLMEngine:
         self.kv_plan = KVPlan(args, self.kv_layout, self.block_size, self.device, cfg.max_position_embeddings)
         self.tokenizer = self.source.tokenizer(args.tokenizer)
         spec = args.speculative
+        # embed: each request's prompt is pooled into one vector (the model's pooling, else its last token's)
+        self.task = args.task if args.task != "auto" else "embed" if cfg.pooling else "generate"
+        if self.task == "embed" and spec is not None:
+            raise ConfigurationError("speculative_config drafts generated tokens; task embed generates none")
         if spec is not None and spec.row_invariant and self.device.type != "cuda":
             raise ConfigurationError("speculative_config: row_invariant is for CUDA devices (cuBLAS's kernel "
                                      f"choice), not {self.device.type}")
@@ -301,16 +307,28 @@ class LLMEngine:
                 raise err
 
     def add_request(self, request_id: str | None, prompt: str | dict | list[int],
-                    params: SamplingParams | None = None, arrival_time: float | None = None, grammar=None) -> str:
+                    params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
+                    grammar=None) -> str:
         """Queue a request; `prompt` is a text, token ids, or a dict of "prompt" and/or
         "prompt_token_ids" and an optional "cache_salt" (vLLM's: prefix-cache blocks are shared only
-        between requests of the same salt). Its n choices share its prompt and parameters.
+        between requests of the same salt). Its n choices share its prompt and parameters. With
+        PoolingParams (task embed) its prompt is pooled into one vector (RequestOutput.embedding).
         `grammar`: its `structured_outputs` compiled already (the server's), else compiled here."""
-        params = params or SamplingParams()
+        params = params or (PoolingParams() if self.task == "embed" else SamplingParams())
         request_id = str(next(self._ids)) if request_id is None else request_id
         check_request_id(request_id)
         if request_id in self.outputs.parents:
             raise RequestError(f"request id {request_id!r} is already in use")
+        pooling = None
+        if isinstance(params, PoolingParams) != (self.task == "embed"):
+            raise RequestError(f"this model serves {'embeddings' if self.task == 'embed' else 'generation'} "
+                               f"(task {self.task}); {'generation' if self.task == 'embed' else 'embeddings'} "
+                               "need a model started with --task "
+                               f"{'generate' if self.task == 'embed' else 'embed'}")
+        if isinstance(params, PoolingParams):  # one sequence, nothing sampled
+            cfg = self.model_config
+            pooling, params = params.resolved(cfg.pooling or "last", cfg.normalize_embeddings,
+                                              cfg.hidden_size), _POOLED
         text, ids = self.tokenize(prompt)
         self.validate_request(ids, params)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -325,7 +343,7 @@ class LLMEngine:
             seed = None if params.seed is None or params.n == 1 else _wrap64(params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}{CHILD_MARK}{i}"
             req = Request(rid, ids, params, self.eos_token_ids, arrival_time, leader=leader, seed=seed,
-                          cache_salt=salt)
+                          cache_salt=salt, pooling=pooling)
             if grammar is not None:  # each sibling walks the grammar on its own
                 req.structured = self.structured.new_state(grammar)
             leader = leader or req
@@ -428,6 +446,9 @@ class LLMEngine:
                 new = scored[req.num_prompt_scored - first:]
                 req.num_prompt_scored += len(new)
                 self.outputs.add_prompt_logprobs(req, new)
+        for rid, vector in result.pooled.items():
+            if (req := self.scheduler.requests.get(rid)) is not None:
+                req.embedding = vector
         sampled = {rid: [tok.token_id for tok in toks] for rid, toks in result.sampled.items()}
 
         def on_token(req: Request, i: int) -> None:

@@ -59,7 +59,8 @@ class ParentState:
         prompt_lps = None if self.prompt_logprobs is None else [None, *self.prompt_logprobs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              finished=self.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=metrics, prompt_logprobs=prompt_lps, error=self.error)
+                             metrics=metrics, prompt_logprobs=prompt_lps, error=self.error,
+                             embedding=first.embedding)
 
 
 class OutputProcessor:

@@ -145,7 +145,7 @@ class Scheduler:
                     and not leader.prefill_done):
                 skipped.append(self.waiting.popleft())  # wait for the sibling's prompt KV
                 continue
-            hit = self.kv.find_cached_blocks(req) if req.params.prompt_logprobs is None else None
+            hit = None if req.computes_whole_prompt else self.kv.find_cached_blocks(req)
             num_cached = hit.num_tokens if hit else 0
             num_new = req.num_tokens - num_cached
             room = prefill_room()
@@ -235,6 +235,10 @@ class Scheduler:
             if not sr.samples or req.is_finished:
                 continue
             req.num_pending -= 1
+            if req.pooling is not None:  # its prompt is pooled: nothing follows
+                self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                touched.append(req)
+                continue
             tokens = sampled[req.request_id]
             assert 1 <= len(tokens) <= 1 + len(sr.spec_token_ids), (req, tokens)
             if sr.spec_token_ids and req.status == RequestStatus.RUNNING:

@@ -62,6 +62,8 @@ _GPT_OSS_LAYER_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_no
 def layer_names(arch: str) -> dict[str, str]:
     """GGUF per-layer tensor stem -> the Hugging Face module path, for ``arch``."""
     return {"gemma3": _GEMMA3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+# llama.cpp's pooling_type: 0 none (a generative model), 1 mean, 2 cls, 3 last (4, rank, is a reranker's)
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 _DENSE = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -149,6 +151,7 @@ class GGUFModelFile:
             # llama.cpp renormalises the selected experts' weights for both families (qwen3moe's
             # converter drops norm_topk_prob: every released Qwen3-MoE sets it)
             norm_topk_prob=True,
+            pooling=_GGUF_POOLING.get(self.arch_meta("pooling_type", 0)),
             raw={"gguf_arch": self.arch, **raw},
         )
 

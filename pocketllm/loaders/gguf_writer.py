@@ -29,6 +29,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from pocketllm.config import sentence_transformers_pooling
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
 from pocketllm.loaders.gguf_loader import ARCHITECTURES, GLOBAL_NAMES, layer_names
 from pocketllm.quant import mixes
@@ -130,6 +131,8 @@ def _add_arch_metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rope: dict, voca
     gemma = arch == "gemma3"
     n_head = hp.get("num_attention_heads", 8 if gemma else None)
     w.add_block_count(hp["num_hidden_layers"])
+    if hp.get("_pooling"):  # an embedding model (sentence-transformers' Pooling), as convert_hf_to_gguf.py marks it
+        w.add_pooling_type(gguf.PoolingType[hp["_pooling"].upper()])
     w.add_context_length(hp.get("max_position_embeddings") or (131072 if gemma else 2048))
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
@@ -636,6 +639,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, file_type: str = 
         raise ConfigurationError(f"{model_dir} is not a directory; give a Hugging Face model directory")
     ft_name, ftype, _ = mixes.parse_file_type(file_type)
     hp = load_hparams(model_dir)
+    hp["_pooling"] = sentence_transformers_pooling(model_dir)[0]
     arch = arch_of(hp)
     rope = rope_parameters(hp)
     _open.cache_clear()  # handles of an earlier file at these paths

@@ -23,6 +23,7 @@ from pocketllm.distributed.parallel_state import TPGroup, get_tp
 from pocketllm.layers.attention import AttentionMetadata, PrefillSpan
 from pocketllm.models.base import CausalLM
 from pocketllm.runner.draft_position import DraftPosition
+from pocketllm.runner.pooler import pool
 from pocketllm.runner.sampler import DeviceSample, SampledToken, Sampler, token_logprobs
 
 
@@ -33,6 +34,7 @@ class RunnerOutput:
     # request id -> (its first scored prompt position, one SampledToken per position from there)
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> why it could not be sampled
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # request id -> its embedding (task embed)
     forward_time: float = 0.0  # seconds spent in the model and sampler (launch and wait)
     device_time: float | None = None  # the step's time on the GPU's clock, when the runner times steps
     prepare_time: float = 0.0  # seconds spent building inputs
@@ -50,6 +52,7 @@ class LaunchedStep:
     prompt_scores: list[tuple] = field(default_factory=list)  # StepInputs.prompt_scores
     prompt_sample: DeviceSample | None = None  # their logprobs, a row per scored position
     events: tuple | None = None  # CUDA events around the step's work, when the runner times steps
+    pooled: list[tuple] = field(default_factory=list)  # (request id, its embedding on its way to the host)
 
     def sample_row(self) -> dict[str, int]:
         """Where each request's (one) sampled token is: a step with drafts is never overlapped."""
@@ -137,6 +140,7 @@ class ModelRunner:
         sampling = []
         pending: list[tuple[int, int]] = []
         prompt_scores: list[tuple] = []
+        pooling: list[tuple] = []
         row_requests = []
         prev_rows = None
         # Decode rows come first; they are most of a busy step, so they get a lean loop. A request
@@ -159,6 +163,8 @@ class ModelRunner:
                 input_ids += drafts
                 sampling.append(req)
                 sampling += [DraftPosition(req, drafts, i) for i in range(1, len(drafts) + 1)]
+            elif req.pooling is not None:  # a one-token prompt to embed
+                pooling.append((req, len(positions), 1, p, sr.samples))
             elif sr.samples:
                 sampling.append(req)
             for q in range(p, p + sr.num_tokens):
@@ -170,7 +176,7 @@ class ModelRunner:
                 row_requests.append(req)
             if drafts:
                 logits_rows += range(len(positions) - sr.num_tokens, len(positions))
-            elif sr.samples:
+            elif sr.samples and req.pooling is None:
                 logits_rows.append(len(positions) - 1)
         num_decode_rows = len(rows)
         for sr in out.scheduled[out.num_decodes:]:
@@ -184,7 +190,9 @@ class ModelRunner:
             rows.append((n, ctx))
             tables.append(blocks[:-(-ctx // bs)])
             row_requests.append(req)
-            if sr.samples:
+            if req.pooling is not None:
+                pooling.append((req, len(input_ids) - n, n, start, sr.samples))
+            elif sr.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
             if req.params.prompt_logprobs is not None:
@@ -194,7 +202,7 @@ class ModelRunner:
                     prompt_scores.append((req, first, len(input_ids) - ctx + first,
                                           req.prompt_token_ids[first + 1:last + 1]))
         step = StepInputs(input_ids, positions, [slots], rows, [tables], num_decode_rows, logits_rows, sampling,
-                          pending, prompt_scores)
+                          pending, prompt_scores, pooling=pooling)
         if num_decode_rows > out.num_decodes:  # a request with drafts: each decode row's index in its request
             step.chain_pos = [i for sr in out.scheduled[:out.num_decodes] for i in range(sr.num_tokens)]
         if len(self.windows) > 1:
@@ -312,7 +320,7 @@ class ModelRunner:
             dst, src = zip(*step.pending)
             pending = (torch.tensor(dst).to(dev, non_blocking=True), prev.tokens,
                        torch.tensor(src).to(dev, non_blocking=True))
-        graphed = (self.graphs is not None and step.num_decodes == len(step.rows)
+        graphed = (self.graphs is not None and step.num_decodes == len(step.rows) and not step.pooling
                    and self.graphs.fits(len(step.rows)))
         events = None
         if self.time_steps and dev.type == "cuda":
@@ -334,6 +342,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
         prompt_sample = self._score_prompts(hidden, step.prompt_scores, score_rows) if score_rows else None
+        pooled = pool(hidden, step.pooling) if step.pooling else []
         sample = None
         if step.sampling:
             if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:
@@ -353,7 +362,7 @@ class ModelRunner:
         if sample is not None:
             sample.start_copy()
         return LaunchedStep(sample, tokens, step.sampling, t1 - t0, time.perf_counter() - t1,
-                            step.prompt_scores, prompt_sample, events)
+                            step.prompt_scores, prompt_sample, events, pooled)
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -419,6 +428,8 @@ class ModelRunner:
             for req, first, _, targets in launched.prompt_scores:
                 result.prompt_logprobs[req.request_id] = (first, scored[i:i + len(targets)])
                 i += len(targets)
+        for rid, vector in launched.pooled:
+            result.pooled[rid] = vector.tolist()
         if launched.events is not None:
             start, end = launched.events
             end.synchronize()

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pocketllm import __version__
 from pocketllm.errors import RequestError, RequestFailedError
 from pocketllm.server import anthropic, ollama, openai_responses
+from pocketllm.server import embeddings as embedding_endpoints
 from pocketllm.server import protocol as P
 from pocketllm.server import tokenize as tokenize_endpoints
 from pocketllm.server.admin import admin_routes
@@ -34,8 +35,9 @@ log = logging.getLogger("pocketllm")
 _BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest,
            "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
            "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens": anthropic.CountTokensRequest,
-           "/v1/responses": openai_responses.ResponsesRequest,
-           "/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest, "/api/show": ollama.ShowRequest}
+           "/v1/responses": openai_responses.ResponsesRequest, "/v1/embeddings": embedding_endpoints.EmbeddingRequest,
+           "/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest, "/api/show": ollama.ShowRequest,
+           "/api/embed": ollama.EmbedRequest, "/api/embeddings": ollama.LegacyEmbedRequest}
 
 
 def _with_request_bodies(app: FastAPI) -> None:
@@ -111,11 +113,9 @@ def create_app(llm: AsyncLLM, cfg: ServerConfig, state: ServerState | None = Non
     async def anthropic_count_tokens(request: Request):
         return await anthropic.count_tokens(serving, await request.body())
 
-    @app.post("/v1/embeddings", include_in_schema=False)
+    @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        raise P.APIError(400, f"The model `{cfg.model_name}` is a text generation model: it does not serve "
-                              "embeddings (this server runs no embedding models yet).", param="model",
-                         code="model_not_supported")
+        return await embedding_endpoints.create(serving, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -1,4 +1,4 @@
-"""Ollama's API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`) as a
+"""Ollama's API (`/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`) as a
 translation of the chat and completions endpoints: a request becomes a chat request (`options` as
 sampling, `format` as a response format, `think` as the template's switch) or, with `raw`, a completion
 of its prompt as given; replies are Ollama's objects, streamed as NDJSON lines (the default) with the
@@ -14,9 +14,11 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import ConfigDict, Field, ValidationError
 
 from pocketllm import __version__
+from pocketllm.server import embeddings
 from pocketllm.server import protocol as P
 from pocketllm.server.chat import ChatCompletions
 from pocketllm.server.completions import Completions
@@ -75,6 +77,22 @@ class ChatRequest(_Request):
     messages: list[Message] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None  # OpenAI's, passed on: Ollama has none, PocketLLM enforces it
+
+
+class EmbedRequest(_Body):
+    model: str | None = None
+    input: str | list[str]
+    truncate: bool = True  # an input longer than the context is cut to it (else refused)
+    dimensions: int | None = Field(None, ge=1)
+    options: Options | None = None
+    keep_alive: Any = None  # (the model stays loaded: accepted, not used)
+
+
+class LegacyEmbedRequest(_Body):
+    model: str | None = None
+    prompt: str
+    options: Options | None = None
+    keep_alive: Any = None
 
 
 class ShowRequest(_Body):
@@ -326,10 +344,28 @@ def ollama_routes(serving: OpenAIServing) -> APIRouter:
             return loaded(value["model"], "response")
         return await (raw if value.get("raw") is True else generate).create(request, json.dumps(value).encode())
 
-    @router.post("/api/embed", include_in_schema=False)
-    @router.post("/api/embeddings", include_in_schema=False)
+    @router.post("/api/embed")
     async def api_embed(request: Request):
-        raise P.APIError(400, f"{name} does not support embeddings (it is a text generation model).")
+        req = await serving.parsed(EmbedRequest, await request.body())
+        check_model(req.model)
+        if serving.engine.task != "embed":
+            raise P.APIError(400, f"{name} does not support embeddings (it is a text generation model).")
+        job = await embeddings.embed(serving, request, [req.input] if isinstance(req.input, str) else req.input,
+                                     "input", req.dimensions, truncate=req.truncate)
+        if job is None:
+            return Response(status_code=499)
+        counts = _counts(job)
+        return {"model": name, "embeddings": [out.embedding for out in job.last], "total_duration":
+                counts["total_duration"], "load_duration": 0, "prompt_eval_count": counts["prompt_eval_count"]}
+
+    @router.post("/api/embeddings")
+    async def api_embeddings(request: Request):  # the older route: one prompt, one vector
+        req = await serving.parsed(LegacyEmbedRequest, await request.body())
+        check_model(req.model)
+        if serving.engine.task != "embed":
+            raise P.APIError(400, f"{name} does not support embeddings (it is a text generation model).")
+        job = await embeddings.embed(serving, request, [req.prompt], "prompt", truncate=True)
+        return Response(status_code=499) if job is None else {"embedding": job.last[0].embedding}
 
     @router.get("/api/version")
     async def api_version():

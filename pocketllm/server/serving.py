@@ -73,7 +73,7 @@ async def _client_gone(request: Request) -> None:
 class Job:
     """One API request: its engine requests (one per prompt), their timers and outputs."""
     id: str
-    req: P.ChatCompletionRequest | P.CompletionRequest
+    req: P.ChatCompletionRequest | P.CompletionRequest | None  # (None: an embeddings request)
     prompts: list[tuple[str | None, list[int]]]
     streams: list[RequestStream] = field(default_factory=list)
     timers: list[RequestTimer] = field(default_factory=list)
@@ -303,6 +303,10 @@ class OpenAIServing:
                constraint_param: str | None = None, skip_special_tokens: bool = True) -> SamplingParams:
         """The request's sampling parameters, its reply bounded by the context (`where` names the
         field of the prompt; `max_tokens` None: the server's default bound)."""
+        if self.engine.task == "embed":
+            raise P.APIError(400, f"The model `{self.cfg.model_name}` is an embedding model (task embed): it "
+                                  "generates no text; ask /v1/embeddings (or Ollama's /api/embed).",
+                             param="model", code="model_not_supported")
         limit = self.engine.max_model_len
         longest = max(len(ids) for _, ids in prompts)
         if max_tokens is None:  # bounded by default, so that a model that loops does not run to the end of the context
