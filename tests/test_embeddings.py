@@ -20,7 +20,7 @@ from live_server import in_process
 from tiny_models import make_tiny_chat_model
 
 from pocketllm import LLM, PoolingParams, RequestError
-from pocketllm.errors import ConfigurationError
+from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
 from pocketllm.server.api_server import create_app
 from pocketllm.server.async_llm import AsyncLLM
 from pocketllm.server.config import ServerConfig
@@ -131,6 +131,104 @@ def test_pooling_survives_prefix_hits_and_preemption(tiny_models):
     assert hit.num_cached_tokens == 32
     assert_close(hit.embedding, reference(model, prompts[1], "last"))
     assert llm.embed({"prompt_token_ids": prompts[1]}, PoolingParams(pooling="mean"))[0].num_cached_tokens == 0
+    llm.engine.check_no_leaks()
+
+
+def make_encoder(arch: str, root):
+    """A random two-layer BERT-family encoder saved by transformers: (model, directory)."""
+    import transformers
+
+    cfg = getattr(transformers, f"{arch}Config")(vocab_size=384, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, type_vocab_size=2,
+                                                 max_position_embeddings=130, pad_token_id=1)
+    torch.manual_seed(7)
+    model = getattr(transformers, f"{arch}Model")(cfg).eval()
+    with torch.no_grad():  # larger than the default init, and random norms and biases: every term counts
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.08 if p.dim() >= 2 else 0.1)
+    model.save_pretrained(root / arch)
+    return model, root / arch
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("arch", ["Bert", "XLMRoberta"])
+def test_encoders_pool_what_transformers_computes(tmp_path, arch, device):
+    model, path = make_encoder(arch, tmp_path)
+    make_sentence_transformers(path, "cls")
+    g = torch.Generator().manual_seed(6)
+    longest = 128 if arch == "XLMRoberta" else 130  # XLM-R counts its 130 positions from 2
+    prompts = [torch.randint(2, 384, (n,), generator=g).tolist() for n in (1, 9, 57, longest)]
+    llm = LLM(str(path), device=device, dtype="float32", max_num_seqs=3)
+    assert llm.engine.task == "embed" and llm.engine.max_model_len == longest
+    for pooling in ("cls", "mean", "last"):
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], PoolingParams(pooling=pooling))
+        with torch.no_grad():
+            hidden = [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+        for out, h in zip(outs, hidden):
+            want = F.normalize({"cls": h[0], "mean": h.mean(0), "last": h[-1]}[pooling], dim=0)
+            assert_close(out.embedding, want)
+        assert_close(llm.embed({"prompt_token_ids": prompts[2]}, PoolingParams(pooling=pooling))[0].embedding,
+                     torch.tensor(outs[2].embedding))
+    with pytest.raises(RequestError, match=f"more than max_model_len={longest}"):
+        llm.embed({"prompt_token_ids": [5] * (longest + 1)})
+    llm.engine.check_no_leaks()
+    with pytest.raises(UnsupportedFeatureError, match="is an encoder: it serves embeddings"):
+        LLM(str(path), device="cpu", task="generate")
+
+
+def make_wordpiece_bert(root):
+    """A random BERT with a lowercasing WordPiece tokenizer (specials, letters, words, ## pieces), saved by
+    transformers: (model, its tokenizer, directory)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    words = ("the a of to and in is it you that he was for on are with as his they be at one have this from or "
+             "by word but what some we can out other were all there when up use your how said each which do time "
+             "if will way about many then write would like so make see two has look more day could go come did "
+             "number no most people my over know water than call first who may down been now find").split()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    letters = [*"abcdefghijklmnopqrstuvwxyz", *("##" + c for c in "abcdefghijklmnopqrstuvwxyz"), *".,!?'"]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(specials + letters + words + ["##s", "##ing", "##ed", "##er"]))}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
+                                                                                                ("[SEP]", 3)])
+    tok.decoder = decoders.WordPiece()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]",
+                                                sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]")
+    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(8)
+    model = transformers.BertModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.08 if p.dim() >= 2 else 0.1)
+    model.save_pretrained(root / "bert-wp")
+    fast.save_pretrained(root / "bert-wp")
+    return model, fast, root / "bert-wp"
+
+
+@pytest.mark.parametrize("file_type, cosine", [("F32", 0.99999), ("Q8_0", 0.9999)])
+def test_a_bert_gguf_tokenizes_and_embeds_as_transformers(tmp_path, file_type, cosine):
+    """BERT written as llama.cpp's `bert` GGUF (its tensor names, its WordPiece vocabulary with the
+    converter's phantom spaces, pooling_type CLS): the file's tokenizer gives the Hugging Face tokenizer's
+    ids, and the vectors are transformers' (Q8_0: within its rounding)."""
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    model, hf_tokenizer, path = make_wordpiece_bert(tmp_path)
+    gguf_path = write_gguf(path, tmp_path / f"bert.{file_type}.gguf", file_type).path
+    llm = LLM(str(gguf_path), device="cpu")
+    assert llm.engine.task == "embed" and llm.engine.model_config.pooling == "cls"
+    texts = ["The word of the day is water.", "They could go UP, down, or over!", "Zebras were unknowable", "a"]
+    outs = llm.embed(texts)
+    for text, out in zip(texts, outs):
+        ids = hf_tokenizer(text)["input_ids"]
+        assert llm.get_tokenizer().encode(text) == ids and out.prompt_token_ids == ids
+        with torch.no_grad():
+            want = F.normalize(model(torch.tensor([ids])).last_hidden_state[0, 0], dim=0)
+        assert float(F.cosine_similarity(torch.tensor(out.embedding), want, dim=0)) >= cosine
     llm.engine.check_no_leaks()
 
 

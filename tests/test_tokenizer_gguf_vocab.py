@@ -234,8 +234,8 @@ def test_missing_chat_template_is_a_configuration_error(tmp_path):
 def test_unsupported_vocabularies_are_refused(tmp_path):
     with pytest.raises(UnsupportedFeatureError, match="'made-up'.*llama-bpe.*smollm"):
         get_tokenizer(write_vocab(tmp_path / "pre.gguf", pre="made-up"))
-    with pytest.raises(UnsupportedFeatureError, match="'bert'"):
-        get_tokenizer(write_vocab(tmp_path / "model.gguf", model="bert"))
+    with pytest.raises(UnsupportedFeatureError, match="'t5'"):
+        get_tokenizer(write_vocab(tmp_path / "model.gguf", model="t5"))
     with pytest.raises(ConfigurationError):
         get_tokenizer(tmp_path / "missing.gguf")
 

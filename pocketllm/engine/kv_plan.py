@@ -38,7 +38,7 @@ class KVPlan:
     def __init__(self, args: EngineArgs, layout: KVLayout, block_size: int, device: torch.device, model_positions: int):
         self.args, self.layout, self.block_size, self.device = args, layout, block_size, device
         # every layer's K and V of a block id, a draft model's too: set before the cache is sized
-        self.bytes_per_block = 0
+        self.bytes_per_block: int | None = None  # (0: an encoder, which keeps no KV)
         asked = args.max_model_len
         if asked is not None and asked > model_positions:
             raise ConfigurationError(f"max_model_len {asked} exceeds the model's maximum of {model_positions} "
@@ -51,7 +51,7 @@ class KVPlan:
         and what would make it fit: refused (it would end in an out-of-memory error), but a warning
         for a `mapped` file on the CPU (weights read in place page in and out of the file, slowly)."""
         args = self.args
-        assert self.bytes_per_block > 0, "bytes_per_block first"
+        assert self.bytes_per_block is not None, "bytes_per_block first"
         # a request of the asked context; of a prompt step's length where the context is the model's
         # (lowered to what the cache holds once it is sized)
         tokens = self.max_model_len if args.max_model_len is not None else min(self.max_model_len,
@@ -86,7 +86,7 @@ class KVPlan:
         """The cache's blocks where they are known before loading (the CPU's memory budget, or
         --num-kv-blocks), with the context fitted to them; None on CUDA, sized after loading."""
         args = self.args
-        assert self.bytes_per_block > 0, "bytes_per_block first"
+        assert self.bytes_per_block is not None, "bytes_per_block first"
         if self.device.type != "cpu" and args.num_kv_blocks is None:
             return None
         num_blocks = args.num_kv_blocks or args.kv_cache_memory // self.bytes_per_block

@@ -115,11 +115,21 @@ class LLMEngine:
         self.block_size = args.block_size
         self.worker = Worker(self.source, args, self.device, self.dtype_name)  # checks the configuration
         self.kv_layout = self.runtime.kv_layout
-        self.kv_plan = KVPlan(args, self.kv_layout, self.block_size, self.device, cfg.max_position_embeddings)
+        encoder = self.runtime.capabilities.encoder
+        positions = self.runtime.model_class.max_positions(cfg)
+        if encoder:  # each prompt whole, in one step; no KV kept, so nothing to share and blocks only count tokens
+            args.enable_chunked_prefill = args.enable_prefix_caching = False
+            args.max_num_batched_tokens = max(args.max_num_batched_tokens, min(args.max_model_len or positions,
+                                                                              positions))
+            args.num_kv_blocks = args.num_kv_blocks or (-(-args.max_num_batched_tokens // self.block_size)
+                                                        + args.max_num_seqs)
+        self.kv_plan = KVPlan(args, self.kv_layout, self.block_size, self.device, positions)
         self.tokenizer = self.source.tokenizer(args.tokenizer)
         spec = args.speculative
-        # embed: each request's prompt is pooled into one vector (the model's pooling, else its last token's)
-        self.task = args.task if args.task != "auto" else "embed" if cfg.pooling else "generate"
+        # embed: each request's prompt is pooled into one vector (the model's pooling; else an encoder's
+        # first token's, a decoder's last token's)
+        self.task = args.task if args.task != "auto" else "embed" if cfg.pooling or encoder else "generate"
+        self.default_pooling = cfg.pooling or ("cls" if encoder else "last")
         if self.task == "embed" and spec is not None:
             raise ConfigurationError("speculative_config drafts generated tokens; task embed generates none")
         if spec is not None and spec.row_invariant and self.device.type != "cuda":
@@ -132,8 +142,8 @@ class LLMEngine:
             self.drafter = DraftModel(spec, self)
         # A block id holds its tokens' KV in every layer, a draft model's too (of this rank's KV heads).
         tp = args.tensor_parallel_size
-        per_block = ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, self.dtype, tp,
-                                                   args.kv_cache_dtype)
+        per_block = 0 if encoder else ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, self.dtype,
+                                                                     tp, args.kv_cache_dtype)
         self.kv_plan.bytes_per_block = per_block + (self.drafter.kv_bytes_per_block if self.drafter else 0)
         # What loading will take, checked before a weight is read (this rank's share on CUDA; the
         # ranks share the host's memory on the CPU).
@@ -327,8 +337,7 @@ class LLMEngine:
                                f"{'generate' if self.task == 'embed' else 'embed'}")
         if isinstance(params, PoolingParams):  # one sequence, nothing sampled
             cfg = self.model_config
-            pooling, params = params.resolved(cfg.pooling or "last", cfg.normalize_embeddings,
-                                              cfg.hidden_size), _POOLED
+            pooling, params = params.resolved(self.default_pooling, cfg.normalize_embeddings, cfg.hidden_size), _POOLED
         text, ids = self.tokenize(prompt)
         self.validate_request(ids, params)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None

@@ -42,3 +42,19 @@ class RMSNorm(torch.nn.Module):
             residual = x
         y = F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
         return y if residual is None else (y, residual)
+
+
+class LayerNorm(torch.nn.Module):
+    """LayerNorm with weight and bias, computed in float32 (BERT's post-norm blocks)."""
+
+    def __init__(self, dim: int, eps: float, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def load(self, tensor: torch.Tensor, shard: int = 0, kind: str = "weight") -> None:
+        getattr(self, kind).data.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)

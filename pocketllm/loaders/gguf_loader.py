@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "bert": "BertModel",
 }
 
 GLOBAL_NAMES = {
@@ -59,9 +60,28 @@ _GPT_OSS_LAYER_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_no
                         "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 
 
+# BERT: its embeddings' three tables and norm, and post-norm encoder blocks under encoder.layer.N
+_BERT_GLOBAL_NAMES = {"token_embd": "embeddings.word_embeddings", "position_embd": "embeddings.position_embeddings",
+                      "token_types": "embeddings.token_type_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
+_BERT_LAYER_NAMES = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+                     "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+                     "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+
+
 def layer_names(arch: str) -> dict[str, str]:
     """GGUF per-layer tensor stem -> the Hugging Face module path, for ``arch``."""
-    return {"gemma3": _GEMMA3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    return {"gemma3": _GEMMA3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES,
+            "bert": _BERT_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+
+
+def global_names(arch: str) -> dict[str, str]:
+    """GGUF tensor stems outside the blocks -> the Hugging Face module path, for ``arch``."""
+    return _BERT_GLOBAL_NAMES if arch == "bert" else GLOBAL_NAMES
+
+
+def block_prefix(arch: str) -> str:
+    """The Hugging Face prefix of layer N's modules (``{}``: N)."""
+    return "encoder.layer.{}" if arch == "bert" else "model.layers.{}"
 # llama.cpp's pooling_type: 0 none (a generative model), 1 mean, 2 cls, 3 last (4, rank, is a reranker's)
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 _DENSE = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -117,6 +137,9 @@ class GGUFModelFile:
                if k.startswith(f"{self.arch}.") and len(f.data) < 64}
         if self.arch == "gemma3":
             raw.update(self._gemma3_settings(self.arch_meta("attention.key_length", hidden // heads)))
+        if self.arch == "bert":  # the keys the encoder reads, under transformers' names
+            raw.update(layer_norm_eps=self.arch_meta("attention.layer_norm_epsilon", 1e-12),
+                       type_vocab_size=int(self.tensors["token_types.weight"].shape[-1]))
         if self.arch == "gpt-oss":  # sliding-window layers: even ones unless a pattern says otherwise
             raw["sliding_window"] = self.arch_meta("attention.sliding_window")
             if isinstance(pattern := self.arch_meta("attention.sliding_window_pattern"), list):
@@ -144,7 +167,7 @@ class GGUFModelFile:
             torch_dtype="float32",
             bos_token_id=self.meta("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[e for e in eos if e is not None],
-            hidden_act="gelu_pytorch_tanh" if self.arch == "gemma3" else "silu",
+            hidden_act={"gemma3": "gelu_pytorch_tanh", "bert": "gelu"}.get(self.arch, "silu"),
             num_experts=experts,
             num_experts_per_tok=self.arch_meta("expert_used_count", 0),
             moe_intermediate_size=self.arch_meta("expert_feed_forward_length") or self.arch_meta("feed_forward_length"),
@@ -202,15 +225,15 @@ class GGUFModelFile:
         if name == "rope_freqs.weight":
             return None
         stem, _, kind = name.rpartition(".")
-        if stem in GLOBAL_NAMES:
-            return f"{GLOBAL_NAMES[stem]}.{kind}"
+        if stem in (names := global_names(self.arch)):
+            return f"{names[stem]}.{kind}"
         m = _BLOCK.match(name)
         table = layer_names(self.arch)
         if m is not None and m.group(2) in EXPERT_NAMES:  # one name per expert: "{}" for its index
             return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
         if m is None or m.group(2) not in table:
             raise UnsupportedFeatureError(f"unexpected GGUF tensor {name!r} for architecture {self.arch!r}")
-        return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
+        return f"{block_prefix(self.arch).format(m.group(1))}.{table[m.group(2)]}.{m.group(3)}"
 
     def iter_weights(self, dtype: torch.dtype, device) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         cfg = self.model_config()

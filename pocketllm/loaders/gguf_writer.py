@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType
 
 from pocketllm.config import sentence_transformers_pooling
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
-from pocketllm.loaders.gguf_loader import ARCHITECTURES, GLOBAL_NAMES, layer_names
+from pocketllm.loaders.gguf_loader import ARCHITECTURES, global_names, layer_names
 from pocketllm.quant import mixes
 from pocketllm.quant.quantize import SUPPORTED, quantize
 
@@ -133,6 +133,17 @@ def _add_arch_metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rope: dict, voca
     w.add_block_count(hp["num_hidden_layers"])
     if hp.get("_pooling"):  # an embedding model (sentence-transformers' Pooling), as convert_hf_to_gguf.py marks it
         w.add_pooling_type(gguf.PoolingType[hp["_pooling"].upper()])
+    if arch == "bert":  # an encoder: learned positions, LayerNorm, attention both ways
+        w.add_context_length(hp["max_position_embeddings"])
+        w.add_embedding_length(hp["hidden_size"])
+        w.add_feed_forward_length(hp["intermediate_size"])
+        w.add_head_count(n_head)
+        w.add_layer_norm_eps(hp.get("layer_norm_eps", 1e-12))
+        w.add_causal_attention(False)
+        w.add_vocab_size(vocab_size)
+        if not hp.get("_pooling"):
+            w.add_pooling_type(gguf.PoolingType.CLS)  # (the converter's default for BERT)
+        return
     w.add_context_length(hp.get("max_position_embeddings") or (131072 if gemma else 2048))
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
@@ -465,6 +476,8 @@ def add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int, arch: st
     if (model_dir / "tokenizer.model").is_file() and (arch == "gemma3" or not (model_dir / "tokenizer.json").is_file()
                                                         or _is_sentencepiece_json(model_dir)):
         return _sentencepiece_vocab(model_dir, vocab_size, w, arch)
+    if (model_dir / "tokenizer.json").is_file() and arch == "bert":
+        return _wordpiece_vocab(model_dir, w)
     if (model_dir / "tokenizer.json").is_file():
         if _is_sentencepiece_json(model_dir):
             raise UnsupportedFeatureError(
@@ -473,6 +486,32 @@ def add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int, arch: st
         return _byte_level_vocab(model_dir, vocab_size, w, arch)
     logger.warning("%s has no tokenizer; writing a byte-level stand-in vocabulary", model_dir)
     return minimal_vocab(vocab_size, w)
+
+
+def _wordpiece_vocab(model_dir: Path, w: gguf.GGUFWriter) -> str:
+    """A WordPiece tokenizer.json as llama.cpp's BERT vocabulary ("bert"): a word-initial piece written with
+    a leading "▁", a continuing "##piece" bare, bracketed special tokens as they are."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    if spec.get("model", {}).get("type") != "WordPiece":
+        raise UnsupportedFeatureError("a BERT model's tokenizer.json must be WordPiece to be written to GGUF")
+    by_id = {i: t for t, i in spec["model"]["vocab"].items()}
+    special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
+    tokens, types = [], []
+    for i in range(len(by_id)):
+        t = by_id[i]
+        special_or_bracketed = t in special or (t.startswith("[") and t.endswith("]"))
+        tokens.append(t if special_or_bracketed else t[2:] if t.startswith("##") else "\u2581" + t)
+        types.append(gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for name, add in (("[CLS]", w.add_bos_token_id), ("[SEP]", w.add_sep_token_id), ("[UNK]", w.add_unk_token_id),
+                      ("[PAD]", w.add_pad_token_id), ("[MASK]", w.add_mask_token_id)):
+        if name in spec["model"]["vocab"]:
+            add(spec["model"]["vocab"][name])
+    w.add_add_bos_token(True)
+    w.add_add_sep_token(True)
+    return "tokenizer.json (WordPiece)"
 
 
 def _is_sentencepiece_json(model_dir: Path) -> bool:
@@ -485,24 +524,24 @@ def _is_sentencepiece_json(model_dir: Path) -> bool:
 
 # ---- tensors -----------------------------------------------------------------------------------------------
 
-_HF_GLOBAL = {hf: g for g, hf in GLOBAL_NAMES.items()}
+_HF_GLOBAL = {arch: {hf: g for g, hf in global_names(arch).items()} for arch in ARCHITECTURES}
 _HF_LAYER = {arch: {hf: g for g, hf in layer_names(arch).items()} for arch in ARCHITECTURES}
-_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_BLOCK = re.compile(r"^(?:model\.layers|encoder\.layer)\.(\d+)\.(.+)\.(weight|bias)$")
 # one expert's matrix (Qwen3-MoE's names, Mixtral's): stacked into blk.N.ffn_*_exps
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_STEM = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
                 "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
-_SKIP = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
+_SKIP = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias", "embeddings.position_ids")
 
 
 def gguf_name(hf: str, arch: str) -> str | None:
     """GGUF tensor name of a Hugging Face one (the inverse of GGUFModelFile.hf_name); None to skip it."""
-    if hf.endswith(_SKIP):
+    if hf.endswith(_SKIP) or hf.startswith("pooler."):  # (BERT's pooler: not an embedding model's output)
         return None
     stem, _, kind = hf.rpartition(".")
-    if stem in _HF_GLOBAL:
-        return f"{_HF_GLOBAL[stem]}.{kind}"
+    if stem in _HF_GLOBAL[arch]:
+        return f"{_HF_GLOBAL[arch][stem]}.{kind}"
     if hf.endswith(".sinks"):  # gpt-oss's: a bare parameter
         hf += ".weight"
     m = _HF_BLOCK.match(hf.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate."))

@@ -37,6 +37,7 @@ class CausalLM(torch.nn.Module):
     ignored = re.compile(r"rotary_emb\.inv_freq$")
     # checkpoint module name -> ours, anywhere in a tensor's name (e.g. Mixtral's block_sparse_moe)
     renamed_modules: dict[str, str] = {}
+    has_lm_head = True  # (an encoder has none: its hidden states are pooled)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -49,12 +50,21 @@ class CausalLM(torch.nn.Module):
         return [None] * cfg.num_layers
 
     @classmethod
+    def max_positions(cls, cfg: ModelConfig) -> int:
+        """The longest sequence the model's positions cover."""
+        return cfg.max_position_embeddings
+
+    @classmethod
     def attention_kinds(cls, cfg: ModelConfig) -> set[str]:
         return {"full" if w is None else "sliding_window" for w in cls.layer_windows(cfg)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
+
+    def attention_layers(self) -> list[torch.nn.Module]:
+        """Each layer's attention, in layer order: what the KV cache binds to."""
+        return [layer.self_attn for layer in self.model.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -65,8 +75,7 @@ class CausalLM(torch.nn.Module):
         group whose block table it reads and, for an 8-bit cache, its (K, V) scales."""
         groups = groups or [0] * len(k_caches)
         scales = scales or [(None, None)] * len(k_caches)
-        for layer, k, v, g, s in zip(self.model.layers, k_caches, v_caches, groups, scales, strict=True):
-            attn = layer.self_attn
+        for attn, k, v, g, s in zip(self.attention_layers(), k_caches, v_caches, groups, scales, strict=True):
             attn.k_cache, attn.v_cache, attn.kv_group = k, v, g
             attn.k_scale, attn.v_scale = s
 
@@ -75,8 +84,8 @@ class CausalLM(torch.nn.Module):
         # second 8-bit pass over its activations: its top logits decide the sampled token, and
         # 8 bits alone move the top-1 token at near ties (96.8% agreement with the exact path on
         # the default model, 97.5% with the second pass; benchmarks/results).
-        head = getattr(self, "lm_head", None) or self.model.embed_tokens
-        if getattr(head, "int8_activations", 0):
+        head = getattr(self, "lm_head", None) or getattr(getattr(self, "model", None), "embed_tokens", None)
+        if head is not None and getattr(head, "int8_activations", 0):
             head.int8_activations = 2
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -105,7 +114,7 @@ class CausalLM(torch.nn.Module):
         self._finish_loading(loaded)
 
     def _finish_loading(self, loaded: set[str]) -> None:
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and self.has_lm_head:
             self.lm_head = self.model.embed_tokens.as_linear()
         missing = []
         for path, module in self.named_modules():

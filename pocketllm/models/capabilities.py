@@ -38,6 +38,9 @@ class RuntimeCapabilities:
     # Mixture-of-experts layers (pocketllm.layers.moe.SparseMoE) whose experts may live in host memory
     # (cpu_offload_experts).
     expert_offload: bool = False
+    # An encoder (BERT): bidirectional attention over each whole prompt, computed in one step and pooled
+    # (task embed only); it keeps no KV cache, so prefix caching and chunked prefill do not apply.
+    encoder: bool = False
 
 
 SLIDING_WINDOW_KV = frozenset({"full", "window"})  # the KV layouts the engine builds

@@ -21,6 +21,9 @@ _RUNTIMES = {
     "Qwen3MoeForCausalLM": ("pocketllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("pocketllm.models.mixtral", "MixtralForCausalLM"),
     "GptOssForCausalLM": ("pocketllm.models.gpt_oss", "GptOssForCausalLM"),
+    "BertModel": ("pocketllm.models.bert", "BertModel"),
+    "RobertaModel": ("pocketllm.models.bert", "RobertaModel"),
+    "XLMRobertaModel": ("pocketllm.models.bert", "RobertaModel"),
 }
 
 
@@ -75,7 +78,9 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
         check("sliding-window KV layout", caps.sliding_window_kv, SLIDING_WINDOW_KV, where)
         if caps.sliding_window_kv == "full":  # one table: the window layers keep the whole sequence
             windows = [None] * len(windows)
-    if args.enable_prefix_caching and not caps.prefix_caching:
+    if caps.encoder and args.task == "generate":
+        raise UnsupportedFeatureError(f"{where} is an encoder: it serves embeddings (task embed), not generation")
+    if args.enable_prefix_caching and not caps.prefix_caching and not caps.encoder:  # (an encoder keeps no KV)
         raise UnsupportedFeatureError(f"{where} does not support prefix caching; "
                                       "pass enable_prefix_caching=False")
     check_tensor_parallel(cfg, args.tensor_parallel_size, quant_types, caps, where)

@@ -63,7 +63,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, res
     """Zero-filled KV memory. On the CPU, unless `reserve`, it comes from calloc (numpy), whose large
     blocks are lazily zeroed pages: the cache becomes resident only as requests fill it. (Zeros, not
     garbage: masked slots are still read, and NaN * 0 would poison the attention.)"""
-    if device.type != "cpu" or reserve:
+    if device.type != "cpu" or reserve or 0 in shape:
         return torch.zeros(shape, dtype=dtype, device=device)
     elem = torch.empty((), dtype=dtype).element_size()
     raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * elem, dtype=np.uint8))
@@ -82,7 +82,9 @@ class ModelRunner:
         self.tp = get_tp()
         layout = kv_layout or KVLayout.of([None] * cfg.num_layers)
         self.windows = layout.windows  # per KV group
-        shape = (num_blocks, block_size, self.tp.kv_heads(cfg.num_kv_heads)[1], cfg.head_dim)  # this rank's heads
+        # this rank's heads; none for an encoder, which keeps no KV (its blocks only count its tokens)
+        heads = 0 if model.capabilities.encoder else self.tp.kv_heads(cfg.num_kv_heads)[1]
+        shape = (num_blocks, block_size, heads, cfg.head_dim)
         # KV tensor t holds place t of every group: layers of different groups share it, each
         # through its own group's block ids.
         quant = kv_quant(kv_cache_dtype)
@@ -94,8 +96,8 @@ class ModelRunner:
             tuple(_zeros(shape[:3], torch.float32, device, reserve_kv) for _ in range(2))
             for _ in range(layout.layers_per_block)]
         place = layout.placement(cfg.num_layers)
-        for layer, (g, _) in zip(model.model.layers, place):
-            w = layer.self_attn.window
+        for attn, (g, _) in zip(model.attention_layers(), place):
+            w = attn.window
             assert self.windows[g] in (None, w), f"a layer of window {w} in a KV group of window {self.windows[g]}"
         model.bind_kv_cache([self.k_caches[t] for _, t in place], [self.v_caches[t] for _, t in place],
                             [g for g, _ in place], None if quant is None else [self.kv_scales[t] for _, t in place])

@@ -77,12 +77,17 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         backend, add_bos_default = _sentencepiece_bpe(meta, tokens), True
     elif kind == "gemma4":
         backend, add_bos_default = _gemma4_bpe(meta, tokens), False
+    elif kind == "bert":
+        backend, add_bos_default = _wordpiece(meta, tokens), True
     else:
         raise UnsupportedFeatureError(
-            f"GGUF tokenizer.ggml.model = {kind!r} is not supported; supported: 'gpt2', 'llama', 'gemma4'"
+            f"GGUF tokenizer.ggml.model = {kind!r} is not supported; supported: 'gpt2', 'llama', 'gemma4', 'bert'"
         )
 
     ids = {name: meta.get(key) for name, key in _SPECIAL_IDS.items()}
+    if kind == "bert":  # llama.cpp's WPM defaults: [CLS] as BOS, [SEP] after the text
+        ids["bos_token"] = ids["bos_token"] if ids["bos_token"] is not None else _index(tokens, "[CLS]")
+        ids["sep_token"] = ids["sep_token"] if ids["sep_token"] is not None else _index(tokens, "[SEP]")
     special_tokens = {name: tokens[i] for name, i in ids.items() if i is not None}
     end_ids = {meta.get(K.EOT_ID), meta.get(K.EOM_ID)} | {i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS}
     end_ids.discard(None)
@@ -94,6 +99,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     # What encode(add_special_tokens=True) adds around a text; `single` is a list as token texts may hold spaces.
     bos = [ids["bos_token"]] if meta.get(K.ADD_BOS, add_bos_default) and ids["bos_token"] is not None else []
     eos = [ids["eos_token"]] if meta.get(K.ADD_EOS, False) and ids["eos_token"] is not None else []
+    if kind == "bert" and meta.get(K.ADD_SEP, True) and ids["sep_token"] is not None:
+        eos = [ids["sep_token"]]
     backend.post_processor = processors.TemplateProcessing(
         single=[tokens[i] for i in bos] + ["$A"] + [tokens[i] for i in eos],
         special_tokens=[(tokens[i], i) for i in bos + eos],
@@ -153,6 +160,31 @@ def _sentencepiece_bpe(meta: _Metadata, tokens: list[str]) -> Backend:
         [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
     )
+    return backend
+
+
+def _index(tokens: list[str], text: str) -> int | None:
+    return tokens.index(text) if text in tokens else None
+
+
+def _wordpiece(meta: _Metadata, tokens: list[str]) -> Backend:
+    """llama.cpp's WPM tokenizer (BERT): text lowercased with accents stripped, split at spaces and
+    punctuation, each word cut into the longest pieces of the vocabulary. The file writes a word-initial
+    piece with a leading "▁" and a continuing piece bare (its converter's "phantom space"); WordPiece's
+    own form, "word" and "##piece", is restored here."""
+    def piece(token: str) -> str:
+        if token.startswith(_SPACE):
+            return token[1:]
+        return token if token.startswith("[") and token.endswith("]") else "##" + token
+
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(piece(token), i)
+    unk = tokens[meta.get(K.UNK_ID, _index(tokens, "[UNK]") or 0)]
+    backend = Backend(models.WordPiece(vocab, unk_token=piece(unk), max_input_chars_per_word=100))
+    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
     return backend
 
 

@@ -1,0 +1,142 @@
+"""BERT-family encoders (BertModel, RobertaModel, XLMRobertaModel) for embeddings: learned absolute
+positions and token types, bidirectional attention over each whole prompt, post-norm blocks with a GELU
+MLP. A prompt is computed in one step and pooled (task embed); the runtime keeps no KV cache."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+from pocketllm.config import ModelConfig
+from pocketllm.layers.attention import AttentionMetadata
+from pocketllm.layers.linear import Embedding, Linear
+from pocketllm.layers.norm import LayerNorm
+from pocketllm.models.base import CausalLM
+from pocketllm.models.capabilities import RuntimeCapabilities
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+def row_spans(meta: AttentionMetadata) -> list[tuple[int, int]]:
+    """(first token, tokens) of each row of the step: each a whole prompt (an encoder's prompt is never
+    chunked), the one-token ones first."""
+    if meta.query_start_loc is not None:  # the kernel path's flat metadata
+        starts = meta.query_start_loc.tolist()
+        return [(a, b - a) for a, b in zip(starts, starts[1:])]
+    return [(i, 1) for i in range(meta.num_decodes)] + [(p.query_start, p.query_len) for p in meta.prefills]
+
+
+class SelfAttention(torch.nn.Module):
+    window = None  # (every token sees the whole prompt)
+
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = Linear(cfg.hidden_size, [cfg.hidden_size] * 3, bias=True, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
+        out = torch.empty_like(q)
+        for start, n in spans:
+            rows = slice(start, start + n)
+            out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
+                                                       v[rows].transpose(0, 1)).transpose(0, 1)
+        return out.reshape(t, -1)
+
+
+class Dense(torch.nn.Module):
+    """A projection, optionally followed by a residual add and LayerNorm (BERT's *.output blocks)."""
+
+    def __init__(self, cfg: ModelConfig, n_in: int, n_out: int, norm: bool, dtype, device):
+        super().__init__()
+        self.dense = Linear(n_in, [n_out], bias=True, dtype=dtype, device=device)
+        self.LayerNorm = LayerNorm(n_out, cfg.raw.get("layer_norm_eps", 1e-12), dtype, device) if norm else None
+
+
+class AttentionBlock(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.self = SelfAttention(cfg, dtype, device)
+        self.output = Dense(cfg, cfg.hidden_size, cfg.hidden_size, True, dtype, device)
+
+
+class EncoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.attention = AttentionBlock(cfg, dtype, device)
+        self.intermediate = Dense(cfg, cfg.hidden_size, cfg.intermediate_size, False, dtype, device)
+        self.output = Dense(cfg, cfg.intermediate_size, cfg.hidden_size, True, dtype, device)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    @property
+    def self_attn(self) -> SelfAttention:
+        return self.attention.self
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        a = self.attention
+        x = a.output.LayerNorm(x + a.output.dense(a.self(x, spans)))
+        h = self.act(self.intermediate.dense(x))
+        return self.output.LayerNorm(x + self.output.dense(h))
+
+
+class Embeddings(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.position_embeddings = Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype, device)
+        self.token_type_embeddings = Embedding(cfg.raw.get("type_vocab_size", 2), cfg.hidden_size, dtype, device)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.raw.get("layer_norm_eps", 1e-12), dtype, device)
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.layer = torch.nn.ModuleList(EncoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+
+
+class BertModel(CausalLM):
+    capabilities = RuntimeCapabilities(encoder=True, prefix_caching=False, tensor_parallel=False,
+                                       kv_cache_dtypes=frozenset({"auto"}), rope_scaling=frozenset({"default"}))
+    packed_modules = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
+    # the masked-LM and pooler heads, and buffers some checkpoints keep
+    ignored = re.compile(r"^(cls|lm_head|pooler)\.|position_ids$|\.(gamma|beta)$")
+    has_lm_head = False
+    position_offset = 0  # RoBERTa counts positions from padding_idx + 1
+
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu", max_model_len: int = 512):
+        super().__init__(cfg)
+        self.embeddings = Embeddings(cfg, dtype, device)
+        self.encoder = Encoder(cfg, dtype, device)
+
+    @classmethod
+    def max_positions(cls, cfg: ModelConfig) -> int:
+        return cfg.max_position_embeddings - cls.position_offset
+
+    def attention_layers(self) -> list[torch.nn.Module]:
+        return []  # (no KV cache to bind)
+
+    def bind_kv_cache(self, k_caches, v_caches, groups=None, scales=None) -> None:
+        pass
+
+    def load_weights(self, weights) -> None:
+        prefix = re.compile(r"^(bert|roberta|model)\.")  # a task model's encoder, as the bare one names it
+        super().load_weights((prefix.sub("", name), tensor) for name, tensor in weights)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        e = self.embeddings
+        x = (e.word_embeddings(input_ids) + e.position_embeddings(positions + self.position_offset)
+             + e.token_type_embeddings(torch.zeros_like(input_ids)))
+        x = e.LayerNorm(x)
+        spans = row_spans(meta)
+        for layer in self.encoder.layer:
+            x = layer(x, spans)
+        return x
+
+
+class RobertaModel(BertModel):
+    """RoBERTa and XLM-RoBERTa: BERT with positions counted from padding_idx + 1 (a prompt holds no padding)."""
+
+    position_offset = 2  # (every released checkpoint's pad_token_id is 1)
