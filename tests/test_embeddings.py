@@ -6,7 +6,9 @@ an embedding model; `/v1/embeddings` (the official `openai` client) and Ollama's
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -229,6 +231,26 @@ def test_a_bert_gguf_tokenizes_and_embeds_as_transformers(tmp_path, file_type, c
         with torch.no_grad():
             want = F.normalize(model(torch.tensor([ids])).last_hidden_state[0, 0], dim=0)
         assert float(F.cosine_similarity(torch.tensor(out.embedding), want, dim=0)) >= cosine
+    llm.engine.check_no_leaks()
+
+
+def test_a_nomic_bert_gguf_embeds_as_llama_cpp(tmp_path):
+    """Nomic BERT (rotary positions, SwiGLU, no biases) has no Hugging Face class: its reference is llama.cpp's
+    llama-embedding on the same seeded file (tests/data/nomic_bert_llamacpp.json), mean-pooled and
+    normalized as the file's pooling_type says; the texts also go through both WordPiece tokenizers."""
+    from nomic_bert_file import write_nomic_bert
+
+    record = json.loads((Path(__file__).parent / "data" / "nomic_bert_llamacpp.json").read_text())
+    _, _, tokenizer_dir = make_wordpiece_bert(tmp_path)
+    path = write_nomic_bert(tmp_path / "nomic-bert.gguf", tokenizer_dir)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == record["file_sha256"], \
+        "not the file llama.cpp embedded: run benchmarks/tools/record_nomic_bert.sh again"
+    llm = LLM(str(path), device="cpu")
+    assert llm.engine.task == "embed" and llm.engine.model_config.pooling == "mean"
+    for out, want in zip(llm.embed(record["texts"]), record["embeddings"]):
+        got, want = torch.tensor(out.embedding), torch.tensor(want)
+        # (llama.cpp's CPU graph rounds some intermediates through fp16: 3e-5 apart on unit vectors)
+        assert float(F.cosine_similarity(got, want, dim=0)) >= 0.99999 and float((got - want).abs().max()) < 1e-4
     llm.engine.check_no_leaks()
 
 

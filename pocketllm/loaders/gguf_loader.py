@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "bert": "BertModel",
+    "nomic-bert": "NomicBertModel",
 }
 
 GLOBAL_NAMES = {
@@ -68,20 +69,26 @@ _BERT_LAYER_NAMES = {"attn_q": "attention.self.query", "attn_k": "attention.self
                      "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
 
 
+# Nomic BERT: BERT's module tree (pocketllm.models.bert) with one QKV matrix and a gated MLP
+_NOMIC_LAYER_NAMES = {**{k: v for k, v in _BERT_LAYER_NAMES.items() if k not in ("attn_q", "attn_k", "attn_v")},
+                      "attn_qkv": "attention.self.qkv", "ffn_gate": "intermediate.gate"}
+_ENCODERS = ("bert", "nomic-bert")
+
+
 def layer_names(arch: str) -> dict[str, str]:
     """GGUF per-layer tensor stem -> the Hugging Face module path, for ``arch``."""
-    return {"gemma3": _GEMMA3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES,
-            "bert": _BERT_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    return {"gemma3": _GEMMA3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES, "bert": _BERT_LAYER_NAMES,
+            "nomic-bert": _NOMIC_LAYER_NAMES}.get(arch, _LAYER_NAMES)
 
 
 def global_names(arch: str) -> dict[str, str]:
     """GGUF tensor stems outside the blocks -> the Hugging Face module path, for ``arch``."""
-    return _BERT_GLOBAL_NAMES if arch == "bert" else GLOBAL_NAMES
+    return _BERT_GLOBAL_NAMES if arch in _ENCODERS else GLOBAL_NAMES
 
 
 def block_prefix(arch: str) -> str:
     """The Hugging Face prefix of layer N's modules (``{}``: N)."""
-    return "encoder.layer.{}" if arch == "bert" else "model.layers.{}"
+    return "encoder.layer.{}" if arch in _ENCODERS else "model.layers.{}"
 # llama.cpp's pooling_type: 0 none (a generative model), 1 mean, 2 cls, 3 last (4, rank, is a reranker's)
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 _DENSE = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -137,7 +144,7 @@ class GGUFModelFile:
                if k.startswith(f"{self.arch}.") and len(f.data) < 64}
         if self.arch == "gemma3":
             raw.update(self._gemma3_settings(self.arch_meta("attention.key_length", hidden // heads)))
-        if self.arch == "bert":  # the keys the encoder reads, under transformers' names
+        if self.arch in _ENCODERS:  # the keys the encoder reads, under transformers' names
             raw.update(layer_norm_eps=self.arch_meta("attention.layer_norm_epsilon", 1e-12),
                        type_vocab_size=int(self.tensors["token_types.weight"].shape[-1]))
         if self.arch == "gpt-oss":  # sliding-window layers: even ones unless a pattern says otherwise

@@ -141,6 +141,7 @@ def _add_arch_metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rope: dict, voca
         w.add_layer_norm_eps(hp.get("layer_norm_eps", 1e-12))
         w.add_causal_attention(False)
         w.add_vocab_size(vocab_size)
+        w.add_token_type_count(hp.get("type_vocab_size", 2))  # (llama.cpp refuses a BERT file without it)
         if not hp.get("_pooling"):
             w.add_pooling_type(gguf.PoolingType.CLS)  # (the converter's default for BERT)
         return
@@ -477,7 +478,7 @@ def add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int, arch: st
                                                         or _is_sentencepiece_json(model_dir)):
         return _sentencepiece_vocab(model_dir, vocab_size, w, arch)
     if (model_dir / "tokenizer.json").is_file() and arch == "bert":
-        return _wordpiece_vocab(model_dir, w)
+        return wordpiece_vocab(model_dir, w)
     if (model_dir / "tokenizer.json").is_file():
         if _is_sentencepiece_json(model_dir):
             raise UnsupportedFeatureError(
@@ -488,7 +489,7 @@ def add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int, arch: st
     return minimal_vocab(vocab_size, w)
 
 
-def _wordpiece_vocab(model_dir: Path, w: gguf.GGUFWriter) -> str:
+def wordpiece_vocab(model_dir: Path, w: gguf.GGUFWriter) -> str:
     """A WordPiece tokenizer.json as llama.cpp's BERT vocabulary ("bert"): a word-initial piece written with
     a leading "▁", a continuing "##piece" bare, bracketed special tokens as they are."""
     spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))

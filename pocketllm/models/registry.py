@@ -24,6 +24,7 @@ _RUNTIMES = {
     "BertModel": ("pocketllm.models.bert", "BertModel"),
     "RobertaModel": ("pocketllm.models.bert", "RobertaModel"),
     "XLMRobertaModel": ("pocketllm.models.bert", "RobertaModel"),
+    "NomicBertModel": ("pocketllm.models.bert", "NomicBertModel"),
 }
 
 
