@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pocketllm.core.hub_name import HubName
 from pocketllm.errors import ConfigurationError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -123,9 +124,9 @@ class EngineArgs:
              "takes cuda:r (choose the GPUs with CUDA_VISIBLE_DEVICES)")
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
         if self.model is not None and not (self.load_format == "dummy" and self._named_shape()):
-            need(os.path.exists(self.model),
-                 f"model path {self.model!r} does not exist; give a Hugging Face model directory "
-                 "or a .gguf file")
+            need(os.path.exists(self.model) or HubName.parse(self.model) is not None,
+                 f"model path {self.model!r} does not exist; give a Hugging Face model directory, a .gguf file "
+                 "or a name on the hub (org/name[@revision][:QUANT])")
         spec = self.speculative  # parsed here so that a bad one fails before loading
         need(spec is None or spec.model is None or self.tensor_parallel_size == 1,
              "speculative_config: a draft model runs with tensor_parallel_size 1 only (n-gram speculation works with any)")

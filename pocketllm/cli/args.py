@@ -8,7 +8,8 @@ import typing
 from pocketllm.config import EngineArgs
 
 _HELP = {
-    "model": "Hugging Face model directory or .gguf file (default: the built-in default model)",
+    "model": "Hugging Face model directory, .gguf file, or a name on the hub: org/name[@revision][:QUANT] "
+             "(fetched into huggingface_hub's cache; default: the built-in default model)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU; on CUDA the model's float16, "
              "else bfloat16)",
     "device": "auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible)",

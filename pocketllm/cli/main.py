@@ -20,7 +20,9 @@ _COMMANDS = {
     "serve": ("pocketllm.cli.serve", "serve the OpenAI-compatible API (the default model if none is given)"),
     "generate": ("pocketllm.cli.generate", "print a completion of a prompt"),
     "chat": ("pocketllm.cli.chat", "chat with a model in the terminal"),
-    "pull": ("pocketllm.cli.pull", "download the default model into the cache"),
+    "pull": ("pocketllm.cli.pull", "download a model (a Hugging Face repo, or the default) into the cache"),
+    "list": ("pocketllm.cli.pull", "list the models in the cache"),
+    "rm": ("pocketllm.cli.pull", "remove a model from the cache"),
     "quantize": ("pocketllm.cli.quantize", "write a quantized GGUF from a Hugging Face model"),
     "dummy-gguf": ("pocketllm.cli.dummy_gguf", "write a random-weight GGUF of a model shape (benchmarks)"),
 }

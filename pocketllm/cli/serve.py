@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     cfg = ServerConfig(
-        model_name=args.served_model_name or Path(engine.args.model).name,
+        model_name=args.served_model_name or engine.model_name or Path(engine.args.model).name,
         api_key=api_key,
         allowed_origins=comma_list(args.allowed_origins), allowed_hosts=comma_list(args.allowed_hosts),
         chat_template=chat_template, max_request_bytes=args.max_request_bytes,

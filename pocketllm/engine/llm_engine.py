@@ -8,19 +8,22 @@ import numbers
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from pocketllm import hub
 from pocketllm.config import EngineArgs
 from pocketllm.core.request import Request, RequestStatus
 from pocketllm.core.scheduler_output import SchedulerOutput
 from pocketllm.distributed.parallel_state import TPGroup, tensor_parallel
 from pocketllm.engine.detokenizer import StopStrings
 from pocketllm.engine.kv_cache_manager import KVCacheManager
-from pocketllm.engine.kv_plan import KVPlan, size_text
+from pocketllm.engine.kv_plan import KVPlan, available_memory, size_text
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
+from pocketllm.hub import HubName
 from pocketllm.loaders.model_source import ModelSource
 from pocketllm.outputs import RequestOutput
 from pocketllm.pooling_params import PoolingParams
@@ -100,15 +103,21 @@ class LLMEngine:
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
+        self.device = resolve_device(args.device)
+        self.model_name = Path(args.model).name if args.model else None  # as the server names it by default
         if args.model is None:
             from pocketllm.pull import pull_default_model
             args.model = str(pull_default_model())
+            self.model_name = Path(args.model).name
+        elif args.load_format != "dummy" and (name := HubName.parse(args.model)) is not None:
+            # a repo on the hub: fetched (or found in the cache), refused first if it cannot fit the GPU
+            fits = available_memory(self.device, args.gpu_memory_utilization) if self.device.type == "cuda" else None
+            args.model, self.model_name = str(hub.resolve(name, max_bytes=fits)), str(name)
         self.source = ModelSource.open(args.model, args.load_format)
         path = self.source.path
         quant_types = self.source.quant_types
         cfg = self.model_config = self.source.config
 
-        self.device = resolve_device(args.device)
         args.resolve_step_tokens(self.device.type)
         self.dtype_name = resolve_dtype(args.dtype, self.device, cfg.torch_dtype)
         self.dtype = TORCH_DTYPES[self.dtype_name]

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pocketllm.config import ModelConfig
-from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
 from pocketllm.gguf_file import GGUFFile
 from pocketllm.layers.linear import QuantizedTensor
 
@@ -95,15 +95,36 @@ _DENSE = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationTy
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(first: Path, count: int) -> list[Path]:
+    """The files of a model split by llama.cpp's gguf-split (`NAME-00001-of-0000N.gguf`), `first` the first."""
+    if count <= 1:
+        return [first]
+    m = _SPLIT_NAME.match(first.name)
+    if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
+        raise ConfigurationError(f"{first.name} is part of a model split in {count} files: give its first part, "
+                                 "named NAME-00001-of-000NN.gguf")
+    parts = [first.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ConfigurationError(f"{first.name} is split in {count} files; missing beside it: {', '.join(missing)}")
+    return parts
+
+
 class GGUFModelFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.reader = GGUFFile(self.path)
+        self.reader = GGUFFile(self.path)  # (a split file's first part: the metadata)
         self.arch = self.meta("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise UnsupportedFeatureError(
                 f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.parts = [self.reader] + [GGUFFile(p) for p in split_parts(self.path, self.meta("split.count", 1))[1:]]
+        # every tensor of every part, in file order, with the part that holds it
+        self.all_tensors = [(t, part) for part in self.parts for t in part.tensors]
+        self.tensors = {t.name: t for t, _ in self.all_tensors}
         self._config: ModelConfig | None = None  # read once: the loader and the engine both need it
 
     def meta(self, key: str, default=None):
@@ -114,20 +135,20 @@ class GGUFModelFile:
         return self.meta(f"{self.arch}.{key}", default)
 
     def quant_types(self) -> set[str]:
-        return {t.tensor_type.name for t in self.reader.tensors if len(t.shape) > 1}
+        return {t.tensor_type.name for t in self.tensors.values() if len(t.shape) > 1}
 
     def held_bytes(self, kept: frozenset[str], dense_bytes: int, left_out: frozenset[int] = frozenset()) -> int:
         """The weights' bytes in memory: the file's blocks for the types in `kept`, `dense_bytes` a
         weight for the others (dequantized at load); the experts of the layers in `left_out` not counted."""
         return sum(int(t.n_bytes) if t.tensor_type.name in kept else int(t.n_elements) * dense_bytes
-                   for t in self.reader.tensors if _expert_layer(t.name) not in left_out)
+                   for t in self.tensors.values() if _expert_layer(t.name) not in left_out)
 
     def expert_layers(self, cpu_offload_experts: str | None) -> frozenset[int]:
         """The layers whose experts `cpu_offload_experts` (N, or "all") puts in host memory: the first N
         with a router."""
         if cpu_offload_experts is None:
             return frozenset()
-        routed = sorted(int(t.name.split(".")[1]) for t in self.reader.tensors if t.name.endswith("ffn_gate_inp.weight"))
+        routed = sorted(int(name.split(".")[1]) for name in self.tensors if name.endswith("ffn_gate_inp.weight"))
         return frozenset(routed if cpu_offload_experts == "all" else routed[:int(cpu_offload_experts)])
 
     def model_config(self) -> ModelConfig:
@@ -222,11 +243,12 @@ class GGUFModelFile:
     def release(self) -> None:
         """After loading: drop the parsed metadata, and let the kernel reclaim file pages that were
         copied into fused weights (pages still in use fault back in from the page cache)."""
-        mm = getattr(self.reader.data, "_mmap", None)
-        self.reader = self.tensors = None
+        maps = [getattr(part.data, "_mmap", None) for part in self.parts]
+        self.reader = self.tensors = self.parts = self.all_tensors = None
         gc.collect()
-        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
-            mm.madvise(mmap.MADV_DONTNEED)
+        for mm in maps:
+            if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+                mm.madvise(mmap.MADV_DONTNEED)
 
     def hf_name(self, name: str) -> str | None:
         if name == "rope_freqs.weight":
@@ -244,7 +266,7 @@ class GGUFModelFile:
 
     def iter_weights(self, dtype: torch.dtype, device) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         cfg = self.model_config()
-        for t in self.reader.tensors:
+        for t, part in self.all_tensors:
             name = self.hf_name(t.name)
             if name is None:
                 continue
@@ -261,15 +283,15 @@ class GGUFModelFile:
                     yield name.format(e), self._tensor(part, t.tensor_type, shape[1:], name, dtype, device)
             else:
                 yield name, self._tensor(data, t.tensor_type, shape, name, dtype, device)
-            self._drop_pages(int(t.data_offset) + int(t.n_bytes))
+            self._drop_pages(part, int(t.data_offset) + int(t.n_bytes))
 
-    def _drop_pages(self, end: int) -> None:
+    def _drop_pages(self, part: GGUFFile, end: int) -> None:
         """The file's pages up to `end` out of this process's memory once the model took what it
         keeps of the tensors there: weights repacked or converted at load would otherwise hold the
         file's pages beside their copies until loading ends (a peak of twice the file). The whole
         prefix each time: a fused layer (q, k, v) reads its earlier parts again when its last one
         arrives. Pages still in use (weights read in place) fault back in from the page cache."""
-        mm = getattr(self.reader.data, "_mmap", None)
+        mm = getattr(part.data, "_mmap", None)
         if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
             mm.madvise(mmap.MADV_DONTNEED, 0, end)
 
