@@ -1,6 +1,6 @@
-"""The memory plan, made before any weight is read: what the weights and one request's KV cache will
-take against what the device has; one log line, and a model that cannot fit refused with the
-numbers and what would make it fit."""
+"""The memory plan, made before any weight is read: what the weights, one request's KV cache and a step's
+activations will take against what the device has; one log line, and a model that cannot fit refused
+with the numbers and what would make it fit."""
 from __future__ import annotations
 
 import logging
@@ -46,3 +46,20 @@ def test_a_gguf_file_on_the_cpu_that_cannot_fit_is_a_warning(monkeypatch, caplog
         llm = LLM(str(default_model_gguf()), max_model_len=256, num_kv_blocks=32)
     assert any("does not fit on cpu" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert llm.generate({"prompt_token_ids": [1, 2, 3]})[0].outputs[0].token_ids
+
+
+def test_a_step_too_large_for_the_memory_left_is_refused_with_its_bounds(monkeypatch):
+    """The plan counts a step's activations (on the CPU, the torch attention's scores over the context too):
+    llama3-8b's shape in bfloat16 (15 GiB) and a 4k context leave room in 24 GiB for the CPU's default
+    256-token step, not for 16,384-token steps; the refusal names the step's bounds."""
+    from pocketllm.config import ModelConfig
+    from pocketllm.core.shapes import SHAPES
+
+    cfg = ModelConfig.from_hf_dict(SHAPES["llama3-8b"])
+    assert kv_plan.step_activation_bytes(cfg, 256, 64, 4, 4096) < 1 << 30
+    assert kv_plan.step_activation_bytes(cfg, 16384, 64, 4, 4096) > 8 << 30
+    monkeypatch.setattr(kv_plan, "available_memory", lambda device, utilization: 24 << 30)
+    with pytest.raises(ConfigurationError) as e:
+        LLM("llama3-8b", load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=16384)
+    msg = str(e.value)
+    assert "a step's activations" in msg and "--max-num-batched-tokens (now 16384)" in msg and "--max-num-seqs" in msg

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from pocketllm.config import EngineArgs
+from pocketllm.config import EngineArgs, ModelConfig
 from pocketllm.core.kv_layout import KVLayout
 from pocketllm.errors import ConfigurationError
 
@@ -34,18 +34,33 @@ def available_memory(device: torch.device, gpu_memory_utilization: float) -> int
         return None
 
 
+def step_activation_bytes(cfg: ModelConfig, tokens: int, rows: int, value_bytes: int, attention_context: int) -> int:
+    """An upper estimate of what one step's transient tensors take at their peak: `tokens` rows through a
+    layer (the hidden state and its residual, Q/K/V, the MLP's gate, up and activation, or the chosen
+    experts'), the float32 logits of `rows` sampled rows and the sampler's copies of them, and where the
+    attention runs in torch (`attention_context` > 0) one layer's float32 scores over that context."""
+    heads, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    width = cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.num_experts else cfg.intermediate_size
+    per_token = 2 * cfg.hidden_size + (heads + 2 * kv) * d + heads * d + 3 * width
+    logits = 3 * rows * cfg.vocab_size * 4
+    scores = heads * tokens * attention_context * 4
+    return tokens * per_token * value_bytes + logits + scores
+
+
 class KVPlan:
     def __init__(self, args: EngineArgs, layout: KVLayout, block_size: int, device: torch.device, model_positions: int):
         self.args, self.layout, self.block_size, self.device = args, layout, block_size, device
         # every layer's K and V of a block id, a draft model's too: set before the cache is sized
         self.bytes_per_block: int | None = None  # (0: an encoder, which keeps no KV)
+        # one step's transient tensors, and on CUDA the decode graphs' memory pool: set with bytes_per_block
+        self.activation_bytes = self.graph_bytes = 0
         asked = args.max_model_len
         if asked is not None and asked > model_positions:
             raise ConfigurationError(f"max_model_len {asked} exceeds the model's maximum of {model_positions} "
                                      "positions; lower max_model_len")
         self.max_model_len = model_positions if asked is None else asked
 
-    def check_fits(self, weight_bytes: int, what: str, *, mapped: bool) -> None:
+    def check_fits(self, weight_bytes: int, what: str, *, mapped: bool, experts: bool = False) -> None:
         """Before any weight is read: one log line of what loading will take against what the device
         has, and where the weights and one request's KV cache cannot fit, one line with the numbers
         and what would make it fit: refused (it would end in an out-of-memory error), but a warning
@@ -57,12 +72,16 @@ class KVPlan:
         tokens = self.max_model_len if args.max_model_len is not None else min(self.max_model_len,
                                                                                  args.max_num_batched_tokens)
         kv = self.blocks_per_request(tokens) * self.bytes_per_block
+        transient = self.activation_bytes + self.graph_bytes
+        need = weight_bytes + kv + transient
         available = available_memory(self.device, args.gpu_memory_utilization)
         if available is None:
             return
-        log.info("memory plan: weights %s + KV cache of one %d-token request %s, of %s available on %s",
-                 size_text(weight_bytes), tokens, size_text(kv), size_text(available), self.device)
-        if weight_bytes + kv <= available:
+        graphs = f" + CUDA graphs {size_text(self.graph_bytes)}" if self.graph_bytes else ""
+        log.info("memory plan: weights %s + KV cache of one %d-token request %s + activations %s%s, of %s "
+                 "available on %s", size_text(weight_bytes), tokens, size_text(kv), size_text(self.activation_bytes),
+                 graphs, size_text(available), self.device)
+        if need <= available:
             return
         per_token = kv / max(tokens, 1)
         fixes = [f"--max-model-len (the KV cache takes {size_text(int(per_token * 1024))} per 1,024 tokens)"
@@ -70,12 +89,18 @@ class KVPlan:
                  "--kv-cache-dtype int8 (8-bit keys and values)" if args.kv_cache_dtype == "auto" else None,
                  "a file of fewer bits per weight"]
         if self.device.type == "cuda":
-            fixes += [f"--gpu-memory-utilization (now {args.gpu_memory_utilization})", "--tensor-parallel-size"]
+            fixes += ["--cpu-offload-experts (experts in host memory)" if experts and args.cpu_offload_experts != "all"
+                      else None, f"--gpu-memory-utilization (now {args.gpu_memory_utilization})",
+                      "--tensor-parallel-size"]
         elif not mapped and args.dtype in ("auto", "float32"):  # the CPU holds dense weights in float32 by default
             fixes.append("--dtype bfloat16 (half the bytes of float32)")
-        message = (f"{what} does not fit on {self.device}: its weights take {size_text(weight_bytes)} and the KV "
-                   f"cache of one {tokens}-token request {size_text(kv)}, {size_text(weight_bytes + kv)} in all, "
-                   f"but {size_text(available)} is available; what would make it fit: "
+        if transient > max(weight_bytes, kv) // 4:  # where a step's tensors weigh, their bounds
+            fixes += [f"--max-num-batched-tokens (now {args.max_num_batched_tokens})",
+                      f"--max-num-seqs (now {args.max_num_seqs})"]
+        message = (f"{what} does not fit on {self.device}: its weights take {size_text(weight_bytes)}, the KV "
+                   f"cache of one {tokens}-token request {size_text(kv)} and a step's activations"
+                   f"{' and CUDA graphs' if self.graph_bytes else ''} {size_text(transient)}, {size_text(need)} in "
+                   f"all, but {size_text(available)} is available; what would make it fit: "
                    + ", ".join(f for f in fixes if f))
         if mapped and self.device.type == "cpu":
             log.warning("%s", message)
@@ -101,7 +126,8 @@ class KVPlan:
         log.info("GPU memory after loading: %s free, %s held by this process's tensors", size_text(free),
                  size_text(torch.cuda.memory_allocated(self.device)))
         total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = free - (1 - args.gpu_memory_utilization) * total
+        # (a step's activations and the graphs' pool come out of the same budget, after the cache)
+        budget = free - (1 - args.gpu_memory_utilization) * total - self.activation_bytes - self.graph_bytes
         # Beyond a few full-length sequences per slot, blocks only feed the prefix cache.
         cap = 4 * args.max_num_seqs * self.blocks_per_request(self.max_model_len)
         num_blocks = max(0, min(int(budget // self.bytes_per_block), cap))

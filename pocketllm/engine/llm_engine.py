@@ -19,7 +19,7 @@ from pocketllm.core.scheduler_output import SchedulerOutput
 from pocketllm.distributed.parallel_state import TPGroup, tensor_parallel
 from pocketllm.engine.detokenizer import StopStrings
 from pocketllm.engine.kv_cache_manager import KVCacheManager
-from pocketllm.engine.kv_plan import KVPlan, available_memory, size_text
+from pocketllm.engine.kv_plan import KVPlan, available_memory, size_text, step_activation_bytes
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
@@ -159,7 +159,15 @@ class LLMEngine:
         self.planned_weight_bytes = self.worker.planned_weight_bytes() + (
             self.drafter.worker.planned_weight_bytes() if self.drafter else 0)
         share = self.planned_weight_bytes // tp if self.device.type == "cuda" else self.planned_weight_bytes
-        self.kv_plan.check_fits(share, path.name, mapped=self.source.is_gguf)
+        value_bytes = 4 if self.device.type == "cpu" else torch.finfo(self.dtype).bits // 8
+        steps = args.max_num_batched_tokens
+        torch_attention = self.kv_plan.max_model_len if self.device.type == "cpu" else 0  # (CUDA: the kernels, no scores)
+        self.kv_plan.activation_bytes = step_activation_bytes(cfg, steps, args.max_num_seqs, value_bytes,
+                                                              min(torch_attention, steps + self.kv_plan.max_model_len))
+        if self.device.type == "cuda" and not args.enforce_eager and self.runtime.capabilities.cuda_graphs:
+            # one pool for the decode graphs, sized by the largest: a step of max_num_seqs rows
+            self.kv_plan.graph_bytes = step_activation_bytes(cfg, args.max_num_seqs, 0, value_bytes, 0)
+        self.kv_plan.check_fits(share, path.name, mapped=self.source.is_gguf, experts=cfg.num_experts > 0)
         num_blocks = self.kv_plan.blocks_before_loading()  # None on CUDA: what the weights leave
 
         # Everything is checked: now read the weights (each tensor-parallel rank its shard, at the
