@@ -42,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "addresses and --host, e.g. myserver.lan (* allows any; guards against DNS rebinding)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template to use instead of the model's")
+    parser.add_argument("--model", dest="models", action="append", default=None, metavar="[NAME=]MODEL",
+                        help="serve this model too (repeatable): a path or a hub name, called NAME by requests "
+                             "(default: its own name); each loads on its first request")
+    parser.add_argument("--keep-alive", type=float, default=300.0, metavar="SECONDS",
+                        help="with --model: seconds a model stays loaded after its last request; a request's own "
+                             "keep_alive (Ollama's) wins (default: 300; -1: for good)")
+    parser.add_argument("--preload", action="store_true",
+                        help="with --model: load every model at start instead of on its first request")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: the model file or directory name)")
     parser.add_argument("--max-queued-requests", type=int, default=256,
@@ -218,7 +226,6 @@ def tune_malloc() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pocketllm.server.async_llm import AsyncLLM
-    from pocketllm.server.config import ServerConfig
     from pocketllm.server.launcher import serve
 
     tune_malloc()
@@ -229,15 +236,66 @@ def run(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)
     check_port(args.host, args.port)
     check_limits(args)
-    llm = AsyncLLM(lambda: load_engine(engine_args), max_queued_requests=args.max_queued_requests,
-                   max_queue_time=args.max_queue_time)
+    llm_options = dict(max_queued_requests=args.max_queued_requests, max_queue_time=args.max_queue_time)
+    if args.models:
+        return serve_several(args, engine_args, llm_options, chat_template, api_key)
+    llm = AsyncLLM(lambda: load_engine(engine_args), **llm_options)
     engine = llm.engine
     # Everything loaded so far lives as long as the server: keep it out of the collector's way, or a
     # full collection stalls every thread (the engine's too) for ~0.15 s now and then (vLLM freezes its heap too).
     gc.collect()
     gc.freeze()
-    cfg = ServerConfig(
-        model_name=args.served_model_name or engine.model_name or Path(engine.args.model).name,
+    cfg = server_config(args, args.served_model_name or engine.model_name or Path(engine.args.model).name,
+                        api_key, chat_template)
+    host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{host}:{args.port}/v1"
+
+    def announce() -> None:
+        print(f"Serving {cfg.model_name} at {url}  (Ctrl+C to stop)", flush=True)
+
+    return serve(llm, cfg, args.host, args.port, on_started=announce)
+
+
+def model_specs(args: argparse.Namespace, engine_args: EngineArgs) -> list:
+    """The models of --model (and MODEL, first, when given): [NAME=]MODEL each, with the engine flags."""
+    import dataclasses
+
+    from pocketllm.core.hub_name import HubName
+    from pocketllm.server.router import ModelSpec
+
+    specs = []
+    for text in ([args.model] if args.model else []) + args.models:
+        name, _, model = text.rpartition("=")
+        name = name or (str(HubName.parse(model)) if HubName.parse(model) else Path(model).name)
+        specs.append(ModelSpec(name, dataclasses.replace(engine_args, model=model)))  # (checked as it is built)
+    return specs
+
+
+def serve_several(args: argparse.Namespace, engine_args: EngineArgs, llm_options: dict, chat_template: str | None,
+                  api_key: str | None) -> int:
+    import asyncio
+
+    from pocketllm.server.launcher import serve
+    from pocketllm.server.router import ModelRouter
+
+    specs = model_specs(args, engine_args)
+    cfg = server_config(args, specs[0].name, api_key, chat_template)
+    router = ModelRouter(specs, cfg, None, load_engine, keep_alive=args.keep_alive, llm_options=llm_options)
+    if args.preload:
+        asyncio.run(router.preload())
+    url = f"http://{'localhost' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"
+
+    def announce() -> None:
+        print(f"Serving {', '.join(s.name for s in specs)} at {url}  (Ctrl+C to stop)", flush=True)
+
+    return serve(router, cfg, args.host, args.port, on_started=announce)
+
+
+def server_config(args: argparse.Namespace, model_name: str, api_key: str | None, chat_template: str | None):
+    from pocketllm.server.config import ServerConfig
+
+    return ServerConfig(
+        model_name=model_name,
         api_key=api_key,
         allowed_origins=comma_list(args.allowed_origins), allowed_hosts=comma_list(args.allowed_hosts),
         chat_template=chat_template, max_request_bytes=args.max_request_bytes,
@@ -247,10 +305,3 @@ def run(args: argparse.Namespace) -> int:
         max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids,
         max_logit_bias=args.max_logit_bias, max_messages=args.max_messages, max_tools=args.max_tools,
         max_grammar_compile_time=args.max_grammar_compile_time, default_max_tokens=args.default_max_tokens)
-    host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
-    url = f"http://{host}:{args.port}/v1"
-
-    def announce() -> None:
-        print(f"Serving {cfg.model_name} at {url}  (Ctrl+C to stop)", flush=True)
-
-    return serve(llm, cfg, args.host, args.port, on_started=announce)

@@ -280,6 +280,13 @@ class LLMEngine:
             self._finalizer()
             self.ranks = None
 
+    def release(self) -> None:
+        """Frees the weights and the KV cache for good (a multi-model server unloading this model): whatever
+        still holds the engine holds none of its memory. The engine serves nothing after."""
+        self.shutdown()
+        self.runner = self.worker = self.drafter = self.speculator = self._inflight = None
+        self.kv = self.scheduler = self.source = None
+
     def _describe_weights(self, model: torch.nn.Module, quant_types: set[str]) -> str:
         """Where the weights came from and in what form they are held."""
         if self.source.dummy:

@@ -14,6 +14,8 @@ import uvicorn
 from pocketllm.server.api_server import create_app
 from pocketllm.server.async_llm import AsyncLLM
 from pocketllm.server.config import ServerConfig, ServerState
+from pocketllm.server.guard import RequestGuard
+from pocketllm.server.router import ModelRouter
 
 log = logging.getLogger("pocketllm")
 
@@ -150,18 +152,23 @@ def raise_open_file_limit(want: int = 65536) -> None:
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, e)
 
 
-def serve(llm: AsyncLLM, cfg: ServerConfig, host: str, port: int,
+def serve(llm: AsyncLLM | ModelRouter, cfg: ServerConfig, host: str, port: int,
           on_started: Callable[[], None] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM, then drain (see _Server). Returns the exit code: 0 after a
-    clean stop, 1 if the server could not start or the engine died."""
+    """Serve one engine, or a router's models, until SIGINT/SIGTERM, then drain (see _Server). Returns the
+    exit code: 0 after a clean stop, 1 if the server could not start or the engine died."""
     state = ServerState()
     raise_open_file_limit()
     warn_if_exposed(host, cfg)
     cfg = dataclasses.replace(cfg, allowed_hosts=[*cfg.allowed_hosts, host])  # the name it was started on
+    if isinstance(llm, ModelRouter):  # its models' apps are made as they load, each with this config and state
+        llm.cfg, llm.state = cfg, state
+        app = RequestGuard(llm, cfg, state)
+    else:
+        app = create_app(llm, cfg, state)
     # No connection limit in uvicorn: it would refuse /health too while idle connections fill it.
     # _Guard bounds the requests in flight; idle connections end after `header_timeout` (none sent
     # yet) or uvicorn's keep-alive timeout of 5 s (after a response).
-    config = uvicorn.Config(create_app(llm, cfg, state), host=host, port=port, log_level="info",
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             http=_http_protocol(cfg.header_timeout), timeout_graceful_shutdown=5)
     server = _Server(config, llm, cfg, state, on_started)
     llm.on_fatal = server.engine_died

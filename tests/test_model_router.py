@@ -1,0 +1,161 @@
+"""Several models behind one server (pocketllm.server.router): each answers by name through the OpenAI,
+Anthropic and Ollama routes, loads on its first request (requests that come meanwhile wait for the one
+load), is unloaded when idle past its keep_alive (its engine then freed), makes room by unloading the
+least recently used idle model when it would not fit, and a burst across models gets no 5xx."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import time
+import weakref
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+from live_server import in_process
+from tiny_models import make_tiny_chat_model
+
+from pocketllm.config import EngineArgs
+from pocketllm.engine import kv_plan
+from pocketllm.engine.llm_engine import LLMEngine
+from pocketllm.server.config import ServerConfig, ServerState
+from pocketllm.server.guard import RequestGuard
+from pocketllm.server.router import ModelRouter, ModelSpec
+
+QUESTION = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp("router"))
+
+
+def make_router(model, names=("a", "b", "c"), **kw) -> tuple[ModelRouter, list]:
+    built = []
+
+    def build(args: EngineArgs) -> LLMEngine:
+        engine = LLMEngine(args)
+        built.append((args.model, weakref.ref(engine)))
+        return engine
+
+    args = EngineArgs(model=str(model), device="cpu", max_model_len=256, num_kv_blocks=64, exact_kernels=True)
+    specs = [ModelSpec(n, dataclasses.replace(args)) for n in names]
+    cfg = ServerConfig(model_name=names[0])
+    return ModelRouter(specs, cfg, ServerState(), build, **kw), built
+
+
+def serve(router: ModelRouter):
+    return in_process(RequestGuard(router, router.cfg, router.state))
+
+
+def loaded(url: str) -> list[str]:
+    return [m["name"] for m in httpx.get(f"{url}/api/ps").json()["models"]]
+
+
+def test_each_model_answers_by_name_in_every_protocol_and_loads_once(tiny_chat):
+    router, built = make_router(tiny_chat)
+    with serve(router) as url:
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["a", "b", "c"]
+        assert loaded(url) == []  # nothing loaded before a request names it
+        oa = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        reply = oa.chat.completions.create(model="a", messages=QUESTION, max_tokens=4, temperature=0)
+        assert reply.model == "a" and reply.choices[0].message.content is not None
+        assert loaded(url) == ["a"]
+        msg = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+            model="b", max_tokens=4, messages=QUESTION)
+        assert msg.model == "b" and msg.content[0].type == "text"
+        assert ollama.Client(host=url).chat(model="a:latest", messages=QUESTION, options={"num_predict": 4}).done
+        assert sorted(loaded(url)) == ["a", "b"] and len(built) == 2
+        # requests to a model that is not loaded yet wait for its one load, all of them
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                return await asyncio.gather(*(client.post("/v1/completions", json={
+                    "model": "c", "prompt": "Hello", "max_tokens": 3}) for _ in range(6)))
+
+        assert [r.status_code for r in asyncio.run(burst())] == [200] * 6 and len(built) == 3
+        missing = httpx.post(f"{url}/v1/chat/completions", json={"model": "d", "messages": QUESTION})
+        assert missing.status_code == 404 and "serves: a, b, c" in missing.json()["error"]["message"]
+        gone = httpx.post(f"{url}/api/chat", json={"model": "d", "messages": QUESTION})
+        assert gone.status_code == 404 and set(gone.json()) == {"error"}
+        metrics = httpx.get(f"{url}/metrics").text
+        for name in ("a", "b", "c"):
+            assert f'pocketllm:num_requests_running{{model_name="{name}"}}' in metrics
+        assert metrics.count("# TYPE pocketllm:num_requests_running ") == 1  # one family, a sample per model
+
+
+def test_an_idle_model_is_unloaded_and_its_engine_freed(tiny_chat):
+    router, built = make_router(tiny_chat, keep_alive=1.0)
+    with serve(router) as url:
+        client = ollama.Client(host=url)
+        client.generate(model="a", prompt="Hi", options={"num_predict": 2}, keep_alive=0)  # unloaded after it
+        client.generate(model="b", prompt="Hi", options={"num_predict": 2})  # the server's keep-alive: 1 s
+        assert loaded(url) == ["b"]
+        deadline = time.monotonic() + 10
+        while loaded(url) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert loaded(url) == []
+        while any(ref() is not None for _, ref in built) and time.monotonic() < deadline:  # (an unload ends after)
+            gc.collect()
+            time.sleep(0.1)
+        assert all(ref() is None for _, ref in built)  # both engines (weights, KV cache) are gone
+        assert client.generate(model="a", prompt="Hi", options={"num_predict": 2}).done  # and load again
+
+
+def test_a_model_that_would_not_fit_unloads_the_least_recently_used(tiny_chat, monkeypatch):
+    router, built = make_router(tiny_chat)
+    room = {}
+
+    def available(device, utilization):  # room for about one model: what the loaded ones hold is taken
+        held = sum(s.llm.engine.weight_bytes for s in router.slots.values() if s.loaded)
+        return room["one"] - held
+
+    with serve(router) as url:
+        oa = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        oa.completions.create(model="a", prompt="Hi", max_tokens=2)
+        e = router.slots["a"].llm.engine
+        plan = e.kv_plan  # what one model needs, as the plan counts it, and half a model more
+        room["one"] = (e.weight_bytes + plan.activation_bytes + plan.blocks_per_request(e.max_model_len)
+                       * plan.bytes_per_block + e.weight_bytes // 2)
+        monkeypatch.setattr(kv_plan, "available_memory", available)
+        oa.completions.create(model="b", prompt="Hi", max_tokens=2)
+        oa.completions.create(model="c", prompt="Hi", max_tokens=2)
+        assert loaded(url) == ["c"]  # a, then b, made room
+        assert oa.completions.create(model="a", prompt="Hi", max_tokens=2).choices
+
+
+def test_a_burst_across_models_gets_no_server_error(tiny_chat):
+    router, _ = make_router(tiny_chat)
+    with serve(router) as url:
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                calls = []
+                for i in range(18):
+                    model = "abc"[i % 3]
+                    if i % 2:
+                        calls.append(client.post("/v1/chat/completions", json={
+                            "model": model, "messages": QUESTION, "max_tokens": 3, "stream": True}))
+                    else:
+                        calls.append(client.post("/api/generate", json={"model": model, "prompt": "Hi",
+                                                                       "options": {"num_predict": 3}}))
+                return await asyncio.gather(*calls)
+
+        assert [r.status_code for r in asyncio.run(burst())] == [200] * 18
+
+
+def test_pocketllm_serve_with_several_models(tiny_chat):
+    from live_server import Server
+
+    s = Server("--model", f"second={tiny_chat}", "--keep-alive", "-1", model=tiny_chat,
+               engine_flags=["--max-model-len", "256", "--num-kv-blocks", "64"]).wait_ready()
+    try:
+        assert [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]] == ["tiny-chat", "second"]
+        oa = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        for name in ("second", "tiny-chat"):
+            assert oa.chat.completions.create(model=name, messages=QUESTION, max_tokens=3).model == name
+        assert sorted(loaded(s.url)) == ["second", "tiny-chat"]
+    finally:
+        assert s.stop() == 0
+    assert "Traceback" not in s.output()
