@@ -31,13 +31,15 @@ def free_port() -> int:
 class Server:
     """`pocketllm serve MODEL` (the default model unless given) with ENGINE_FLAGS and `flags`."""
 
-    def __init__(self, *flags: str, model: str | Path | None = None, engine_flags: list[str] = ENGINE_FLAGS):
+    def __init__(self, *flags: str, model: str | Path | None | bool = None, engine_flags: list[str] = ENGINE_FLAGS):
+        """`model`: a path, None for the default model, False for none (the flags name the models)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
         self.ready = False
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pocketllm.cli.main", "serve", str(model or default_model_gguf()), "--port",
+            [sys.executable, "-m", "pocketllm.cli.main", "serve",
+             *([] if model is False else [str(model or default_model_gguf())]), "--port",
              str(self.port), *engine_flags, *flags], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 180) -> Server:

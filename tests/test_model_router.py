@@ -159,3 +159,44 @@ def test_pocketllm_serve_with_several_models(tiny_chat):
     finally:
         assert s.stop() == 0
     assert "Traceback" not in s.output()
+
+
+def test_ollama_pull_fetches_a_model_from_the_hub_and_serves_it(tiny_chat, tmp_path, monkeypatch):
+    from fake_hub import FakeHub
+    from huggingface_hub import constants
+
+    fake = FakeHub()
+    fake.add("test/tiny-chat", {p.name: p.read_bytes() for p in tiny_chat.iterdir() if p.is_file()})
+    router, built = make_router(tiny_chat, names=("a",))
+    router.base_args = router.slots["a"].spec.engine_args
+    with in_process(fake.app()) as hub_url, serve(router) as url:
+        monkeypatch.setenv("HF_ENDPOINT", hub_url)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+        client = ollama.Client(host=url)
+        statuses = [p.status for p in client.pull("test/tiny-chat", stream=True)]
+        assert statuses[-1] == "success"
+        assert "test/tiny-chat" in [m.model for m in client.list().models]
+        reply = client.chat(model="test/tiny-chat", messages=QUESTION, options={"num_predict": 3})
+        assert reply.done and len(built) == 1
+        with pytest.raises(ollama.ResponseError, match="must name a Hugging Face repo"):
+            client.pull("not a name")
+
+
+def test_serve_models_dir(tiny_chat, tmp_path):
+    import shutil
+
+    from live_server import Server
+
+    for name in ("one", "two"):
+        shutil.copytree(tiny_chat, tmp_path / name)
+    (tmp_path / "notes.txt").write_text("not a model")
+    s = Server("--models-dir", str(tmp_path), model=False,
+               engine_flags=["--max-model-len", "256", "--num-kv-blocks", "64"]).wait_ready()
+    try:
+        assert [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]] == ["one", "two"]
+        reply = httpx.post(f"{s.url}/v1/completions", json={"model": "two", "prompt": "Hi", "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["model"] == "two"
+        bad = httpx.post(f"{s.url}/api/pull", json={"model": "x"})
+        assert bad.status_code == 400 and "must name a Hugging Face repo" in bad.json()["error"]
+    finally:
+        assert s.stop() == 0

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--model", dest="models", action="append", default=None, metavar="[NAME=]MODEL",
                         help="serve this model too (repeatable): a path or a hub name, called NAME by requests "
                              "(default: its own name); each loads on its first request")
+    parser.add_argument("--models-dir", default=None, metavar="DIR",
+                        help="serve every model in DIR (each .gguf file, each folder with a config.json), by its "
+                             "file or folder name, as --model would")
     parser.add_argument("--keep-alive", type=float, default=300.0, metavar="SECONDS",
                         help="with --model: seconds a model stays loaded after its last request; a request's own "
                              "keep_alive (Ollama's) wins (default: 300; -1: for good)")
@@ -237,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     check_port(args.host, args.port)
     check_limits(args)
     llm_options = dict(max_queued_requests=args.max_queued_requests, max_queue_time=args.max_queue_time)
-    if args.models:
+    if args.models or args.models_dir:
         return serve_several(args, engine_args, llm_options, chat_template, api_key)
     llm = AsyncLLM(lambda: load_engine(engine_args), **llm_options)
     engine = llm.engine
@@ -264,11 +267,28 @@ def model_specs(args: argparse.Namespace, engine_args: EngineArgs) -> list:
     from pocketllm.server.router import ModelSpec
 
     specs = []
-    for text in ([args.model] if args.model else []) + args.models:
+    found = []
+    if args.models_dir is not None:
+        root = Path(args.models_dir)
+        if not root.is_dir():
+            raise ConfigurationError(f"--models-dir {root} is not a folder")
+        found = [str(p) for p in sorted(root.iterdir()) if (p.suffix == ".gguf" and not _later_part(p.name))
+                 or (p / "config.json").is_file()]
+        if not found:
+            raise ConfigurationError(f"--models-dir {root} holds no .gguf file and no folder with a config.json")
+    for text in ([args.model] if args.model else []) + (args.models or []) + found:
         name, _, model = text.rpartition("=")
         name = name or (str(HubName.parse(model)) if HubName.parse(model) else Path(model).name)
         specs.append(ModelSpec(name, dataclasses.replace(engine_args, model=model)))  # (checked as it is built)
     return specs
+
+
+def _later_part(name: str) -> bool:
+    """A split GGUF file's part after the first (the first names the model)."""
+    import re
+
+    m = re.search(r"-(\d{5})-of-\d{5}\.gguf$", name)
+    return m is not None and int(m.group(1)) > 1
 
 
 def serve_several(args: argparse.Namespace, engine_args: EngineArgs, llm_options: dict, chat_template: str | None,
@@ -280,7 +300,8 @@ def serve_several(args: argparse.Namespace, engine_args: EngineArgs, llm_options
 
     specs = model_specs(args, engine_args)
     cfg = server_config(args, specs[0].name, api_key, chat_template)
-    router = ModelRouter(specs, cfg, None, load_engine, keep_alive=args.keep_alive, llm_options=llm_options)
+    router = ModelRouter(specs, cfg, None, load_engine, keep_alive=args.keep_alive, llm_options=llm_options,
+                         base_args=engine_args)
     if args.preload:
         asyncio.run(router.preload())
     url = f"http://{'localhost' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"

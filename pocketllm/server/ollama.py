@@ -367,6 +367,11 @@ def ollama_routes(serving: OpenAIServing) -> APIRouter:
         job = await embeddings.embed(serving, request, [req.prompt], "prompt", truncate=True)
         return Response(status_code=499) if job is None else {"embedding": job.last[0].embedding}
 
+    @router.post("/api/pull")
+    async def api_pull(request: Request):
+        raise P.APIError(400, f"this server serves one model ({name}); start it with --model for each model "
+                              "it should serve (then /api/pull fetches and serves more)")
+
     @router.get("/api/version")
     async def api_version():
         return {"version": __version__}

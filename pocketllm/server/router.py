@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import hashlib
@@ -23,8 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, Response
 
-from pocketllm import __version__
+from pocketllm import __version__, hub
 from pocketllm.config import EngineArgs
+from pocketllm.core.hub_name import HubName
 from pocketllm.errors import ConfigurationError
 from pocketllm.server import protocol as P
 from pocketllm.server.async_llm import AsyncLLM, EngineUnavailableError
@@ -60,13 +62,15 @@ class _Slot:
 class ModelRouter:
     def __init__(self, specs: list[ModelSpec], cfg: ServerConfig, state: ServerState,
                  build: Callable[[EngineArgs], object], keep_alive: float = DEFAULT_KEEP_ALIVE,
-                 llm_options: dict | None = None, load_timeout: float = 600.0):
+                 llm_options: dict | None = None, load_timeout: float = 600.0, base_args: EngineArgs | None = None):
+        """`base_args`: the engine settings of a model pulled later (Ollama's /api/pull); None: no pulling."""
         names = [s.name for s in specs]
         if not specs or len(set(names)) != len(names):
             raise ConfigurationError(f"give each model a different name (served names: {', '.join(names)})")
         self.slots = {s.name: _Slot(s) for s in specs}
         self.cfg, self.state, self.build = cfg, state, build
         self.keep_alive, self.llm_options, self.load_timeout = keep_alive, llm_options or {}, load_timeout
+        self.base_args = base_args
         self.created = int(time.time())
         self.on_fatal: Callable[[BaseException], None] | None = None  # (the launcher's hook: unused, see _died)
         self.error = None
@@ -98,14 +102,11 @@ class ModelRouter:
         own = self._own_route(path, method)
         if own is not None:
             return await (await own())(scope, receive, send)
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await _body(receive)
+        if body is None:  # the client left
+            return
+        if method == "POST" and path == "/api/pull":
+            return await (await self._pull(body))(scope, receive, send)
         try:
             value = json.loads(body) if body else {}
         except ValueError:
@@ -131,7 +132,7 @@ class ModelRouter:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         slot.active += 1
@@ -208,6 +209,7 @@ class ModelRouter:
         del llm, lifespan
         _forget_endpoints()
         gc.collect()
+        _trim_heap()
         if device is not None and device.type == "cuda":
             import torch
 
@@ -248,6 +250,29 @@ class ModelRouter:
         if method == "GET" and path == "/metrics":
             return self._metrics
         return None
+
+    async def _pull(self, body: bytes) -> Response:
+        """Ollama's /api/pull: a model by its hub name fetched into the cache and served under that name."""
+        try:
+            value = json.loads(body)
+        except ValueError:
+            value = None
+        name = value.get("model") or value.get("name") if isinstance(value, dict) else None
+        hub_name = HubName.parse(name) if isinstance(name, str) else None
+        if hub_name is None or self.base_args is None:
+            why = "this server pulls no models" if self.base_args is None else \
+                f"'model' must name a Hugging Face repo (org/name[:QUANT]); got {name!r}"
+            return error_response(P.APIError(400, why), "/api/")
+        try:
+            path = await asyncio.to_thread(hub.resolve, hub_name)
+        except ConfigurationError as e:
+            return error_response(P.APIError(400, str(e)), "/api/")
+        if name not in self.slots:
+            self.slots[name] = _Slot(ModelSpec(name, dataclasses.replace(self.base_args, model=str(path))))
+        statuses = [{"status": "pulling manifest"}, {"status": "verifying sha256 digest"}, {"status": "success"}]
+        if value.get("stream") is False:
+            return JSONResponse(statuses[-1])
+        return Response("".join(json.dumps(s) + "\n" for s in statuses), media_type="application/x-ndjson")
 
     def _card(self, slot: _Slot) -> dict:
         return {"id": slot.spec.name, "object": "model", "created": self.created, "owned_by": "pocketllm"}
@@ -298,6 +323,14 @@ class ModelRouter:
         registry = CollectorRegistry()
         registry.register(_Merged(texts))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _trim_heap() -> None:
+    """glibc keeps freed heap memory for the next allocations: an unloaded model's would stay in the process."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _forget_endpoints() -> None:
@@ -357,6 +390,18 @@ async def _get(app, scope) -> str:
 
     await app(scope, receive, send)
     return b"".join(chunks).decode()
+
+
+async def _body(receive) -> bytes | None:
+    """A request's whole body (the guard in front has bounded it), or None if the client left."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return bytes(body)
 
 
 def _seconds(value, default: float) -> float:
