@@ -10,7 +10,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpu.txt"
 git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
 for kv in auto fp8; do
-    timeout 200 python3 -m pocketllm.cli.main bench throughput llama3-8b --load-format dummy --dtype bfloat16 \
+    timeout ${BENCH_TIMEOUT:-200} python3 -m pocketllm.cli.main bench throughput llama3-8b --load-format dummy --dtype bfloat16 \
         --kv-cache-dtype $kv --max-model-len 8256 --input-len 8000 --output-len 64 --num-prompts 64 \
         --max-concurrency 64 --max-num-seqs 64 --warmup 0 ${KV_BENCH_FLAGS:-} --output-json "$out/llama3-8b-kv-$kv.json" \
         > "$out/llama3-8b-kv-$kv.txt" 2>&1
