@@ -6,7 +6,6 @@ gives its snapshot folder (config, tokenizer, weights); a GGUF repo the chosen f
 split file fetched (the loader opens the others beside the first)."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from pocketllm.core.hub_name import HubName
 from pocketllm.errors import ConfigurationError
+from pocketllm.pull import sha256_of
 
 log = logging.getLogger("pocketllm")
 
@@ -112,7 +112,7 @@ def _fetch(hub: HubName, f: RepoFile) -> Path:
     for attempt in range(2):
         path = Path(hf_hub_download(hub.repo, f.name, revision=hub.revision, force_download=attempt > 0,
                                     endpoint=_hub(), cache_dir=_cache()))
-        if f.sha256 is None or _sha256(path) == f.sha256:
+        if f.sha256 is None or sha256_of(path) == f.sha256:
             return path
         log.warning("%s/%s does not have the hub's sha256: fetching it again", hub.repo, f.name)
     raise ConfigurationError(f"{hub.repo}/{f.name} does not have the sha256 the hub records ({f.sha256}); refusing it")
@@ -129,14 +129,6 @@ def _cache() -> str:
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _from_cache(hub: HubName) -> Path:

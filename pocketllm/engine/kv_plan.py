@@ -60,6 +60,16 @@ class KVPlan:
                                      "positions; lower max_model_len")
         self.max_model_len = model_positions if asked is None else asked
 
+    def plan_steps(self, cfg: ModelConfig, value_bytes: int, graphs: bool) -> None:
+        """What a step's tensors take (on the CPU the torch attention's scores too), and on CUDA with `graphs`
+        the decode graphs' one pool, sized by the largest: a step of max_num_seqs rows."""
+        args = self.args
+        steps, cpu = args.max_num_batched_tokens, self.device.type == "cpu"
+        context = self.max_model_len if cpu else 0  # (CUDA: the kernels, no scores)
+        self.activation_bytes = step_activation_bytes(cfg, steps, args.max_num_seqs, value_bytes, context)
+        if graphs and self.device.type == "cuda":
+            self.graph_bytes = step_activation_bytes(cfg, args.max_num_seqs, 0, value_bytes, 0)
+
     def check_fits(self, weight_bytes: int, what: str, *, mapped: bool, experts: bool = False) -> None:
         """Before any weight is read: one log line of what loading will take against what the device
         has, and where the weights and one request's KV cache cannot fit, one line with the numbers

@@ -19,7 +19,7 @@ from pocketllm.core.scheduler_output import SchedulerOutput
 from pocketllm.distributed.parallel_state import TPGroup, tensor_parallel
 from pocketllm.engine.detokenizer import StopStrings
 from pocketllm.engine.kv_cache_manager import KVCacheManager
-from pocketllm.engine.kv_plan import KVPlan, available_memory, size_text, step_activation_bytes
+from pocketllm.engine.kv_plan import KVPlan, available_memory, size_text
 from pocketllm.engine.output_processor import OutputProcessor, ParentState
 from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
@@ -96,6 +96,28 @@ def resolve_dtype(dtype: str, device: torch.device, model_dtype: str) -> str:
     return "float16" if model_dtype == "float16" else "bfloat16"
 
 
+def resolve_model(args: EngineArgs, device: torch.device) -> str:
+    """Sets `args.model` to a local path: the default model pulled, or a hub name fetched (refused first if
+    it cannot fit the GPU). Returns the name the server calls the model by default."""
+    if args.model is None:
+        from pocketllm.pull import pull_default_model
+
+        args.model = str(pull_default_model())
+    elif args.load_format != "dummy" and (name := HubName.parse(args.model)) is not None:
+        fits = available_memory(device, args.gpu_memory_utilization) if device.type == "cuda" else None
+        args.model = str(hub.resolve(name, max_bytes=fits))
+        return str(name)
+    return Path(args.model).name
+
+
+def encoder_settings(args: EngineArgs, positions: int) -> None:
+    """An encoder computes each prompt whole, in one step, and keeps no KV: nothing to share or chunk, and its
+    blocks only count the tokens of one step's prompts."""
+    args.enable_chunked_prefill = args.enable_prefix_caching = False
+    args.max_num_batched_tokens = max(args.max_num_batched_tokens, min(args.max_model_len or positions, positions))
+    args.num_kv_blocks = args.num_kv_blocks or -(-args.max_num_batched_tokens // args.block_size) + args.max_num_seqs
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         t_start = time.perf_counter()
@@ -104,15 +126,7 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.device = resolve_device(args.device)
-        self.model_name = Path(args.model).name if args.model else None  # as the server names it by default
-        if args.model is None:
-            from pocketllm.pull import pull_default_model
-            args.model = str(pull_default_model())
-            self.model_name = Path(args.model).name
-        elif args.load_format != "dummy" and (name := HubName.parse(args.model)) is not None:
-            # a repo on the hub: fetched (or found in the cache), refused first if it cannot fit the GPU
-            fits = available_memory(self.device, args.gpu_memory_utilization) if self.device.type == "cuda" else None
-            args.model, self.model_name = str(hub.resolve(name, max_bytes=fits)), str(name)
+        self.model_name = resolve_model(args, self.device)  # (args.model: now a path, or a dummy's shape)
         self.source = ModelSource.open(args.model, args.load_format)
         path = self.source.path
         quant_types = self.source.quant_types
@@ -126,12 +140,8 @@ class LLMEngine:
         self.kv_layout = self.runtime.kv_layout
         encoder = self.runtime.capabilities.encoder
         positions = self.runtime.model_class.max_positions(cfg)
-        if encoder:  # each prompt whole, in one step; no KV kept, so nothing to share and blocks only count tokens
-            args.enable_chunked_prefill = args.enable_prefix_caching = False
-            args.max_num_batched_tokens = max(args.max_num_batched_tokens, min(args.max_model_len or positions,
-                                                                              positions))
-            args.num_kv_blocks = args.num_kv_blocks or (-(-args.max_num_batched_tokens // self.block_size)
-                                                        + args.max_num_seqs)
+        if encoder:
+            encoder_settings(args, positions)
         self.kv_plan = KVPlan(args, self.kv_layout, self.block_size, self.device, positions)
         self.tokenizer = self.source.tokenizer(args.tokenizer)
         spec = args.speculative
@@ -159,14 +169,8 @@ class LLMEngine:
         self.planned_weight_bytes = self.worker.planned_weight_bytes() + (
             self.drafter.worker.planned_weight_bytes() if self.drafter else 0)
         share = self.planned_weight_bytes // tp if self.device.type == "cuda" else self.planned_weight_bytes
-        value_bytes = 4 if self.device.type == "cpu" else torch.finfo(self.dtype).bits // 8
-        steps = args.max_num_batched_tokens
-        torch_attention = self.kv_plan.max_model_len if self.device.type == "cpu" else 0  # (CUDA: the kernels, no scores)
-        self.kv_plan.activation_bytes = step_activation_bytes(cfg, steps, args.max_num_seqs, value_bytes,
-                                                              min(torch_attention, steps + self.kv_plan.max_model_len))
-        if self.device.type == "cuda" and not args.enforce_eager and self.runtime.capabilities.cuda_graphs:
-            # one pool for the decode graphs, sized by the largest: a step of max_num_seqs rows
-            self.kv_plan.graph_bytes = step_activation_bytes(cfg, args.max_num_seqs, 0, value_bytes, 0)
+        self.kv_plan.plan_steps(cfg, 4 if self.device.type == "cpu" else torch.finfo(self.dtype).bits // 8,
+                                graphs=not args.enforce_eager and self.runtime.capabilities.cuda_graphs)
         self.kv_plan.check_fits(share, path.name, mapped=self.source.is_gguf, experts=cfg.num_experts > 0)
         num_blocks = self.kv_plan.blocks_before_loading()  # None on CUDA: what the weights leave
 

@@ -99,16 +99,7 @@ class RequestGuard:
             return
         if len(body) > cfg.max_request_bytes:
             return await error_response(too_large, path)(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(bytes(body), receive), send)
 
     def _auth_error(self, headers: dict) -> P.APIError | None:
         given = headers.get(b"authorization", b"").decode("latin-1")
@@ -173,3 +164,16 @@ class RequestGuard:
             more = message.get("more_body", False)
         return body
 
+
+def replaying(body: bytes, receive):
+    """An ASGI `receive` that gives the body read already, then the client's own messages (a disconnect)."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

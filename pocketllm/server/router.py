@@ -31,6 +31,7 @@ from pocketllm.errors import ConfigurationError
 from pocketllm.server import protocol as P
 from pocketllm.server.async_llm import AsyncLLM, EngineUnavailableError
 from pocketllm.server.config import ServerConfig, ServerState
+from pocketllm.server.guard import replaying
 from pocketllm.server.responses import error_response
 
 log = logging.getLogger("pocketllm")
@@ -126,18 +127,9 @@ class ModelRouter:
             error = P.APIError(503, f"The model `{slot.spec.name}` could not be loaded: {message}",
                                type="server_error", headers={"Retry-After": "5"})
             return await error_response(error, path)(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         slot.active += 1
         try:
-            await slot.app(scope, replay, send)
+            await slot.app(scope, replaying(body, receive), send)
         finally:
             slot.active -= 1
             slot.last_used = time.monotonic()
