@@ -300,8 +300,9 @@ def serve_several(args: argparse.Namespace, engine_args: EngineArgs, llm_options
 
     specs = model_specs(args, engine_args)
     cfg = server_config(args, specs[0].name, api_key, chat_template)
+    # a request waits for its model's load as long as it would wait in the queue (--max-queue-time)
     router = ModelRouter(specs, cfg, None, load_engine, keep_alive=args.keep_alive, llm_options=llm_options,
-                         base_args=engine_args)
+                         base_args=engine_args, load_timeout=args.max_queue_time)
     if args.preload:
         asyncio.run(router.preload())
     url = f"http://{'localhost' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"

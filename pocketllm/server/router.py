@@ -123,7 +123,8 @@ class ModelRouter:
         try:
             await self._ready(slot)
         except (ConfigurationError, EngineUnavailableError, asyncio.TimeoutError) as e:
-            message = str(e) or f"loading {slot.spec.name} took more than {self.load_timeout:g} s"
+            message = str(e) or (f"it is still loading after {self.load_timeout:g} s (--max-queue-time); "
+                                 "retry shortly")
             error = P.APIError(503, f"The model `{slot.spec.name}` could not be loaded: {message}",
                                type="server_error", headers={"Retry-After": "5"})
             return await error_response(error, path)(scope, receive, send)
