@@ -200,3 +200,21 @@ def test_serve_models_dir(tiny_chat, tmp_path):
         assert bad.status_code == 400 and "must name a Hugging Face repo" in bad.json()["error"]
     finally:
         assert s.stop() == 0
+
+
+def test_a_request_waits_for_a_load_no_longer_than_the_queue_allows(tiny_chat):
+    router, _ = make_router(tiny_chat, names=("a",), load_timeout=0.2)
+    slow = router.build
+
+    def build(args):
+        time.sleep(1.0)  # a load longer than a request may wait
+        return slow(args)
+
+    router.build = build
+    with serve(router) as url:
+        first = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert first.status_code == 503 and first.headers["retry-after"] == "5"
+        assert "still loading after 0.2 s" in first.json()["error"]["message"]
+        time.sleep(1.5)  # the load went on meanwhile
+        again = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert again.status_code == 200
