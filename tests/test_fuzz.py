@@ -20,7 +20,7 @@ EXAMPLES = {"/v1/chat/completions": 120, "/v1/completions": 120, "/tokenize": 60
             "/v1/messages": 40, "/v1/messages/count_tokens": 15, "/v1/responses": 30, "/api/chat": 30,
             "/api/generate": 20, "/api/show": 5,  # (the other protocols share chat's validation and engine path)
             # a generation model's embedding routes: each protocol's 400 (test_embeddings.py serves vectors)
-            "/v1/embeddings": 10, "/api/embed": 5, "/api/embeddings": 5}
+            "/v1/embeddings": 10, "/api/embed": 5, "/api/embeddings": 5, "/api/pull": 3}
 
 
 @pytest.fixture(scope="module")

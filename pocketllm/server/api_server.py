@@ -37,7 +37,8 @@ _BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P
            "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens": anthropic.CountTokensRequest,
            "/v1/responses": openai_responses.ResponsesRequest, "/v1/embeddings": embedding_endpoints.EmbeddingRequest,
            "/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest, "/api/show": ollama.ShowRequest,
-           "/api/embed": ollama.EmbedRequest, "/api/embeddings": ollama.LegacyEmbedRequest}
+           "/api/embed": ollama.EmbedRequest, "/api/embeddings": ollama.LegacyEmbedRequest,
+           "/api/pull": ollama.PullRequest}
 
 
 def _with_request_bodies(app: FastAPI) -> None:

@@ -95,6 +95,13 @@ class LegacyEmbedRequest(_Body):
     keep_alive: Any = None
 
 
+class PullRequest(_Body):
+    model: str | None = None
+    name: str | None = None  # (older clients' name for it)
+    insecure: bool = False
+    stream: bool = True
+
+
 class ShowRequest(_Body):
     model: str | None = None
     name: str | None = None  # (older clients' name for it)
