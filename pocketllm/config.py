@@ -131,8 +131,9 @@ class EngineArgs:
         need(spec is None or spec.model is None or self.tensor_parallel_size == 1,
              "speculative_config: a draft model runs with tensor_parallel_size 1 only (n-gram speculation works with any)")
         if spec is not None and spec.model is not None and not (self.load_format == "dummy" and self._named_shape(spec.model)):
-            need(os.path.exists(spec.model), f"speculative_config: the draft model {spec.model!r} does not exist; "
-                                              "give a Hugging Face model directory or a .gguf file")
+            need(os.path.exists(spec.model) or HubName.parse(spec.model) is not None,
+                 f"speculative_config: the draft model {spec.model!r} does not exist; give a Hugging Face model "
+                 "directory, a .gguf file or a name on the hub")
         if not self.enable_chunked_prefill and None not in (self.max_model_len, self.max_num_batched_tokens):
             need(self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens "

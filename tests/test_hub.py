@@ -162,3 +162,11 @@ def test_pull_list_and_rm_on_the_command_line(hub, tmp_path):
     assert GGUF_REPO in listed and "tiny-llama-Q4_0.gguf" in listed
     assert f"removed {GGUF_REPO}" in cli("rm", GGUF_REPO)
     assert GGUF_REPO not in cli("list")
+
+
+def test_a_draft_model_named_on_the_hub(hub, cache):
+    """speculative_config's draft model by name: fetched as the model is, the greedy tokens unchanged."""
+    draft = {"method": "draft_model", "model": SAFETENSORS, "num_speculative_tokens": 2}
+    llm, tokens = greedy(hub.local, speculative_config=draft)
+    assert gets(hub, "model.safetensors") and tokens == greedy(hub.local)[1]
+    assert llm.engine.speculator.stats.acceptance_rate > 0.9  # the model itself drafts

@@ -32,7 +32,9 @@ class DraftModel:
     def __init__(self, spec, target):
         """Checks the draft against the target engine (vocabulary, context, capabilities) and
         reads its shape; no weight is read yet."""
+        from pocketllm import hub
         from pocketllm.config import EngineArgs
+        from pocketllm.core.hub_name import HubName
         from pocketllm.core.kv_layout import KVLayout
         from pocketllm.runner.model_runner import ModelRunner
         from pocketllm.runner.worker import Worker
@@ -40,13 +42,16 @@ class DraftModel:
         self.target = target
         self.num_tokens = spec.num_speculative_tokens
         args = target.args
-        self.args = EngineArgs(model=spec.model, load_format=args.load_format, device=str(target.device),
+        model = spec.model
+        if args.load_format != "dummy" and (name := HubName.parse(model)) is not None:
+            model = str(hub.resolve(name))  # a draft named on the hub, fetched as the model is
+        self.args = EngineArgs(model=model, load_format=args.load_format, device=str(target.device),
                                dtype=target.dtype_name, max_num_seqs=args.max_num_seqs, seed=args.seed,
                                enforce_eager=args.enforce_eager, exact_kernels=args.exact_kernels,
                                dequantize_at_load=args.dequantize_at_load, kv_cache_dtype=args.kv_cache_dtype)
         where = f"the draft model {spec.model!r}"
         try:
-            self.worker = Worker.open(spec.model, self.args, target.device, target.dtype_name)
+            self.worker = Worker.open(model, self.args, target.device, target.dtype_name)
         except ConfigurationError as e:
             raise ConfigurationError(f"{where}: {e}") from None
         cfg = self.worker.config
