@@ -9,6 +9,10 @@ class ConfigurationError(PocketLLMError, ValueError):
     """An engine or request setting is invalid; raised before any weight is read."""
 
 
+class DoesNotFitError(ConfigurationError):
+    """The model cannot fit the device's memory: the memory plan's refusal, before any weight is read."""
+
+
 class UnsupportedFeatureError(PocketLLMError, NotImplementedError):
     """The model or configuration asks for something no runtime declares support for."""
 

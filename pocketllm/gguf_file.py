@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 from gguf import GGUFReader
+
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_name(name: str) -> tuple[str, int, int] | None:
+    """(stem, part, parts) of a file named as llama.cpp's gguf-split names a model's parts
+    (STEM-0000k-of-0000N.gguf), else None."""
+    m = _SPLIT_NAME.match(name)
+    return None if m is None else (m["stem"], int(m["no"]), int(m["count"]))
 
 
 class GGUFFile(GGUFReader):

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pocketllm.core.hub_name import HubName
-from pocketllm.errors import ConfigurationError
+from pocketllm.errors import ConfigurationError, DoesNotFitError
+from pocketllm.gguf_file import split_name
 from pocketllm.pull import sha256_of
 
 log = logging.getLogger("pocketllm")
 
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 # a GGUF repo's file when no tag is given: llama.cpp's -hf default, then the next best-kept mixes
 DEFAULT_QUANTS = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q4_0", "Q8_0")
 # what a safetensors repo's snapshot needs: the model's config and weights, its tokenizer and templates,
@@ -33,7 +33,7 @@ class RepoFile:
     sha256: str | None  # a large (LFS) file's hash as the hub records it
 
 
-def resolve(name: HubName | str, *, quiet: bool = False, max_bytes: int | None = None) -> Path:
+def resolve(name: HubName | str, *, max_bytes: int | None = None) -> Path:
     """The local path of a named model, fetched first where the cache does not hold it. `max_bytes`: refuse
     (before fetching anything large) a model whose files are larger."""
     hub = name if isinstance(name, HubName) else HubName.parse(name)
@@ -45,31 +45,31 @@ def resolve(name: HubName | str, *, quiet: bool = False, max_bytes: int | None =
         return _from_cache(hub)
     files = _listing(hub)
     ggufs = [f for f in files if f.name.endswith(".gguf")]
-    chosen = choose_gguf(ggufs, hub.quant, hub) if ggufs else [
+    chosen = choose_gguf(ggufs, hub.quant, hub.repo) if ggufs else [
         f for f in files if any(Path(f.name).match(p) for p in _SAFETENSORS_FILES)]
     names = {f.name for f in chosen}
     if not ggufs and not ("config.json" in names and any(n.endswith(".safetensors") for n in names)):
         raise ConfigurationError(f"{hub.repo} holds neither GGUF files nor a config.json with safetensors weights")
     total = sum(f.size for f in chosen)
     if max_bytes is not None and total > max_bytes:
-        raise ConfigurationError(f"{hub} takes {total / 2**30:.1f} GiB, more than the {max_bytes / 2**30:.1f} GiB "
+        raise DoesNotFitError(f"{hub} takes {total / 2**30:.1f} GiB, more than the {max_bytes / 2**30:.1f} GiB "
                                  "this device has for it; choose a smaller quant tag or model")
-    if not quiet:
-        log.info("fetching %s (%d files, %.1f MiB) from %s", hub, len(chosen), total / 2**20, _hub())
+    log.info("fetching %s (%d files, %.1f MiB) from %s", hub, len(chosen), total / 2**20, _hub())
     paths = {f.name: _fetch(hub, f) for f in chosen}
     return paths[chosen[0].name] if ggufs else paths["config.json"].parent  # (the snapshot's folder)
 
 
-def choose_gguf(files: list[RepoFile], quant: str | None, hub: HubName | str = "") -> list[RepoFile]:
+def choose_gguf(files: list[RepoFile], quant: str | None, repo: str = "") -> list[RepoFile]:
     """The file a tag names (all parts of a split one), or without a tag the first of DEFAULT_QUANTS the
     repo has, else its smallest model (projector files of vision models left out)."""
     models: dict[str, list[RepoFile]] = {}
     for f in files:
         if "mmproj" in f.name.lower():
             continue
-        models.setdefault(_SPLIT.sub(".gguf", f.name), []).append(f)
+        split = split_name(f.name)
+        models.setdefault(f"{split[0]}.gguf" if split else f.name, []).append(f)
     if not models:
-        raise ConfigurationError(f"{hub} has no GGUF model file")
+        raise ConfigurationError(f"{repo} has no GGUF model file")
 
     def tagged(tag: str) -> list[str]:
         pattern = re.compile(rf"(^|[-_./]){re.escape(tag)}([-_.]|$)", re.IGNORECASE)
@@ -78,13 +78,12 @@ def choose_gguf(files: list[RepoFile], quant: str | None, hub: HubName | str = "
     if quant is not None:
         found = tagged(quant)
         if not found:
-            raise ConfigurationError(f"{hub.repo if isinstance(hub, HubName) else hub} has no {quant} file; it has: "
+            raise ConfigurationError(f"{repo} has no {quant} file; it has: "
                                      + ", ".join(sorted(Path(m).name for m in models)))
     else:
         found = next((m for tag in DEFAULT_QUANTS if (m := tagged(tag))), None) or [
             min(models, key=lambda m: sum(f.size for f in models[m]))]
-    parts = sorted(models[min(found, key=len)], key=lambda f: f.name)
-    return parts
+    return sorted(models[min(found, key=len)], key=lambda f: f.name)
 
 
 def _listing(hub: HubName) -> list[RepoFile]:
@@ -99,9 +98,8 @@ def _listing(hub: HubName) -> list[RepoFile]:
         raise ConfigurationError(f"{hub.repo} has no revision {hub.revision!r}") from None
     except (HfHubHTTPError, OSError) as e:
         raise ConfigurationError(f"could not reach the hub for {hub}: {e} (HF_HUB_OFFLINE=1 uses the cache)") from None
-    files = [RepoFile(s.rfilename, int(s.size or 0), getattr(s.lfs, "sha256", None) if s.lfs else None)
-             for s in info.siblings or []]
-    return files
+    return [RepoFile(s.rfilename, int(s.size or 0), getattr(s.lfs, "sha256", None) if s.lfs else None)
+            for s in info.siblings or []]
 
 
 def _fetch(hub: HubName, f: RepoFile) -> Path:
@@ -142,7 +140,7 @@ def _from_cache(hub: HubName) -> Path:
         raise ConfigurationError(f"{hub} is not in the cache, and HF_HUB_OFFLINE=1 forbids fetching it") from None
     ggufs = [RepoFile(str(p.relative_to(root)), p.stat().st_size, None) for p in root.rglob("*.gguf")]
     if ggufs:
-        return root / choose_gguf(ggufs, hub.quant, hub)[0].name
+        return root / choose_gguf(ggufs, hub.quant, hub.repo)[0].name
     if not (root / "config.json").is_file():
         raise ConfigurationError(f"the cached {hub} has no model files")
     return root

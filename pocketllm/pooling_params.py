@@ -23,10 +23,13 @@ class PoolingParams:
                                             or self.dimensions < 1):
             raise _bad("dimensions", f"must be a positive integer; got {self.dimensions!r}")
 
-    def resolved(self, pooling: str, normalize: bool, hidden_size: int) -> PoolingParams:
-        """These settings with the model's defaults filled in, checked against its width."""
+    def check_width(self, hidden_size: int) -> None:
         if self.dimensions is not None and self.dimensions > hidden_size:
             raise _bad("dimensions", f"must be at most the model's {hidden_size}; got {self.dimensions}")
+
+    def resolved(self, pooling: str, normalize: bool, hidden_size: int) -> PoolingParams:
+        """These settings with the model's defaults filled in, checked against its width."""
+        self.check_width(hidden_size)
         return PoolingParams(self.pooling or pooling, normalize if self.normalize is None else self.normalize,
                              self.dimensions)
 

@@ -250,13 +250,17 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     cfg = server_config(args, args.served_model_name or engine.model_name or Path(engine.args.model).name,
                         api_key, chat_template)
+    return serve(llm, cfg, args.host, args.port, on_started=announcement(args, [cfg.model_name]))
+
+
+def announcement(args: argparse.Namespace, names: list[str]):
+    """The line printed once the server listens."""
     host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
-    url = f"http://{host}:{args.port}/v1"
 
     def announce() -> None:
-        print(f"Serving {cfg.model_name} at {url}  (Ctrl+C to stop)", flush=True)
+        print(f"Serving {', '.join(names)} at http://{host}:{args.port}/v1  (Ctrl+C to stop)", flush=True)
 
-    return serve(llm, cfg, args.host, args.port, on_started=announce)
+    return announce
 
 
 def model_specs(args: argparse.Namespace, engine_args: EngineArgs) -> list:
@@ -272,23 +276,22 @@ def model_specs(args: argparse.Namespace, engine_args: EngineArgs) -> list:
         root = Path(args.models_dir)
         if not root.is_dir():
             raise ConfigurationError(f"--models-dir {root} is not a folder")
-        found = [str(p) for p in sorted(root.iterdir()) if (p.suffix == ".gguf" and not _later_part(p.name))
-                 or (p / "config.json").is_file()]
+        found = [str(p) for p in sorted(root.iterdir()) if _is_model(p)]
         if not found:
             raise ConfigurationError(f"--models-dir {root} holds no .gguf file and no folder with a config.json")
     for text in ([args.model] if args.model else []) + (args.models or []) + found:
         name, _, model = text.rpartition("=")
-        name = name or (str(HubName.parse(model)) if HubName.parse(model) else Path(model).name)
+        name = name or str(HubName.parse(model) or Path(model).name)
         specs.append(ModelSpec(name, dataclasses.replace(engine_args, model=model)))  # (checked as it is built)
     return specs
 
 
-def _later_part(name: str) -> bool:
-    """A split GGUF file's part after the first (the first names the model)."""
-    import re
+def _is_model(path: Path) -> bool:
+    """A .gguf file (a split model's first part only) or a folder with a config.json."""
+    from pocketllm.gguf_file import split_name
 
-    m = re.search(r"-(\d{5})-of-\d{5}\.gguf$", name)
-    return m is not None and int(m.group(1)) > 1
+    split = split_name(path.name)
+    return (path.suffix == ".gguf" and (split is None or split[1] == 1)) or (path / "config.json").is_file()
 
 
 def serve_several(args: argparse.Namespace, engine_args: EngineArgs, llm_options: dict, chat_template: str | None,
@@ -305,12 +308,7 @@ def serve_several(args: argparse.Namespace, engine_args: EngineArgs, llm_options
                          base_args=engine_args, load_timeout=args.max_queue_time)
     if args.preload:
         asyncio.run(router.preload())
-    url = f"http://{'localhost' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"
-
-    def announce() -> None:
-        print(f"Serving {', '.join(s.name for s in specs)} at {url}  (Ctrl+C to stop)", flush=True)
-
-    return serve(router, cfg, args.host, args.port, on_started=announce)
+    return serve(router, cfg, args.host, args.port, on_started=announcement(args, [s.name for s in specs]))
 
 
 def server_config(args: argparse.Namespace, model_name: str, api_key: str | None, chat_template: str | None):

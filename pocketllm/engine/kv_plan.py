@@ -11,7 +11,7 @@ import torch
 
 from pocketllm.config import EngineArgs, ModelConfig
 from pocketllm.core.kv_layout import KVLayout
-from pocketllm.errors import ConfigurationError
+from pocketllm.errors import ConfigurationError, DoesNotFitError
 
 log = logging.getLogger("pocketllm")
 
@@ -115,7 +115,7 @@ class KVPlan:
         if mapped and self.device.type == "cpu":
             log.warning("%s", message)
         else:
-            raise ConfigurationError(message)
+            raise DoesNotFitError(message)
 
     def blocks_before_loading(self) -> int | None:
         """The cache's blocks where they are known before loading (the CPU's memory budget, or

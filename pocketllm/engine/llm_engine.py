@@ -325,7 +325,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def validate_request(self, ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, ids: list[int], params: SamplingParams | None = None) -> None:
         """Everything about a request that depends on the model, checked before it is queued:
         nothing a request carries may fail later inside a step (where the whole batch runs)."""
         if not ids:
@@ -337,7 +337,8 @@ class LLMEngine:
         bad = [t for t in ids if not (isinstance(t, numbers.Integral) and 0 <= t < vocab)]  # numpy ints too
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        for param, values in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        for param, values in (() if params is None else (("stop_token_ids", params.stop_token_ids),
+                                                           ("logit_bias", params.logit_bias))):
             bad = [t for t in values if not 0 <= t < vocab]
             if bad:
                 err = RequestError(f"{param} has token ids out of range [0, {vocab}): {bad[:5]}")
@@ -359,10 +360,10 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         pooling = None
         if isinstance(params, PoolingParams) != (self.task == "embed"):
-            raise RequestError(f"this model serves {'embeddings' if self.task == 'embed' else 'generation'} "
-                               f"(task {self.task}); {'generation' if self.task == 'embed' else 'embeddings'} "
-                               "need a model started with --task "
-                               f"{'generate' if self.task == 'embed' else 'embed'}")
+            serves, other, task = (("embeddings", "generation", "generate") if self.task == "embed"
+                                   else ("generation", "embeddings", "embed"))
+            raise RequestError(f"this model serves {serves} (task {self.task}); {other} need a model started "
+                               f"with --task {task}")
         if isinstance(params, PoolingParams):  # one sequence, nothing sampled
             cfg = self.model_config
             pooling, params = params.resolved(self.default_pooling, cfg.normalize_embeddings, cfg.hidden_size), _POOLED

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 
 from pocketllm.config import ModelConfig
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
-from pocketllm.gguf_file import GGUFFile
+from pocketllm.gguf_file import GGUFFile, split_name
 from pocketllm.layers.linear import QuantizedTensor
 
 ARCHITECTURES = {
@@ -95,18 +95,15 @@ _DENSE = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationTy
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
 def split_parts(first: Path, count: int) -> list[Path]:
     """The files of a model split by llama.cpp's gguf-split (`NAME-00001-of-0000N.gguf`), `first` the first."""
     if count <= 1:
         return [first]
-    m = _SPLIT_NAME.match(first.name)
-    if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
+    split = split_name(first.name)
+    if split is None or split[1:] != (1, count):
         raise ConfigurationError(f"{first.name} is part of a model split in {count} files: give its first part, "
                                  "named NAME-00001-of-000NN.gguf")
-    parts = [first.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    parts = [first.with_name(f"{split[0]}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p.name for p in parts if not p.is_file()]
     if missing:
         raise ConfigurationError(f"{first.name} is split in {count} files; missing beside it: {', '.join(missing)}")

@@ -164,7 +164,6 @@ class RobertaModel(BertModel):
 class NomicBertModel(BertModel):
     """Nomic BERT (nomic-embed-text): rotary positions (rotate-half), a SwiGLU MLP, no biases, one QKV matrix."""
 
-    capabilities = BertModel.capabilities
     rotary_positions = True
     biases = False
     gated_mlp = True

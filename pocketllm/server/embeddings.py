@@ -13,12 +13,10 @@ from pydantic import Field
 
 from pocketllm.errors import RequestError
 from pocketllm.pooling_params import PoolingParams
-from pocketllm.sampling_params import SamplingParams
 from pocketllm.server import protocol as P
 from pocketllm.server.serving import Job, OpenAIServing, merge_outputs, unless_client_leaves
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI's API allows
-_NO_SAMPLING = SamplingParams()  # (validate_request reads its token-id fields: none)
 
 
 class EmbeddingRequest(P._Strict):
@@ -46,11 +44,11 @@ async def embed(serving: OpenAIServing, request: Request, inputs: list[str | lis
     if len(inputs) > MAX_INPUTS:
         raise P.APIError(400, f"'{where}' has {len(inputs)} items; at most {MAX_INPUTS} are allowed.", param=where)
     engine, limit = serving.engine, serving.engine.max_model_len
-    width = engine.model_config.hidden_size
-    if dimensions is not None and dimensions > width:
-        raise P.APIError(400, f"dimensions must be at most the model's {width}; got {dimensions}.",
-                         param="dimensions", code="invalid_value")
     params = PoolingParams(dimensions=dimensions)  # pooled and normalized as the model's config says
+    try:
+        params.check_width(engine.model_config.hidden_size)
+    except RequestError as e:
+        raise P.APIError(400, str(e), param=e.param, code="invalid_value") from None
     prompts = []
     for item in inputs:
         if isinstance(item, str):
@@ -68,7 +66,7 @@ async def embed(serving: OpenAIServing, request: Request, inputs: list[str | lis
                                   f"of your {where} has {len(ids)} tokens. Please reduce its length.",
                              param=where, code="context_length_exceeded")
         try:
-            engine.validate_request(ids, _NO_SAMPLING)
+            engine.validate_request(ids)
         except RequestError as e:
             raise P.APIError(400, str(e), param=where, code="invalid_value") from None
         prompts.append((item if isinstance(item, str) else None, ids))

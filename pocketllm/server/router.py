@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from pocketllm import __version__, hub
 from pocketllm.config import EngineArgs
 from pocketllm.core.hub_name import HubName
-from pocketllm.errors import ConfigurationError
+from pocketllm.errors import ConfigurationError, DoesNotFitError
 from pocketllm.server import protocol as P
 from pocketllm.server.async_llm import AsyncLLM, EngineUnavailableError
 from pocketllm.server.config import ServerConfig, ServerState
@@ -76,6 +76,7 @@ class ModelRouter:
         self.on_fatal: Callable[[BaseException], None] | None = None  # (the launcher's hook: unused, see _died)
         self.error = None
         self._reaper: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server's: the reaper's and the unloads'
 
     # -- what the launcher asks of a service --------------------------------------------------------
     @property
@@ -97,8 +98,7 @@ class ModelRouter:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return
-        if self._reaper is None:
-            self._reaper = asyncio.ensure_future(self._reap())
+        self._start_reaper()
         path, method = scope["path"], scope["method"]
         own = self._own_route(path, method)
         if own is not None:
@@ -147,6 +147,7 @@ class ModelRouter:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                self._start_reaper()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.shutdown(self.cfg.shutdown_timeout)
@@ -174,9 +175,9 @@ class ModelRouter:
                 llm = await asyncio.to_thread(
                     AsyncLLM, lambda: self.build(dataclasses.replace(slot.spec.engine_args)), **self.llm_options)
                 break
-            except ConfigurationError as e:
+            except DoesNotFitError:
                 idle = [s for s in self.slots.values() if s.loaded and s.active == 0 and s is not slot]
-                if "does not fit" not in str(e) or not idle:
+                if not idle:
                     raise
                 victim = min(idle, key=lambda s: s.last_used)
                 log.info("unloading %s (least recently used) to make room for %s", victim.spec.name, slot.spec.name)
@@ -209,16 +210,19 @@ class ModelRouter:
             torch.cuda.empty_cache()
         log.info("unloaded %s", slot.spec.name)
 
+    def _start_reaper(self) -> None:
+        if self._reaper is None:
+            self._loop = asyncio.get_running_loop()
+            self._reaper = asyncio.ensure_future(self._reap())
+
     def _died(self, slot: _Slot, error: BaseException) -> None:
         """From the engine thread: the model's engine cannot go on; it is dropped, to be loaded again."""
         log.error("the engine of %s died (%s); it will be loaded again on its next request", slot.spec.name, error)
-        loop = getattr(self, "_loop", None)
-        if loop is not None:
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._unload(slot)))
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._unload(slot)))
 
     async def _reap(self) -> None:
         """Unloads the models idle past their keep_alive, once a second."""
-        self._loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
