@@ -50,6 +50,8 @@ def test_offloaded_experts_compute_what_resident_experts_compute(mixtral_q8, mon
         for moe in blocks:
             assert isinstance(moe, SparseMoE) and moe.kernels.gpu  # the router: the GPU's
             assert (moe.stacks is None) == moe.on_host and moe.experts[0].kernels.gpu != moe.on_host
+            paths = {lin.quantized.path for e in moe.experts for lin in (e.gate_up_proj, e.down_proj)}
+            assert paths == ({"c"} if moe.on_host else {"triton"})  # host bytes never reach a Triton launch
         assert got_tokens == tokens
         assert float((got_logits - logits).abs().max()) < 1e-4 * float(logits.abs().max())
     # the plan before loading leaves the offloaded experts' bytes out of the device's

@@ -61,7 +61,7 @@ from gguf import GGMLQuantizationType
 from pocketllm.core.gguf_types import block_size, check_supported, row_nbytes, type_size
 from pocketllm.kernels import dispatch
 from pocketllm.kernels.cpu import gguf_ops
-from pocketllm.kernels.platform import kernels_for
+from pocketllm.kernels.platform import KernelConfig, kernels_for
 
 from .dequant import AFFINE_TYPES, Affine, affine_fields, as_bytes, dequantize, dequantize_blocks
 
@@ -223,6 +223,7 @@ class GGUFLinear(torch.nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         int8_activations: int = 0,
+        kernels: KernelConfig | None = None,
     ) -> GGUFLinear:
         """Wrap raw GGUF bytes of an ``[out_features, in_features]`` weight.
 
@@ -233,7 +234,8 @@ class GGUFLinear(torch.nn.Module):
         ``dequantize_at_load``, ``"planes"`` for affine types, else ``"scratch"``; on a CUDA
         ``device``, ``"triton"`` for the types the Triton kernels cover, else ``"dense"``.
         ``dtype``: what the dense and triton paths hold off the CPU (the model's dtype); the CPU
-        paths compute in float32.
+        paths compute in float32. ``kernels``: the owning layer's configuration (a GPU model's
+        experts in host memory run the CPU's); by default the one of the model being built.
         """
         qtype = check_supported(qtype)
         if path not in _PATHS:
@@ -241,7 +243,8 @@ class GGUFLinear(torch.nn.Module):
         n, k = int(out_features), int(in_features)
         device = torch.device("cpu" if device is None else device)
         on_cpu = device.type == "cpu"
-        if path == "auto" and kernels_for(device).gpu and not dequantize_at_load:
+        kernels = kernels_for(device) if kernels is None else kernels
+        if path == "auto" and kernels.gpu and not dequantize_at_load:
             from pocketllm.kernels.triton.gguf import TRITON_GGUF_TYPES
 
             if qtype in TRITON_GGUF_TYPES:
