@@ -241,6 +241,12 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     return DECODE_SPLITS if num_seqs * num_kv_heads <= num_sms(device) else 1
 
 
+def tile_config(head_dim: int, kv_block: int, decode: bool, quant: bool) -> dict:
+    """Keys per loop step and the launch's warps and pipeline stages (benchmarks/tools/attention_tiles.py
+    sweeps them)."""
+    return {"TILE_N": max(kv_block, 32 if head_dim > 64 else 64), "num_warps": 4, "num_stages": 3}
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, scale: float, window: int | None = None,
@@ -274,7 +280,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 \
         else max(64, triton.next_power_of_2(group))
     block_q = block_m // group
-    tile_n = max(kv_block, 32 if d > 64 else 64)
+    tiles = tile_config(d, kv_block, max_query_len == 1, k_scale is not None)
+    tile_n = tiles["TILE_N"]
     assert tile_n % kv_block == 0
     if num_splits is None:
         num_splits = decode_splits(num_seqs, hkv, q.device) if max_query_len == 1 else 1
@@ -309,7 +316,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         KV_BLOCK=kv_block, TILE_N=tile_n, BLOCK_Q=block_q, RUN=triton.next_power_of_2(block_q), BLOCK_M=block_m,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact: no TF32
-        NUM_SPLITS=num_splits, CHAINS=chains, MERGE=merge, QUANT_KV=quant)
+        NUM_SPLITS=num_splits, CHAINS=chains, MERGE=merge, QUANT_KV=quant,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(t, hq)](part_acc, part_ml, out, *kernel_args(x8, out), out.stride(0), out.stride(1),
                                       hq, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
