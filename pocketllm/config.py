@@ -299,7 +299,7 @@ class ModelConfig:
             bos_token_id=get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             hidden_act=get("hidden_act") or get("hidden_activation") or "silu",
-            num_experts=get("num_experts") or get("num_local_experts") or 0,
+            num_experts=get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0,
             num_experts_per_tok=get("num_experts_per_tok", 0),
             moe_intermediate_size=get("moe_intermediate_size") or get("intermediate_size"),
             norm_topk_prob=bool(get("norm_topk_prob", False)),

@@ -14,6 +14,7 @@ from pocketllm import LLM, SamplingParams
 from pocketllm.config import EngineArgs, ModelConfig
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
 from pocketllm.models.capabilities import RuntimeCapabilities, check_tensor_parallel
+from pocketllm.models.registry import select_runtime
 
 
 def generate(path, prompts, **engine_args):
@@ -47,7 +48,13 @@ def close(a, b, tol: float = 1e-4) -> bool:
 
 
 def test_two_ranks_give_the_tokens_of_one_for_every_family(tiny):
+    """Every family that declares tensor parallelism; the others refuse two ranks before loading."""
     model, path = tiny
+    if not select_runtime(ModelConfig.from_hf_dir(path), EngineArgs(model=str(path)), "cpu",
+                          "float32").capabilities.tensor_parallel:
+        with pytest.raises(UnsupportedFeatureError, match="does not support tensor parallelism"):
+            generate(path, [[1, 2, 3]], exact_kernels=True, tensor_parallel_size=2)
+        return
     prompts = prompts_of(LENGTHS)
     expected = [hf_greedy(model, p, NEW) for p in prompts]
     one, lp_one, _ = generate(path, prompts, exact_kernels=True)

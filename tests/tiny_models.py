@@ -42,6 +42,25 @@ CONFIGS = {
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.3, tie_word_embeddings=False,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # multi-head latent attention (V2-Lite's: no query bottleneck), shared + routed experts from layer 1,
+    # a softmax over 8 experts, top 2 within the best 1 of 2 groups, scaled, not renormalised
+    "deepseek_v2": dict(arch="DeepseekV2ForCausalLM", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                        topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                        tie_word_embeddings=False),
+    # V3's: a query bottleneck, sigmoid scores with a correction bias choosing the top 2 within the best
+    # 2 of 4 groups, renormalised and scaled; YaRN with DeepSeek's mscale pair (equal, as released configs
+    # and GGUF files have them: the softmax scale takes mscale^2)
+    "deepseek_v3": dict(arch="DeepseekV3ForCausalLM", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        tie_word_embeddings=False,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 0.7, "mscale_all_dim": 0.7}),
 }
 
 
@@ -69,6 +88,9 @@ def make_model(kind: str, root: Path):
                 p.normal_(1.0 if kind != "gemma3" else 0.0, 0.1)
             elif kind == "gpt_oss":  # biases and sinks (zeros or uninitialised otherwise)
                 p.normal_(0.0, 0.5 if name.endswith("sinks") else 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (zeros otherwise: it would choose nothing)
+                b.normal_(0.0, 0.1)
     path = root / kind
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.eos_token_id = None

@@ -105,3 +105,17 @@ class KVLayout:
         parts += [f"{n} sliding-window ({w})" for w, n in sorted(sliding.items())]
         layers = "layer" if self.layers_per_block == 1 else "layers"
         return f"{' and '.join(parts)} groups of {self.layers_per_block} {layers}"
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one layer keeps per token: `heads` KV heads of `head_dim` values each in a K and a V cache, or
+    with `shared` in one tensor that serves as both (multi-head latent attention's compressed latent and
+    rotary key, which the attention reads as keys and as values)."""
+    heads: int
+    head_dim: int
+    shared: bool = False
+
+    @property
+    def tensors(self) -> int:
+        return 1 if self.shared else 2

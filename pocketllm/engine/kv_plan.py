@@ -70,11 +70,13 @@ class KVPlan:
         if graphs and self.device.type == "cuda":
             self.graph_bytes = step_activation_bytes(cfg, args.max_num_seqs, 0, value_bytes, 0)
 
-    def check_fits(self, weight_bytes: int, what: str, *, mapped: bool, experts: bool = False) -> None:
+    def check_fits(self, weight_bytes: int, what: str, *, mapped: bool, experts: bool = False,
+                   quantized_kv: bool = True) -> None:
         """Before any weight is read: one log line of what loading will take against what the device
         has, and where the weights and one request's KV cache cannot fit, one line with the numbers
         and what would make it fit: refused (it would end in an out-of-memory error), but a warning
-        for a `mapped` file on the CPU (weights read in place page in and out of the file, slowly)."""
+        for a `mapped` file on the CPU (weights read in place page in and out of the file, slowly). `quantized_kv`:
+        the runtime reads an 8-bit cache (suggested only then)."""
         args = self.args
         assert self.bytes_per_block is not None, "bytes_per_block first"
         # a request of the asked context; of a prompt step's length where the context is the model's
@@ -96,7 +98,8 @@ class KVPlan:
         per_token = kv / max(tokens, 1)
         fixes = [f"--max-model-len (the KV cache takes {size_text(int(per_token * 1024))} per 1,024 tokens)"
                  if args.max_model_len is not None else None,
-                 "--kv-cache-dtype int8 (8-bit keys and values)" if args.kv_cache_dtype == "auto" else None,
+                 "--kv-cache-dtype int8 (8-bit keys and values)" if args.kv_cache_dtype == "auto" and quantized_kv
+                 else None,
                  "a file of fewer bits per weight"]
         if self.device.type == "cuda":
             fixes += ["--cpu-offload-experts (experts in host memory)" if experts and args.cpu_offload_experts != "all"

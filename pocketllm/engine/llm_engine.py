@@ -161,7 +161,8 @@ class LLMEngine:
             self.drafter = DraftModel(spec, self)
         # A block id holds its tokens' KV in every layer, a draft model's too (of this rank's KV heads).
         tp = args.tensor_parallel_size
-        per_block = 0 if encoder else ModelRunner.kv_bytes_per_block(cfg, self.kv_layout, self.block_size, self.dtype,
+        per_block = 0 if encoder else ModelRunner.kv_bytes_per_block(self.runtime.model_class.kv_shape(cfg),
+                                                                     self.kv_layout, self.block_size, self.dtype,
                                                                      tp, args.kv_cache_dtype)
         self.kv_plan.bytes_per_block = per_block + (self.drafter.kv_bytes_per_block if self.drafter else 0)
         # What loading will take, checked before a weight is read (this rank's share on CUDA; the
@@ -171,7 +172,8 @@ class LLMEngine:
         share = self.planned_weight_bytes // tp if self.device.type == "cuda" else self.planned_weight_bytes
         self.kv_plan.plan_steps(cfg, 4 if self.device.type == "cpu" else torch.finfo(self.dtype).bits // 8,
                                 graphs=not args.enforce_eager and self.runtime.capabilities.cuda_graphs)
-        self.kv_plan.check_fits(share, path.name, mapped=self.source.is_gguf, experts=cfg.num_experts > 0)
+        self.kv_plan.check_fits(share, path.name, mapped=self.source.is_gguf, experts=cfg.num_experts > 0,
+                                quantized_kv="int8" in self.runtime.capabilities.kv_cache_dtypes)
         num_blocks = self.kv_plan.blocks_before_loading()  # None on CUDA: what the weights leave
 
         # Everything is checked: now read the weights (each tensor-parallel rank its shard, at the

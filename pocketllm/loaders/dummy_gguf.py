@@ -139,9 +139,9 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
     """GGUF name -> shape (rows first) of every tensor of a llama / qwen2 / qwen3 model, or of the
     mixtures of experts qwen3moe and llama with experts (Mixtral): a router and stacked
     [experts, rows, cols] expert matrices in place of the MLP."""
-    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss"):
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss", "deepseek2"):
         raise UnsupportedFeatureError(
-            f"dummy GGUF files are written for llama, qwen2, qwen3, qwen3moe and gpt-oss, not {arch}")
+            f"dummy GGUF files are written for llama, qwen2, qwen3, qwen3moe, gpt-oss and deepseek2, not {arch}")
     h, inter, v = hp["hidden_size"], hp["intermediate_size"], hp["vocab_size"]
     n_exp = expert_count(hp)
     e_inter = hp.get("moe_intermediate_size") or inter
@@ -154,6 +154,8 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
     rope = rope_parameters(hp)
     if arch == "llama" and (rope.get("rope_type") or "").lower() == "llama3":
         out.append(("rope_freqs.weight", (hd // 2,)))
+    if arch == "deepseek2":
+        return out + _deepseek_layers(hp)
     for i in range(hp["num_hidden_layers"]):
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (nh * hd, h)),
@@ -176,6 +178,38 @@ def _tensor_shapes(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...]]]:
             out += [(b + f"attn_{p}.bias", (n,)) for p, n in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd))]
         if arch in ("qwen3", "qwen3moe"):
             out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+    return out
+
+
+def _deepseek_layers(hp: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """A deepseek2 file's layers as llama.cpp's converter writes them (gguf_writer's DeepSeek notes)."""
+    h, nh, inter = hp["hidden_size"], hp["num_attention_heads"], hp["intermediate_size"]
+    rank, rot, nope, v = hp["kv_lora_rank"], hp["qk_rope_head_dim"], hp["qk_nope_head_dim"], hp["v_head_dim"]
+    n_exp, e_inter, q_rank = hp["n_routed_experts"], hp["moe_intermediate_size"], hp.get("q_lora_rank")
+    shared = e_inter * (hp.get("n_shared_experts") or 0)
+    out = []
+    for i in range(hp["num_hidden_layers"]):
+        b = f"blk.{i}."
+        if q_rank:
+            out += [(b + "attn_q_a.weight", (q_rank, h)), (b + "attn_q_a_norm.weight", (q_rank,)),
+                    (b + "attn_q_b.weight", (nh * (nope + rot), q_rank))]
+        else:
+            out.append((b + "attn_q.weight", (nh * (nope + rot), h)))
+        out += [(b + "attn_norm.weight", (h,)), (b + "attn_kv_a_mqa.weight", (rank + rot, h)),
+                (b + "attn_kv_a_norm.weight", (rank,)), (b + "attn_k_b.weight", (nh, rank, nope)),
+                (b + "attn_v_b.weight", (nh, v, rank)), (b + "attn_output.weight", (h, nh * v)),
+                (b + "ffn_norm.weight", (h,))]
+        if i < (hp.get("first_k_dense_replace") or 0):
+            out += [(b + "ffn_gate.weight", (inter, h)), (b + "ffn_up.weight", (inter, h)),
+                    (b + "ffn_down.weight", (h, inter))]
+            continue
+        out += [(b + "ffn_gate_inp.weight", (n_exp, h)), (b + "ffn_gate_exps.weight", (n_exp, e_inter, h)),
+                (b + "ffn_up_exps.weight", (n_exp, e_inter, h)), (b + "ffn_down_exps.weight", (n_exp, h, e_inter))]
+        if shared:
+            out += [(b + "ffn_gate_shexp.weight", (shared, h)), (b + "ffn_up_shexp.weight", (shared, h)),
+                    (b + "ffn_down_shexp.weight", (h, shared))]
+        if hp.get("scoring_func") == "sigmoid" or "DeepseekV3ForCausalLM" in hp["architectures"]:
+            out.append((b + "exp_probs_b.bias", (n_exp,)))
     return out
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from pocketllm.config import ModelConfig
 from pocketllm.errors import ConfigurationError, UnsupportedFeatureError
@@ -31,6 +32,7 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "bert": "BertModel",
     "nomic-bert": "NomicBertModel",
+    "deepseek2": "DeepseekV2ForCausalLM",  # (V3's routing: DeepseekV3ForCausalLM, by its gating function)
 }
 
 GLOBAL_NAMES = {
@@ -74,11 +76,25 @@ _NOMIC_LAYER_NAMES = {**{k: v for k, v in _BERT_LAYER_NAMES.items() if k not in 
                       "attn_qkv": "attention.self.qkv", "ffn_gate": "intermediate.gate"}
 _ENCODERS = ("bert", "nomic-bert")
 
+# DeepSeek-V2/V3: multi-head latent attention's projections, the router's score correction and the shared
+# experts. llama.cpp writes kv_b_proj split in two for its absorbed attention: attn_k_b (each head's W_UK,
+# transposed) and attn_v_b, which the loader joins back into kv_b_proj.
+_DEEPSEEK_LAYER_NAMES = {**_LAYER_NAMES,
+                         "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                         "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                         "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                         "exp_probs_b": "mlp.gate.e_score_correction",  # (.bias: transformers' e_score_correction_bias)
+                         "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                         "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+_KV_B_HALVES = ("attn_k_b", "attn_v_b")
+# llama.cpp's expert_gating_func: 1 softmax (V2), 2 sigmoid (V3)
+_SIGMOID_GATING = 2
+
 
 def layer_names(arch: str) -> dict[str, str]:
     """GGUF per-layer tensor stem -> the Hugging Face module path, for ``arch``."""
     return {"gemma3": _GEMMA3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES, "bert": _BERT_LAYER_NAMES,
-            "nomic-bert": _NOMIC_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+            "nomic-bert": _NOMIC_LAYER_NAMES, "deepseek2": _DEEPSEEK_LAYER_NAMES}.get(arch, _LAYER_NAMES)
 
 
 def global_names(arch: str) -> dict[str, str]:
@@ -169,13 +185,19 @@ class GGUFModelFile:
             raw["sliding_window"] = self.arch_meta("attention.sliding_window")
             if isinstance(pattern := self.arch_meta("attention.sliding_window_pattern"), list):
                 raw["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        if self.arch == "deepseek2":
+            raw.update(self._deepseek_settings())
         experts = self.arch_meta("expert_count", 0)
         if experts:  # layers without a router keep a dense MLP
             raw["mlp_only_layers"] = [i for i in range(self.arch_meta("block_count"))
                                       if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors]
+        architecture = ARCHITECTURES[self.arch]
+        if self.arch == "llama" and experts:  # llama.cpp writes Mixtral as `llama` with expert tensors
+            architecture = "MixtralForCausalLM"
+        elif self.arch == "deepseek2" and self.arch_meta("expert_gating_func") == _SIGMOID_GATING:
+            architecture = "DeepseekV3ForCausalLM"
         return ModelConfig(
-            # llama.cpp writes Mixtral as `llama` with expert tensors
-            architecture="MixtralForCausalLM" if self.arch == "llama" and experts else ARCHITECTURES[self.arch],
+            architecture=architecture,
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=self.arch_meta("feed_forward_length"),
@@ -197,11 +219,26 @@ class GGUFModelFile:
             num_experts_per_tok=self.arch_meta("expert_used_count", 0),
             moe_intermediate_size=self.arch_meta("expert_feed_forward_length") or self.arch_meta("feed_forward_length"),
             # llama.cpp renormalises the selected experts' weights for both families (qwen3moe's
-            # converter drops norm_topk_prob: every released Qwen3-MoE sets it)
-            norm_topk_prob=True,
+            # converter drops norm_topk_prob: every released Qwen3-MoE sets it); DeepSeek's say so
+            norm_topk_prob=bool(self.arch_meta("expert_weights_norm", False)) if self.arch == "deepseek2" else True,
             pooling=_GGUF_POOLING.get(self.arch_meta("pooling_type", 0)),
             raw={"gguf_arch": self.arch, **raw},
         )
+
+    def _deepseek_settings(self) -> dict:
+        """GGUF keys -> the Hugging Face config keys the DeepSeek runtime reads."""
+        rope = self.arch_meta("rope.dimension_count")
+        groups = self.arch_meta("expert_group_count") or 1
+        return {"q_lora_rank": self.arch_meta("attention.q_lora_rank"),
+                "kv_lora_rank": self.arch_meta("attention.kv_lora_rank"),
+                "qk_rope_head_dim": rope, "qk_nope_head_dim": self.arch_meta("attention.key_length_mla") - rope,
+                "v_head_dim": self.arch_meta("attention.value_length_mla"),
+                "n_shared_experts": self.arch_meta("expert_shared_count", 0),
+                "first_k_dense_replace": self.arch_meta("leading_dense_block_count", 0),
+                "routed_scaling_factor": self.arch_meta("expert_weights_scale", 1.0),
+                "n_group": groups, "topk_group": self.arch_meta("expert_group_used_count") or 1,
+                "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
+                "rope_interleave": True}
 
     def _gemma3_settings(self, head_dim: int) -> dict:
         """GGUF keys -> the Hugging Face config keys the Gemma 3 runtime reads."""
@@ -235,6 +272,9 @@ class GGUFModelFile:
                     scaling[ours] = value
             if self.arch == "gpt-oss":  # its config's (transformers'); llama.cpp always truncates
                 scaling["truncate"] = False
+            if (log_mul := self.arch_meta("rope.scaling.yarn_log_multiplier")) is not None:
+                # DeepSeek's 0.1 * mscale_all_dim; its released configs set mscale equal to it
+                scaling["mscale"] = scaling["mscale_all_dim"] = log_mul / 0.1
         return scaling
 
     def release(self) -> None:
@@ -255,6 +295,8 @@ class GGUFModelFile:
             return f"{names[stem]}.{kind}"
         m = _BLOCK.match(name)
         table = layer_names(self.arch)
+        if self.arch == "deepseek2" and m is not None and m.group(2) in _KV_B_HALVES:  # (joined by iter_weights)
+            return f"model.layers.{m.group(1)}.self_attn.kv_b_proj.{m.group(3)}"
         if m is not None and m.group(2) in EXPERT_NAMES:  # one name per expert: "{}" for its index
             return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
         if m is None or m.group(2) not in table:
@@ -263,6 +305,7 @@ class GGUFModelFile:
 
     def iter_weights(self, dtype: torch.dtype, device) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         cfg = self.model_config()
+        halves: dict[str, dict[str, np.ndarray]] = {}  # kv_b_proj's name -> its attn_k_b / attn_v_b, dequantized
         for t, part in self.all_tensors:
             name = self.hf_name(t.name)
             if name is None:
@@ -270,6 +313,15 @@ class GGUFModelFile:
             shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
             data = np.asarray(t.data)
             stem = t.name.rsplit(".", 2)[-2]
+            if stem in _KV_B_HALVES and self.arch == "deepseek2":
+                got = halves.setdefault(name, {})
+                got[stem] = dequantize(data, t.tensor_type).reshape(shape)
+                if len(got) == 2:  # k_b [H, rank, nope] (W_UK transposed), v_b [H, v, rank]
+                    k_b, v_b = got["attn_k_b"], got["attn_v_b"]
+                    joined = np.concatenate((k_b.swapaxes(1, 2), v_b), axis=1).reshape(-1, k_b.shape[1])
+                    yield name, torch.from_numpy(np.ascontiguousarray(joined)).to(dtype=dtype, device=device)
+                    del halves[name]
+                continue
             if self.arch == "llama" and stem in ("attn_q", "attn_k"):
                 heads = cfg.num_heads if stem == "attn_q" else cfg.num_kv_heads
                 data = unpermute_rows(data.reshape(shape[0], -1), heads)

@@ -38,7 +38,8 @@ from pocketllm.quant.quantize import SUPPORTED, quantize
 logger = logging.getLogger(__name__)
 T = GGMLQuantizationType
 
-HF_TO_GGUF_ARCH = {**{hf: arch for arch, hf in ARCHITECTURES.items()}, "MixtralForCausalLM": "llama"}
+HF_TO_GGUF_ARCH = {**{hf: arch for arch, hf in ARCHITECTURES.items()}, "MixtralForCausalLM": "llama",
+                   "DeepseekV3ForCausalLM": "deepseek2"}
 
 
 @dataclass
@@ -97,7 +98,7 @@ def rope_parameters(hp: dict) -> dict:
 
 def expert_count(hp: dict) -> int:
     """Experts per mixture-of-experts layer (Qwen3-MoE's key or Mixtral's / gpt-oss's); 0: dense."""
-    return hp.get("num_experts") or hp.get("num_local_experts") or 0
+    return hp.get("num_experts") or hp.get("num_local_experts") or hp.get("n_routed_experts") or 0
 
 
 def _head_dim(hp: dict) -> int:
@@ -149,9 +150,12 @@ def _add_arch_metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rope: dict, voca
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
     w.add_head_count(n_head)
-    w.add_head_count_kv(hp.get("num_key_value_heads") or (4 if gemma else n_head))
+    # (DeepSeek's latent attention: one KV head of kv_lora_rank + rope values, as the converter writes it)
+    w.add_head_count_kv(1 if arch == "deepseek2" else hp.get("num_key_value_heads") or (4 if gemma else n_head))
     w.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-6))
-    if hp.get("head_dim") is not None or gemma:
+    if arch == "deepseek2":
+        _add_deepseek_metadata(w, hp, rope)
+    elif hp.get("head_dim") is not None or gemma:
         w.add_key_length(hp.get("head_dim") or 256)
         w.add_value_length(hp.get("head_dim") or 256)
     full = rope.get("full_attention", rope)
@@ -207,6 +211,34 @@ def _add_arch_metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rope: dict, voca
                 swa = [t == "sliding_attention" for t in types]
                 if swa != [i % 6 < 5 for i in range(len(types))]:
                     w.add_sliding_window_pattern(swa)
+
+
+def _add_deepseek_metadata(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    """What convert_hf_to_gguf.py's DeepseekV2Model writes: multi-head latent attention as one KV head of
+    kv_lora_rank + rope values, the shared experts and the routing."""
+    rank, rot = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+    w.add_kv_lora_rank(rank)
+    if hp.get("q_lora_rank"):
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_key_length(rank + rot)
+    w.add_value_length(rank)
+    w.add_key_length_mla(hp["qk_nope_head_dim"] + rot)
+    w.add_value_length_mla(hp["v_head_dim"])
+    w.add_rope_dimension_count(rot)
+    w.add_leading_dense_block_count(hp.get("first_k_dense_replace") or 0)
+    w.add_expert_shared_count(hp.get("n_shared_experts") or 0)
+    if hp.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    if hp.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    if hp.get("n_group") is not None:
+        w.add_expert_group_count(hp["n_group"])
+    if hp.get("topk_group") is not None:
+        w.add_expert_group_used_count(hp["topk_group"])
+    sigmoid = "DeepseekV3ForCausalLM" in (hp.get("architectures") or []) or hp.get("scoring_func") == "sigmoid"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    if (mscale_all := rope.get("mscale_all_dim")) is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * mscale_all)  # (the converter's legacy form: 0.1 * mscale_all_dim)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------
@@ -545,7 +577,8 @@ def gguf_name(hf: str, arch: str) -> str | None:
         return f"{_HF_GLOBAL[arch][stem]}.{kind}"
     if hf.endswith(".sinks"):  # gpt-oss's: a bare parameter
         hf += ".weight"
-    m = _HF_BLOCK.match(hf.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate."))
+    hf = hf.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
+    m = _HF_BLOCK.match(hf.replace(".e_score_correction_bias", ".e_score_correction.bias"))
     if m and m.group(2) in _HF_LAYER[arch]:
         return f"blk.{m.group(1)}.{_HF_LAYER[arch][m.group(2)]}.{m.group(3)}"
     raise UnsupportedFeatureError(f"unexpected tensor {hf!r} for architecture {arch!r}")
@@ -587,6 +620,11 @@ def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
                     stacked = f"blk.{m.group(1)}.{_EXPERT_STEM[m.group(3)]}.weight"
                     experts.setdefault(stacked, {})[int(m.group(2))] = (path, hf, tuple(f.get_slice(hf).get_shape()))
                     continue
+                if arch == "deepseek2" and hf.endswith("kv_b_proj.weight"):
+                    out += _kv_b_halves(path, hf, hp)
+                    continue
+                if arch == "deepseek2" and _is_mtp_layer(hf, hp):
+                    continue  # (the next-token-prediction layers: llama.cpp's converter leaves them out)
                 name = gguf_name(hf, arch)
                 if name is None:
                     continue
@@ -617,6 +655,25 @@ def _collect_tensors(model_dir: Path, arch: str, hp: dict) -> list[_Tensor]:
         factors = llama3_rope_factors(hp, rope.get("full_attention", rope))
         out.append(_Tensor("rope_freqs.weight", factors.shape, lambda: factors))
     return out
+
+
+def _kv_b_halves(path: Path, hf: str, hp: dict) -> list[_Tensor]:
+    """The converter's split of DeepSeek's kv_b_proj [H * (nope + v), rank] for its absorbed attention:
+    attn_k_b [H, rank, nope] (each head's W_UK, transposed) and attn_v_b [H, v, rank]."""
+    layer = re.match(r"^model\.layers\.(\d+)\.", hf).group(1)
+    h, nope, v, rank = hp["num_attention_heads"], hp["qk_nope_head_dim"], hp["v_head_dim"], hp["kv_lora_rank"]
+
+    def half(k: bool) -> np.ndarray:
+        kv_b = _read_tensor(path, hf).reshape(h, nope + v, rank)
+        return np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1) if k else kv_b[:, nope:])
+
+    return [_Tensor(f"blk.{layer}.attn_k_b.weight", (h, rank, nope), lambda: half(True)),
+            _Tensor(f"blk.{layer}.attn_v_b.weight", (h, v, rank), lambda: half(False))]
+
+
+def _is_mtp_layer(hf: str, hp: dict) -> bool:
+    m = re.match(r"^model\.layers\.(\d+)\.", hf)
+    return m is not None and int(m.group(1)) >= hp["num_hidden_layers"]
 
 
 # gpt-oss's fused experts, x @ W style, gate and up interleaved (models/gpt_oss.py)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from pocketllm.config import ModelConfig
+from pocketllm.core.kv_layout import KVShape
 from pocketllm.errors import ConfigurationError
 from pocketllm.layers.attention import AttentionMetadata
 from pocketllm.layers.linear import Embedding, Linear, QuantizedTensor
@@ -48,6 +49,11 @@ class CausalLM(torch.nn.Module):
         """Each layer's attention: None (full) or its sliding window in tokens. The KV layout
         (pocketllm.core.kv_layout) is built from it, before the model is."""
         return [None] * cfg.num_layers
+
+    @classmethod
+    def kv_shape(cls, cfg: ModelConfig) -> KVShape:
+        """What each layer's KV cache holds per token (all ranks' heads)."""
+        return KVShape(cfg.num_kv_heads, cfg.head_dim)
 
     @classmethod
     def max_positions(cls, cfg: ModelConfig) -> int:

@@ -165,7 +165,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu", max_model_len: int = 2048):
         super().__init__(cfg)
-        rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling, device)
+        rotary = RotaryEmbedding(self.rotary_dim(cfg), max_model_len, cfg.rope_theta, cfg.rope_scaling, device)
         qkv_bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = cfg.attention_bias if self.o_bias is None else self.o_bias
         layers = [DecoderLayer(cfg, self.make_attention(cfg, i, rotary, qkv_bias, o_bias, dtype, device),
@@ -177,6 +177,11 @@ class LlamaForCausalLM(CausalLM):
                                   gather=True)
         self.kernels = kernels_for(device)  # the CPU fast path: decode-only steps' layers in one C call
         self._cpu_decoder = None  # built at the first such step (the KV cache is bound by then)
+
+    @classmethod
+    def rotary_dim(cls, cfg: ModelConfig) -> int:
+        """The dimensions of a head that rotate (runtimes whose heads rotate only part override this)."""
+        return cfg.head_dim
 
     def make_attention(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                        dtype, device) -> Attention:

@@ -21,6 +21,8 @@ _RUNTIMES = {
     "Qwen3MoeForCausalLM": ("pocketllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("pocketllm.models.mixtral", "MixtralForCausalLM"),
     "GptOssForCausalLM": ("pocketllm.models.gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV2ForCausalLM": ("pocketllm.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("pocketllm.models.deepseek", "DeepseekV3ForCausalLM"),
     "BertModel": ("pocketllm.models.bert", "BertModel"),
     "RobertaModel": ("pocketllm.models.bert", "RobertaModel"),
     "XLMRobertaModel": ("pocketllm.models.bert", "RobertaModel"),

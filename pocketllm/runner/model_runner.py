@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pocketllm.core.kv_dtype import kv_quant, value_bytes
-from pocketllm.core.kv_layout import NO_BLOCK, KVLayout
+from pocketllm.core.kv_layout import NO_BLOCK, KVLayout, KVShape
 from pocketllm.core.scheduler_output import SchedulerOutput
 from pocketllm.core.step import StepInputs
 from pocketllm.distributed.parallel_state import TPGroup, get_tp
@@ -83,14 +83,16 @@ class ModelRunner:
         layout = kv_layout or KVLayout.of([None] * cfg.num_layers)
         self.windows = layout.windows  # per KV group
         # this rank's heads; none for an encoder, which keeps no KV (its blocks only count its tokens)
-        heads = 0 if model.capabilities.encoder else self.tp.kv_heads(cfg.num_kv_heads)[1]
-        shape = (num_blocks, block_size, heads, cfg.head_dim)
+        kv = type(model).kv_shape(cfg)
+        heads = 0 if model.capabilities.encoder else self.tp.kv_heads(kv.heads)[1]
+        shape = (num_blocks, block_size, heads, kv.head_dim)
         # KV tensor t holds place t of every group: layers of different groups share it, each
         # through its own group's block ids.
         quant = kv_quant(kv_cache_dtype)
         held = kv_dtype if quant is None else quant.storage
         self.k_caches = [_zeros(shape, held, device, reserve_kv) for _ in range(layout.layers_per_block)]
-        self.v_caches = [_zeros(shape, held, device, reserve_kv) for _ in range(layout.layers_per_block)]
+        self.v_caches = self.k_caches if kv.shared else [_zeros(shape, held, device, reserve_kv)
+                                                         for _ in range(layout.layers_per_block)]
         # 8-bit caches: (K, V) scales a token and head, beside the values, indexed by the same block ids
         self.kv_scales = None if quant is None else [
             tuple(_zeros(shape[:3], torch.float32, device, reserve_kv) for _ in range(2))
@@ -123,13 +125,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows)
 
     @staticmethod
-    def kv_bytes_per_block(cfg, layout: KVLayout, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1,
+    def kv_bytes_per_block(kv: KVShape, layout: KVLayout, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1,
                            kv_cache_dtype: str = "auto") -> int:
-        """K and V of one block id on one rank: `layout.layers_per_block` layers' worth of its KV heads
-        (values, and an 8-bit cache's scales)."""
-        heads = TPGroup(0, tp_size).kv_heads(cfg.num_kv_heads)[1]
-        values = 2 * layout.layers_per_block * block_size * heads
-        return round(values * cfg.head_dim * value_bytes(kv_cache_dtype, kv_dtype, cfg.head_dim))
+        """K and V (or the one shared tensor) of one block id on one rank: `layout.layers_per_block` layers'
+        worth of its KV heads (values, and an 8-bit cache's scales)."""
+        heads = TPGroup(0, tp_size).kv_heads(kv.heads)[1]
+        values = kv.tensors * layout.layers_per_block * block_size * heads
+        return round(values * kv.head_dim * value_bytes(kv_cache_dtype, kv_dtype, kv.head_dim))
 
     def flatten(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         bs = self.block_size

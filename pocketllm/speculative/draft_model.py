@@ -71,7 +71,8 @@ class DraftModel:
         # Every draft layer reads the target's full-attention block table (a sliding draft layer
         # masks its window there).
         self.layout = KVLayout.of([None] * cfg.num_layers)
-        self.kv_bytes_per_block = ModelRunner.kv_bytes_per_block(cfg, self.layout, target.block_size, target.dtype,
+        self.kv_bytes_per_block = ModelRunner.kv_bytes_per_block(self.worker.runtime.model_class.kv_shape(cfg),
+                                                                 self.layout, target.block_size, target.dtype,
                                                                  kv_cache_dtype=args.kv_cache_dtype)
         self.model = self.runner = self.kv = None
         self.reserve = 0

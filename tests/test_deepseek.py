@@ -1,0 +1,111 @@
+"""DeepSeek-V2/V3's multi-head latent attention beyond the parity suites (which run both tiny configs
+against transformers, greedy and logits, chunked and preempted): the absorbed form the runtime computes
+equals attention over the decompressed keys and values; the cache keeps one latent head a token, in one
+tensor; what the runtime does not support is refused before loading."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pocketllm import LLM
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.models import deepseek
+
+
+@pytest.fixture(scope="module")
+def v3(tiny_models):
+    model, path = tiny_models["deepseek_v3"]
+    return LLM(str(path), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16, exact_kernels=True)
+
+
+def _causal(q, k, v, k_cache, v_cache, meta, scale):
+    """Attention of one sequence's queries over its own keys, causal (what the paged kernels compute)."""
+    s = torch.einsum("thd,shd->hts", q, k.expand(-1, q.shape[1], -1)) * scale
+    s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", torch.softmax(s, dim=-1), v.expand(-1, q.shape[1], -1))
+
+
+def test_absorbed_attention_equals_decompressed(v3, monkeypatch):
+    """W_UK absorbed into the queries and W_UV applied after the attention give what keys
+    [c @ W_UK[h]^T | k_pe] and values c @ W_UV[h]^T per head give (transformers' form)."""
+    attn = v3.engine.runner.model.model.layers[1].self_attn
+    monkeypatch.setattr(deepseek, "paged_attention", _causal)
+    torch.manual_seed(0)
+    t, h, nope, rope = 11, attn.num_heads, attn.nope, attn.rope
+    x, positions = torch.randn(t, v3.engine.model_config.hidden_size), torch.arange(t)
+    with torch.no_grad():
+        got = attn(positions, x, None)
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(t, h, nope + rope)
+        c, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.rank, rope], dim=-1)
+        pe = attn.rotary(positions, deepseek._deinterleave(torch.cat((q[..., nope:], k_pe.view(t, 1, rope)), 1)))
+        kv = attn.kv_b_proj(attn.kv_a_layernorm(c.contiguous())).view(t, h, nope + attn.v_dim)
+        keys = torch.cat((kv[..., :nope], pe[:, h:].expand(t, h, rope)), dim=-1)
+        queries = torch.cat((q[..., :nope], pe[:, :h]), dim=-1)
+        o = _causal(queries, keys, kv[..., nope:], None, None, None, attn.scale)
+        want = attn.o_proj(o.reshape(t, -1))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), float((got - want).abs().max())
+
+
+def test_the_cache_keeps_one_latent_head_a_token(v3):
+    runner, raw = v3.engine.runner, v3.engine.model_config.raw
+    width = raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
+    assert runner.k_caches is runner.v_caches  # one tensor read as keys and values
+    assert all(k.shape[2:] == (1, width) for k in runner.k_caches)
+    layers, bs = v3.engine.model_config.num_layers, v3.engine.block_size
+    assert v3.engine.kv_plan.bytes_per_block == layers * bs * width * 4  # float32, K and V in one
+
+
+@pytest.mark.parametrize("args, says", [
+    (dict(kv_cache_dtype="int8"), "KV cache dtype 'int8'"),
+    (dict(tensor_parallel_size=2), "tensor parallelism"),
+])
+def test_what_the_runtime_lacks_is_refused_before_loading(tiny_models, args, says):
+    _, path = tiny_models["deepseek_v2"]
+    with pytest.raises(UnsupportedFeatureError, match=says):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=128, **args)
+
+
+# llama.cpp's deepseek2 tensors of a dense layer and of a mixture-of-experts layer (its converter's names:
+# kv_b_proj split in attn_k_b / attn_v_b, the score correction as exp_probs_b.bias, the shared experts' _shexp)
+DENSE_LAYER = {"attn_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_k_b.weight",
+               "attn_v_b.weight", "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+               "ffn_down.weight"}
+MOE_LAYER = DENSE_LAYER - {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"} | {
+    "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
+    "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"}
+QUERY = {"deepseek_v2": {"attn_q.weight"}, "deepseek_v3": {"attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"}}
+
+
+def _logits(path, prompts):
+    from reference import captured_logits
+
+    from pocketllm import SamplingParams
+
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=48, exact_kernels=True)
+    with captured_logits(llm) as logits:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    return [o.outputs[0].token_ids[0] for o in outs], torch.cat(logits)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_gguf_round_trip(tiny_models, tmp_path, kind):
+    """Our writer's deepseek2 file holds llama.cpp's tensors; F32 loads to the safetensors model's logits
+    (the k_b / v_b halves joined back exactly), Q8_0 stays within the error its rounding makes."""
+    import gguf
+    from conftest import prompts_of
+
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    _, path = tiny_models[kind]
+    prompts = prompts_of([3, 17, 40])
+    tokens, want = _logits(path, prompts)
+    f32 = write_gguf(path, tmp_path / "f32.gguf", "F32").path
+    names = {t.name for t in gguf.GGUFReader(f32).tensors}
+    layer = lambda i: {n.split(".", 2)[2] for n in names if n.startswith(f"blk.{i}.")}  # noqa: E731
+    assert layer(0) == DENSE_LAYER | QUERY[kind]
+    assert layer(1) == MOE_LAYER | QUERY[kind] | ({"exp_probs_b.bias"} if kind == "deepseek_v3" else set())
+    got_tokens, got = _logits(f32, prompts)
+    assert got_tokens == tokens and torch.allclose(got, want, atol=1e-5, rtol=0)
+    q8_tokens, q8 = _logits(write_gguf(path, tmp_path / "q8.gguf", "Q8_0").path, prompts)
+    assert float((q8 - want).abs().max()) < 0.05 * float(want.abs().max())
