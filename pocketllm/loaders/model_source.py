@@ -41,6 +41,10 @@ class ModelSource:
         # a checkpoint quantized by a Hugging Face method (MXFP4, AWQ, GPTQ, ...) is checked as GGUF
         # types are: against what the runtime declares, before any weight is read
         method = (config.raw.get("quantization_config") or {}).get("quant_method")
+        if method == "fp8":
+            from pocketllm.quant.fp8 import Fp8Blocks
+
+            Fp8Blocks.of(config.raw)  # (a form it does not read: refused now)
         return cls(path, dummy, config, {str(method).upper()} if method else set())
 
     def tokenizer(self, tokenizer_path: str | None = None):
@@ -101,7 +105,10 @@ class ModelSource:
                 model.load_weights(self.gguf.iter_weights(dtype, device))
             else:
                 from pocketllm.loaders.safetensors_loader import iter_safetensors
-                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype))
+                from pocketllm.quant.fp8 import Fp8Blocks
+
+                fp8 = Fp8Blocks.of(self.config.raw)  # (block-scaled FP8: dequantized at load, on every platform)
+                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype, fp8))
         model.eval()
         if self.is_gguf:
             self.gguf.release()

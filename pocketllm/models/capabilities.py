@@ -14,11 +14,16 @@ GGUF_TYPES = frozenset({
 })
 
 
+# Hugging Face checkpoint quantizations every runtime loads: block-scaled FP8 (pocketllm.quant.fp8),
+# dequantized at load on every platform for now (no FP8 kernels yet).
+CHECKPOINT_QUANTS = frozenset({"FP8"})
+
+
 @dataclass(frozen=True)
 class RuntimeCapabilities:
     attention_kinds: frozenset[str] = frozenset({"full"})  # full | sliding_window
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
-    quantizations: frozenset[str] = GGUF_TYPES
+    quantizations: frozenset[str] = GGUF_TYPES | CHECKPOINT_QUANTS
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     rope_scaling: frozenset[str] = frozenset({"default", "linear", "llama3", "freq_factors", "yarn"})
     prefix_caching: bool = True
@@ -68,11 +73,11 @@ class PlatformCapabilities:
 
 
 PLATFORMS = {
-    "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"}), GGUF_TYPES,
+    "cpu": PlatformCapabilities("cpu", frozenset({"float32", "bfloat16"}), GGUF_TYPES | CHECKPOINT_QUANTS,
                                 GGUF_TYPES - {"F32", "F16", "BF16"}, frozenset({"auto", "int8"}),
                                 False),
     # Every GGUF type loads on CUDA, and every quantized one stays in its GGUF encoding there.
-    "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"}), GGUF_TYPES,
+    "cuda": PlatformCapabilities("cuda", frozenset({"float32", "bfloat16", "float16"}), GGUF_TYPES | CHECKPOINT_QUANTS,
                                  CUDA_KERNEL_TYPES, frozenset(KV_CACHE_DTYPES), True),
 }
 

@@ -1,0 +1,96 @@
+"""Block-scaled FP8 checkpoints (DeepSeek-V3's and Qwen3's FP8 releases): our quantizer writes transformers'
+bytes and scales, our dequantization is transformers' to the bit, and an FP8 checkpoint our `quantize` wrote
+runs as transformers runs it (its FP8 loader, dequantizing) on the CPU; other fp8 forms are refused."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+import transformers
+from conftest import prompts_of
+from reference import hf_greedy, hf_last_logits
+from safetensors import safe_open
+from transformers.integrations.finegrained_fp8 import Fp8Quantize, _dequantize_fp8_weight
+
+from pocketllm import LLM, SamplingParams
+from pocketllm.errors import UnsupportedFeatureError
+from pocketllm.quant.fp8 import FP8, Fp8Blocks, write_checkpoint
+
+BLOCKS = Fp8Blocks(128, 128)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (384, 128)])
+def test_quantize_writes_transformers_bytes(shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * 0.05
+    w[:128, :128] = 0  # a zero tile keeps scale 1
+    ref = Fp8Quantize(types.SimpleNamespace(quantization_config=transformers.FineGrainedFP8Config()))
+    want = ref._quantize_one("x.weight", w)
+    values, scales = BLOCKS.quantize(w)
+    assert values.dtype == FP8 and torch.equal(values.view(torch.uint8), want["x.weight"].view(torch.uint8))
+    assert torch.equal(scales, want["x.weight_scale_inv"])
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (576, 64)])  # tiles cut at the edges too
+def test_dequantize_is_transformers_to_the_bit(shape):
+    torch.manual_seed(1)
+    values = (torch.randn(shape) * 100).clamp(-448, 448).to(FP8)
+    scales = torch.rand(BLOCKS.scale_shape(*shape)) * 1e-3
+    want = _dequantize_fp8_weight(values, scales, [128, 128], torch.float32)
+    assert torch.equal(BLOCKS.dequantize(values, scales, torch.float32), want)
+    # bfloat16: that float32 weight rounded once (transformers rounds the scale to bfloat16 first)
+    assert torch.equal(BLOCKS.dequantize(values, scales, torch.bfloat16), want.to(torch.bfloat16))
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def fp8_model(request, tiny_models, tmp_path_factory):
+    """A tiny model's FP8 copy (its projections in tiles of 128: one tile, cut, per matrix) and transformers'
+    model of it, read by transformers' FP8 loader."""
+    _, path = tiny_models[request.param]
+    out = write_checkpoint(path, tmp_path_factory.mktemp("fp8") / request.param)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.FineGrainedFP8Config(dequantize=True), dtype=torch.float32).eval()
+    return out, ref
+
+
+def test_the_checkpoint_holds_fp8_projections(fp8_model):
+    out, _ = fp8_model
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {name: f.get_tensor(name).dtype for name in f.keys()}  # noqa: SIM118
+    fp8 = {n for n, d in dtypes.items() if d == FP8}
+    assert fp8 and all(n.endswith("_proj.weight") and n + "_scale_inv" in dtypes for n in fp8)
+    assert not any(n.startswith(("model.embed_tokens", "lm_head")) or "norm" in n or n.endswith("mlp.gate.weight")
+                   for n in fp8)
+
+
+def test_fp8_checkpoint_runs_as_transformers_runs_it(fp8_model):
+    out, ref = fp8_model
+    prompts = prompts_of([3, 17, 40])
+    llm = LLM(str(out), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=48, exact_kernels=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 16) for p in prompts]
+    for p, o in zip(prompts, outs):  # the first token's top 5
+        want = torch.log_softmax(hf_last_logits(ref, p), -1)
+        for token, lp in o.outputs[0].logprobs[0].items():
+            assert abs(lp.logprob - float(want[token])) < 1e-4
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "scaled per tensor"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "static activation"),
+    ({"quant_method": "awq", "bits": 4}, "quantization type 'AWQ'"),
+])
+def test_other_quantized_checkpoints_are_refused_before_loading(tiny_models, tmp_path, config, says):
+    import shutil
+
+    _, path = tiny_models["qwen3_moe"]
+    copy = shutil.copytree(path, tmp_path / "q")
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))
+    with pytest.raises(UnsupportedFeatureError, match=says):
+        LLM(str(copy), device="cpu", dtype="float32", max_model_len=128)
