@@ -12,8 +12,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import ollama
-import openai
 import pytest
 import torch
 import torch.nn.functional as F
@@ -273,6 +271,8 @@ TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.", "
 
 
 def test_openai_embeddings_create(embed_server):
+    import openai  # (here: the GPU's suites run this file without the clients)
+
     url, llm, model = embed_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     tok = llm.get_tokenizer()
@@ -313,6 +313,8 @@ def test_bad_embedding_requests_are_openai_400s(embed_server, body, match):
 
 
 def test_ollama_embed(embed_server):
+    import ollama
+
     url, llm, model = embed_server
     client = ollama.Client(host=url, timeout=60)
     tok = llm.get_tokenizer()
