@@ -109,3 +109,31 @@ def test_gguf_round_trip(tiny_models, tmp_path, kind):
     assert got_tokens == tokens and torch.allclose(got, want, atol=1e-5, rtol=0)
     q8_tokens, q8 = _logits(write_gguf(path, tmp_path / "q8.gguf", "Q8_0").path, prompts)
     assert float((q8 - want).abs().max()) < 0.05 * float(want.abs().max())
+
+
+def test_a_checkpoint_with_its_next_token_layer_loads(tiny_models, tmp_path):
+    """DeepSeek-V3's published checkpoints hold the next-token-prediction layer after the decoder layers (layer
+    61 of 61); plain decoding leaves it unread and computes what the checkpoint without it computes."""
+    import json
+    import shutil
+
+    from conftest import prompts_of
+    from safetensors.torch import load_file, save_file
+
+    from pocketllm import SamplingParams
+
+    _, path = tiny_models["deepseek_v3"]
+    copy = shutil.copytree(path, tmp_path / "v3-mtp")
+    weights = load_file(copy / "model.safetensors")
+    last = json.loads((copy / "config.json").read_text())["num_hidden_layers"]
+    extra = {k.replace(f"layers.{last - 1}.", f"layers.{last}."): v.clone() for k, v in weights.items()
+             if k.startswith(f"model.layers.{last - 1}.")}
+    h = weights["model.norm.weight"].shape[0]
+    extra.update({f"model.layers.{last}.{n}.weight": torch.ones(h) for n in ("enorm", "hnorm", "shared_head.norm")})
+    extra[f"model.layers.{last}.eh_proj.weight"] = torch.zeros(h, 2 * h)
+    save_file({**weights, **extra}, copy / "model.safetensors", metadata={"format": "pt"})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([5, 30])]
+    runs = [LLM(str(p), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16).generate(prompts, params)
+            for p in (path, copy)]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]

@@ -191,7 +191,13 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights) -> None:
         # (a GGUF's exp_probs_b.bias reads as e_score_correction.bias)
         super().load_weights((re.sub(r"\.gate\.e_score_correction[._]bias$", ".score_correction.weight", name), t)
-                             for name, t in weights)
+                             for name, t in weights if not self._next_token_layer(name))
+
+    def _next_token_layer(self, name: str) -> bool:
+        """Whether a checkpoint tensor is V3's next-token-prediction layer's (layers past the last decoder layer,
+        `num_nextn_predict_layers` of them), which plain decoding does not read."""
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return m is not None and int(m.group(1)) >= self.cfg.num_layers
 
     def _decoder(self):
         return None  # (the CPU fast path's one-call decoder is Llama's attention)
