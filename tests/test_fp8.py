@@ -16,7 +16,8 @@ from transformers.integrations.finegrained_fp8 import Fp8Quantize, _dequantize_f
 
 from pocketllm import LLM, SamplingParams
 from pocketllm.errors import UnsupportedFeatureError
-from pocketllm.quant.fp8 import FP8, Fp8Blocks, write_checkpoint
+from pocketllm.loaders.fp8_writer import write_checkpoint
+from pocketllm.quant.fp8 import FP8, Fp8Blocks
 
 BLOCKS = Fp8Blocks(128, 128)
 

@@ -29,9 +29,12 @@ def rss(field):
         if line.startswith(field):
             return int(line.split()[1]) * 1024
 import torch
-from pocketllm import LLM
+from pocketllm import LLM, SamplingParams
 base = rss("VmRSS")
 llm = LLM(sys.argv[1], kv_cache_memory=64 << 20, max_model_len=256)
+# one token through every weight first: a kernel that reclaims idle clean pages (DAMON) may have dropped
+# pages of weights read in place from the file; a step brings them back, as serving would
+llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1))
 print(rss("VmRSS") - base, rss("VmHWM") - base)
 """
 

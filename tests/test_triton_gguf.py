@@ -298,10 +298,10 @@ def test_refuses_what_it_does_not_cover():
 # ---- the layers: GGUFLinear's "triton" path, fused shards, the engine ---------------------------
 
 def test_capabilities_declare_the_kernel_types():
-    from pocketllm.models.capabilities import CUDA_KERNEL_TYPES, GGUF_TYPES, PLATFORMS
+    from pocketllm.models.capabilities import CHECKPOINT_QUANTS, CUDA_KERNEL_TYPES, GGUF_TYPES, PLATFORMS
 
     assert {t.name for t in kg.TRITON_GGUF_TYPES} == CUDA_KERNEL_TYPES == PLATFORMS["cuda"].kept_quantized
-    assert PLATFORMS["cuda"].quantizations == GGUF_TYPES  # the rest load dequantized
+    assert PLATFORMS["cuda"].quantizations == GGUF_TYPES | CHECKPOINT_QUANTS  # the rest load dequantized
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.IQ4_NL], ids=lambda t: t.name)

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     if args.qtype.upper() == "FP8":  # a Hugging Face directory again, its projections block-scaled FP8
-        from pocketllm.quant.fp8 import write_checkpoint
+        from pocketllm.loaders.fp8_writer import write_checkpoint
 
         print(f"wrote {write_checkpoint(args.src, args.out, progress=progress)} (block-scaled FP8 safetensors)")
         return 0

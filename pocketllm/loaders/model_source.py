@@ -107,7 +107,8 @@ class ModelSource:
                 from pocketllm.loaders.safetensors_loader import iter_safetensors
                 from pocketllm.quant.fp8 import Fp8Blocks
 
-                fp8 = Fp8Blocks.of(self.config.raw)  # (block-scaled FP8: dequantized at load, on every platform)
+                method = (self.config.raw.get("quantization_config") or {}).get("quant_method")
+                fp8 = Fp8Blocks.of(self.config.raw) if method == "fp8" else None  # (dequantized at load)
                 model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype, fp8))
         model.eval()
         if self.is_gguf:
