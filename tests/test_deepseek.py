@@ -137,3 +137,33 @@ def test_a_checkpoint_with_its_next_token_layer_loads(tiny_models, tmp_path):
     runs = [LLM(str(p), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16).generate(prompts, params)
             for p in (path, copy)]
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+
+
+@pytest.mark.parametrize("which", ["v3", "v2"])
+def test_a_deepseek2_gguf_continues_as_llama_cpp_does(tmp_path, which):
+    """llama.cpp's greedy continuations of seeded deepseek2 files (tests/data/deepseek2_llamacpp.json): the
+    format as llama.cpp reads it (tensor names and layouts, the MLA and routing keys, YaRN's log multiplier)
+    gives PocketLLM the tokens llama.cpp generates. The files' byte-level stand-in vocabulary: ids below 256
+    are their byte, 256 two spaces, the rest unused tokens that llama-simple prints as nothing."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import gguf
+    from deepseek2_file import NEW_TOKENS, PROMPTS, write_deepseek2
+
+    from pocketllm import SamplingParams
+
+    record = json.loads((Path(__file__).parent / "data" / "deepseek2_llamacpp.json").read_text())["files"][which]
+    path = write_deepseek2(tmp_path / f"{which}.gguf", which)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == record["sha256"], \
+        "not the file llama.cpp ran: run benchmarks/tools/record_deepseek2.sh again"
+    tokens = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].contents()
+    assert tokens[256] == "\u0120\u0120" and all(t.startswith("[PAD") for t in tokens[257:])
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16, exact_kernels=True)
+    tok = llm.get_tokenizer()
+    for prompt in PROMPTS:
+        out = llm.generate([{"prompt_token_ids": tok.encode(prompt)}],
+                           SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0].outputs[0]
+        printed = b"".join(bytes([i]) if i < 256 else b"  " if i == 256 else b"" for i in out.token_ids)
+        assert printed.hex() == record["continuations"][prompt], (prompt, out.token_ids)
