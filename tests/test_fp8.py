@@ -95,3 +95,16 @@ def test_other_quantized_checkpoints_are_refused_before_loading(tiny_models, tmp
     (copy / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))
     with pytest.raises(UnsupportedFeatureError, match=says):
         LLM(str(copy), device="cpu", dtype="float32", max_model_len=128)
+
+
+def test_quantize_command_writes_an_fp8_checkpoint(tiny_models, tmp_path, capsys):
+    from pocketllm.cli.main import main
+
+    _, path = tiny_models["qwen3_moe"]
+    assert main(["quantize", str(path), str(tmp_path / "fp8"), "--type", "FP8", "-q"]) == 0
+    assert "block-scaled FP8" in capsys.readouterr().out
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert Fp8Blocks.of(config) == BLOCKS
+    out = LLM(str(tmp_path / "fp8"), device="cpu", dtype="float32", max_model_len=64).generate(
+        [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
