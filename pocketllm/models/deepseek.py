@@ -121,6 +121,9 @@ class ScoreCorrection(torch.nn.Module):
 
 
 class DeepseekMoE(SparseMoE):
+    """Routed experts (SparseMoE's paths: grouped, sorted, fused, in host memory) routed as V2 or V3 route
+    (`sigmoid`), plus the shared experts every token goes through."""
+
     def __init__(self, cfg: ModelConfig, sigmoid: bool, dtype, device):
         raw = cfg.raw
         super().__init__(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
