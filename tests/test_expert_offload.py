@@ -28,7 +28,7 @@ def _run(path, offload, prompts):
               cpu_offload_experts=offload)
     with captured_logits(llm) as logits:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+                            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     return llm, [o.outputs[0].token_ids for o in outs], torch.cat(logits)
 
 
