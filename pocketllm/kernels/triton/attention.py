@@ -245,7 +245,7 @@ def tile_config(head_dim: int, kv_block: int, decode: bool, quant: bool) -> dict
     """Keys per loop step and the launch's warps and pipeline stages (benchmarks/tools/attention_tiles.py
     sweeps them). An 8-bit cache takes tiles of 128 keys in two stages at head_dim <= 128: the values' conversion,
     not the bytes, bounds it, and the default tile ran its decode 1.5x and its prefill 1.7x slower
-    (results/h100-attention-tiles.json); 16-bit caches are at the memory's rate already."""
+    (benchmarks/results/h100-kv-offload.md); 16-bit caches are at the memory's rate already."""
     if quant and head_dim <= 128:
         return {"TILE_N": max(kv_block, 128), "num_warps": 4, "num_stages": 2}
     return {"TILE_N": max(kv_block, 32 if head_dim > 64 else 64), "num_warps": 4, "num_stages": 3}
