@@ -241,7 +241,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     return DECODE_SPLITS if num_seqs * num_kv_heads <= num_sms(device) else 1
 
 
-def tile_config(head_dim: int, kv_block: int, decode: bool, quant: bool) -> dict:
+def tile_config(head_dim: int, kv_block: int, quant: bool) -> dict:
     """Keys per loop step and the launch's warps and pipeline stages (benchmarks/tools/attention_tiles.py
     sweeps them). An 8-bit cache takes tiles of 128 keys in two stages at head_dim <= 128: the values' conversion,
     not the bytes, bounds it, and the default tile ran its decode 1.5x and its prefill 1.7x slower
@@ -284,7 +284,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 \
         else max(64, triton.next_power_of_2(group))
     block_q = block_m // group
-    tiles = tile_config(d, kv_block, max_query_len == 1, k_scale is not None)
+    tiles = tile_config(d, kv_block, k_scale is not None)
     tile_n = tiles["TILE_N"]
     assert tile_n % kv_block == 0
     if num_splits is None:
