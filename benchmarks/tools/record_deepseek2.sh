@@ -7,13 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DIR=${LLAMACPP_DIR:-/tmp/lcb/llama.cpp}
-if [ ! -x "$DIR/build/bin/llama-simple" ]; then
-    mkdir -p "$(dirname "$DIR")"
-    [ -d "$DIR" ] || tar -xzf ../shared/peers/llamacpp-src.tgz -C "$(dirname "$DIR")"
-    cmake -S "$DIR" -B "$DIR/build" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
-        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON > /dev/null
-    cmake --build "$DIR/build" -j"$(nproc)" --target llama-simple > /dev/null
-fi
+bash benchmarks/tools/build_llamacpp_cpu.sh "$DIR" llama-simple
 work=$(mktemp -d)
 python3 - "$work" "$DIR" <<'PY'
 import hashlib, json, subprocess, sys
