@@ -167,3 +167,25 @@ def test_a_deepseek2_gguf_continues_as_llama_cpp_does(tmp_path, which):
                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0].outputs[0]
         printed = b"".join(bytes([i]) if i < 256 else b"  " if i == 256 else b"" for i in out.token_ids)
         assert printed.hex() == record["continuations"][prompt], (prompt, out.token_ids)
+
+
+def test_an_older_gguf_with_one_kv_b_tensor_loads(tiny_models, tmp_path, monkeypatch):
+    """Files from llama.cpp's converter before it split kv_b_proj hold it whole (attn_kv_b, here Q8_0): the
+    loader dequantizes it, and the model computes within that rounding of the safetensors one."""
+    from conftest import prompts_of
+
+    from pocketllm.loaders import gguf_writer
+
+    def whole(path, hf, hp):
+        layer = hf.split(".")[2]
+        shape = (hp["num_attention_heads"] * (hp["qk_nope_head_dim"] + hp["v_head_dim"]), hp["kv_lora_rank"])
+        return [gguf_writer._Tensor(f"blk.{layer}.attn_kv_b.weight", shape, lambda: gguf_writer._read_tensor(path, hf))]
+
+    monkeypatch.setattr(gguf_writer, "_kv_b_halves", whole)
+    _, path = tiny_models["deepseek_v3"]
+    prompts = prompts_of([3, 17, 40])
+    _, want = _logits(path, prompts)
+    old = gguf_writer.write_gguf(path, tmp_path / "old.gguf", "Q8_0", pure=True)
+    assert old.tensor_types["blk.0.attn_kv_b.weight"].name == "Q8_0"
+    _, got = _logits(old.path, prompts)
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())

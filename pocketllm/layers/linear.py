@@ -148,15 +148,6 @@ class Linear(torch.nn.Module):
         self.int8_rows = max(p.int8_rows for p in getattr(self.quantized, "parts", [self.quantized]))
         self.weight = None
 
-    def dense_weight(self) -> torch.Tensor:
-        """The weight [out, in] in the layer's dtype; a GGUF one multiplied out of its kernels (by the
-        identity: one-hot rows, exact on every path)."""
-        if self.quantized is None:
-            return self.weight.data
-        assert self.bias is None, "the identity's product would carry the bias"
-        eye = torch.eye(self.in_features, dtype=self.dtype, device=self.device)
-        return self.quantized(eye).to(self.dtype).t().contiguous()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             y = self.quantized(x).to(x.dtype)  # CPU paths compute in float32, CUDA ones in x's dtype

@@ -16,7 +16,7 @@ from pocketllm.quant.fp8 import SCALE_SUFFIX, Fp8Blocks
 
 # Which tensors an FP8 checkpoint holds in FP8: the layers' projections (attention, MLP, experts), as DeepSeek and
 # Qwen publish them; embeddings, the output layer, norms and routers stay in the source's dtype.
-_QUANTIZED = re.compile(r"\.layers\.\d+\..*(_proj|\.w[123]|\.experts\.\d+\.\w+)\.weight$")
+_QUANTIZED = re.compile(r"\.layers\.\d+\..*(_proj|\.w[123])\.weight$")
 SHARD_BYTES = 4 << 30
 
 

@@ -78,7 +78,8 @@ _ENCODERS = ("bert", "nomic-bert")
 
 # DeepSeek-V2/V3: multi-head latent attention's projections, the router's score correction and the shared
 # experts. llama.cpp writes kv_b_proj split in two for its absorbed attention: attn_k_b (each head's W_UK,
-# transposed) and attn_v_b, which the loader joins back into kv_b_proj.
+# transposed) and attn_v_b, which the loader joins back into kv_b_proj (older files: attn_kv_b), dense: the
+# runtime reads its weight as W_UK and W_UV, not through the layer.
 _DEEPSEEK_LAYER_NAMES = {**_LAYER_NAMES,
                          "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
                          "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
@@ -313,6 +314,10 @@ class GGUFModelFile:
             shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
             data = np.asarray(t.data)
             stem = t.name.rsplit(".", 2)[-2]
+            if stem == "attn_kv_b" and self.arch == "deepseek2":  # (an older file's, whole: dense, as the halves)
+                yield name, torch.from_numpy(dequantize(data, t.tensor_type).reshape(shape)).to(dtype=dtype,
+                                                                                               device=device)
+                continue
             if stem in _KV_B_HALVES and self.arch == "deepseek2":
                 got = halves.setdefault(name, {})
                 got[stem] = dequantize(data, t.tensor_type).reshape(shape)

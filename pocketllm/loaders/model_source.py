@@ -20,6 +20,7 @@ class ModelSource:
     config: ModelConfig
     quant_types: set[str] = field(default_factory=set)
     gguf: object = None  # the open GGUFModelFile, for a .gguf file
+    fp8: object = None  # a block-scaled FP8 checkpoint's Fp8Blocks (dequantized at load)
 
     @property
     def is_gguf(self) -> bool:
@@ -41,11 +42,12 @@ class ModelSource:
         # a checkpoint quantized by a Hugging Face method (MXFP4, AWQ, GPTQ, ...) is checked as GGUF
         # types are: against what the runtime declares, before any weight is read
         method = (config.raw.get("quantization_config") or {}).get("quant_method")
-        if method == "fp8":
+        fp8 = None
+        if method == "fp8":  # (a form it does not read: refused now)
             from pocketllm.quant.fp8 import Fp8Blocks
 
-            Fp8Blocks.of(config.raw)  # (a form it does not read: refused now)
-        return cls(path, dummy, config, {str(method).upper()} if method else set())
+            fp8 = Fp8Blocks.of(config.raw)
+        return cls(path, dummy, config, {str(method).upper()} if method else set(), fp8=fp8)
 
     def tokenizer(self, tokenizer_path: str | None = None):
         """The tokenizer of `tokenizer_path`, else the model's own; None for weights alone (or a
@@ -105,11 +107,7 @@ class ModelSource:
                 model.load_weights(self.gguf.iter_weights(dtype, device))
             else:
                 from pocketllm.loaders.safetensors_loader import iter_safetensors
-                from pocketllm.quant.fp8 import Fp8Blocks
-
-                method = (self.config.raw.get("quantization_config") or {}).get("quant_method")
-                fp8 = Fp8Blocks.of(self.config.raw) if method == "fp8" else None  # (dequantized at load)
-                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype, fp8))
+                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype, self.fp8))
         model.eval()
         if self.is_gguf:
             self.gguf.release()

@@ -29,30 +29,20 @@ def iter_safetensors(model_dir: str | Path, dtype: torch.dtype,
                      fp8: Fp8Blocks | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in `dtype`; with `fp8` (a block-scaled FP8 checkpoint) each float8 weight dequantized
     with its `weight_scale_inv` (wherever that is stored), which is not yielded itself."""
-    files = safetensors_files(model_dir)
-    handles = {}
-    try:
-        for path in files:
-            handles[path] = f = safe_open(str(path), framework="pt")
-            for name in f.keys():
-                if fp8 is not None and name.endswith(SCALE_SUFFIX):
-                    continue
-                t = f.get_tensor(name)
-                if t.dtype == FP8:
-                    if fp8 is None:
-                        raise ConfigurationError(f"{name} is float8 but config.json has no fp8 quantization_config")
-                    yield name, fp8.dequantize(t, _scale_of(name, files, handles), dtype)
-                else:  # uint8 tensors are packed codes (MXFP4 blocks and exponents), not numbers to convert
-                    yield name, t if t.dtype == torch.uint8 else t.to(dtype)
-    finally:
-        handles.clear()
-
-
-def _scale_of(name: str, files: list[Path], handles: dict) -> torch.Tensor:
-    """`name`'s block scales, from whichever file holds them."""
-    key = name + SCALE_SUFFIX
-    for path in files:
-        f = handles.get(path) or handles.setdefault(path, safe_open(str(path), framework="pt"))
-        if key in f.keys():
-            return f.get_tensor(key)
-    raise ConfigurationError(f"the fp8 weight {name} has no {key} in the checkpoint")
+    handles = {path: safe_open(str(path), framework="pt") for path in safetensors_files(model_dir)}
+    # each scale's file, for weights whose scales are in another shard
+    scales = {} if fp8 is None else {name: f for f in handles.values() for name in f.keys()
+                                     if name.endswith(SCALE_SUFFIX)}
+    for f in handles.values():
+        for name in f.keys():
+            if name in scales:
+                continue
+            t = f.get_tensor(name)
+            if t.dtype != FP8:  # uint8 tensors are packed codes (MXFP4 blocks and exponents), not numbers to convert
+                yield name, t if t.dtype == torch.uint8 else t.to(dtype)
+                continue
+            if fp8 is None:
+                raise ConfigurationError(f"{name} is float8 but config.json has no fp8 quantization_config")
+            if name + SCALE_SUFFIX not in scales:
+                raise ConfigurationError(f"the fp8 weight {name} has no {name + SCALE_SUFFIX} in the checkpoint")
+            yield name, fp8.dequantize(t, scales[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX), dtype)

@@ -90,8 +90,9 @@ class LatentAttention(torch.nn.Module):
         self.kernels = kernels_for(device)
 
     def finish_loading(self) -> None:
-        # views of the weight (a GGUF one multiplied out once): no second copy
-        w = self.kv_b_proj.dense_weight().view(self.num_heads, self.nope + self.v_dim, self.rank)
+        # views of the weight, no second copy (every loader gives kv_b_proj dense: GGUF's is dequantized at load)
+        assert self.kv_b_proj.quantized is None, "kv_b_proj is read as W_UK and W_UV: dense"
+        w = self.kv_b_proj.weight.data.view(self.num_heads, self.nope + self.v_dim, self.rank)
         self.w_uk, self.w_uv = w[:, :self.nope], w[:, self.nope:]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -69,7 +69,7 @@ class Fp8Blocks:
         pad[..., :rows, :cols] = w
         tiles = pad.unflatten(-1, (sc, self.cols)).unflatten(-3, (sr, self.rows))  # [..., sr, br, sc, bc]
         amax = tiles.abs().amax(dim=(-3, -1))
-        factor = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, 1.0), 1.0)
+        factor = FP8_MAX / torch.where(amax > 0, amax, FP8_MAX)  # (an all-zero tile: 1)
         values = (tiles * factor[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return values.flatten(-2).flatten(-3, -2)[..., :rows, :cols].contiguous(), 1.0 / factor
 
