@@ -133,16 +133,15 @@ class Linear(torch.nn.Module):
             # Rows of a GGUF matrix are independent blocks: same-type parts fuse exactly.
             self.quantized = GGUFLinear.from_gguf([p.data.reshape(p.shape[0], -1) for p in parts],
                                                   parts[0].qtype, sum(self.out_sizes), self.in_features,
-                                                  bias, self.kernels.dequantize_at_load, device=self.device,
-                                                  dtype=self.dtype, int8_activations=self.int8_activations,
-                                                  kernels=self.kernels)
+                                                  bias, device=self.device, dtype=self.dtype,
+                                                  int8_activations=self.int8_activations, kernels=self.kernels)
         else:  # e.g. Q4_K_M's Q4_K q/k with a Q6_K v: one layer per part
             subs, lo = [], 0
             for p, size in zip(parts, self.out_sizes):
                 b = None if bias is None else bias[lo:lo + size]
-                subs.append(GGUFLinear.from_gguf(p.data, p.qtype, size, self.in_features, b,
-                                                 self.kernels.dequantize_at_load, device=self.device, dtype=self.dtype,
-                                                 int8_activations=self.int8_activations, kernels=self.kernels))
+                subs.append(GGUFLinear.from_gguf(p.data, p.qtype, size, self.in_features, b, device=self.device,
+                                                 dtype=self.dtype, int8_activations=self.int8_activations,
+                                                 kernels=self.kernels))
                 lo += size
             self.quantized = ConcatLinear(subs)
         self.int8_rows = max(p.int8_rows for p in getattr(self.quantized, "parts", [self.quantized]))
@@ -218,8 +217,7 @@ class Embedding(torch.nn.Module):
             from pocketllm.quant.linear import GGUFLinear
 
             lin = GGUFLinear.from_gguf(tensor.data, tensor.qtype, self.num_embeddings, self.dim,
-                                       dequantize_at_load=self.kernels.dequantize_at_load, device=self.device,
-                                       dtype=self.dtype, kernels=self.kernels)
+                                       device=self.device, dtype=self.dtype, kernels=self.kernels)
             if lin.path == "triton":
                 self.rows_from, self.weight = lin, None
             else:

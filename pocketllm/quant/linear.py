@@ -218,7 +218,7 @@ class GGUFLinear(torch.nn.Module):
         out_features: int,
         in_features: int,
         bias: torch.Tensor | None = None,
-        dequantize_at_load: bool = False,
+        dequantize_at_load: bool | None = None,
         path: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
@@ -236,6 +236,7 @@ class GGUFLinear(torch.nn.Module):
         ``dtype``: what the dense and triton paths hold off the CPU (the model's dtype); the CPU
         paths compute in float32. ``kernels``: the owning layer's configuration (a GPU model's
         experts in host memory run the CPU's); by default the one of the model being built.
+        ``dequantize_at_load``: by default the kernels' setting.
         """
         qtype = check_supported(qtype)
         if path not in _PATHS:
@@ -244,6 +245,7 @@ class GGUFLinear(torch.nn.Module):
         device = torch.device("cpu" if device is None else device)
         on_cpu = device.type == "cpu"
         kernels = kernels_for(device) if kernels is None else kernels
+        dequantize_at_load = kernels.dequantize_at_load if dequantize_at_load is None else dequantize_at_load
         if path == "auto" and kernels.gpu and not dequantize_at_load:
             from pocketllm.kernels.triton.gguf import TRITON_GGUF_TYPES
 
