@@ -35,7 +35,7 @@ import sys
 import threading
 
 from pocketllm.errors import PocketLLMError, RequestError
-from pocketllm.structured.spec import kind_of
+from pocketllm.structured.spec import cache_key, kind_of
 
 log = logging.getLogger("pocketllm")
 
@@ -107,14 +107,32 @@ class GrammarWorkers:
         self._starting: asyncio.Lock | None = None
         self._helper: subprocess.Popen | None = None
         self._control: socket.socket | None = None
+        # cache key -> [the compilation, how many requests wait for it]: a burst of one schema
+        # (the clients of one application) compiles it once.
+        self._compiling: dict[tuple[str, str], list] = {}
 
     async def compile(self, spec: dict, time_limit: float):
         """The compiled grammar of a normalized `structured_outputs`, compiled within `time_limit`
-        seconds (GrammarTimeoutError past it; RequestError if it is invalid). Cancelling the call
-        stops the compilation."""
+        seconds (GrammarTimeoutError past it; RequestError if it is invalid). Requests for one grammar
+        share its compilation; it stops when every one of them is cancelled."""
         compiled = self.structured.cached(spec)
         if compiled is not None:
             return compiled
+        key = cache_key(spec)
+        shared = self._compiling.get(key)
+        if shared is None:
+            task = asyncio.ensure_future(self._compile(spec, time_limit))
+            shared = self._compiling[key] = [task, 0]
+            task.add_done_callback(lambda _: self._compiling.pop(key, None))
+        shared[1] += 1
+        try:
+            return await asyncio.shield(shared[0])
+        finally:
+            shared[1] -= 1
+            if shared[1] == 0:
+                shared[0].cancel()  # nobody waits for it any more (a no-op once it is done)
+
+    async def _compile(self, spec: dict, time_limit: float):
         if self._slots is None:
             self._slots, self._starting = asyncio.Semaphore(self.max_parallel), asyncio.Lock()
         try:
@@ -124,13 +142,11 @@ class GrammarWorkers:
                                    f"{self.max_parallel} compiler processes came free within {time_limit:g} s. "
                                    "Please retry shortly.") from None
         try:
-            compiled = self.structured.cached(spec)  # an earlier request may have compiled it meanwhile
-            text = None if compiled is not None else await self._compile_in_child(spec, time_limit)
+            text = await self._compile_in_child(spec, time_limit)
         finally:
             self._slots.release()
-        if compiled is None:
-            compiled = await asyncio.to_thread(self.structured.deserialize, text)  # (xgrammar releases the GIL)
-            self.structured.remember(spec, compiled)
+        compiled = await asyncio.to_thread(self.structured.deserialize, text)  # (xgrammar releases the GIL)
+        self.structured.remember(spec, compiled)
         return compiled
 
     async def _compile_in_child(self, spec: dict, time_limit: float) -> str:
