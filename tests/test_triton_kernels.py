@@ -110,6 +110,19 @@ def test_split_key_decode_matches_reference(splits):
     assert kattn.decode_splits(1, 8, torch.device("cpu")) == 16 and kattn.decode_splits(64, 8, torch.device("cpu")) == 1
 
 
+@pytest.mark.parametrize("rows_spec,splits", [([(1, 9), (4, 21)], None), ([(1, 9), (1, 20)], 2)])
+def test_a_wide_latent_head_serves_its_query_heads_in_tiles(rows_spec, splits):
+    """MLA (DeepSeek): one 576-wide head a token, read as keys and as values by 64 query heads, which the
+    kernel takes in tiles of WIDE_GROUP heads (V3's 128 do not fit one program on sm_90)."""
+    q, kc, _, rows, tables, lens, qsl = make_step(rows_spec, 64, 1, 576, seed=5)
+    ref = reference_attention(q, kc, kc, rows, 0.05)
+    kc = kc.to(DEV)
+    out = kattn.paged_attention(q.to(DEV), kc, kc, tables.to(DEV), lens.to(DEV), qsl.to(DEV),
+                                max(r[0] for r in rows), 0.05, num_splits=splits)
+    assert 64 // kattn.WIDE_GROUP > 1
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=1e-4)
+
+
 def test_a_decode_rows_bits_do_not_depend_on_its_step_size():
     """A decode row's keys are split by its own length, not by how many rows its step has: alone or
     as one of five (a request's last token and its drafts, say), it computes the same bits."""

@@ -241,11 +241,20 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     return DECODE_SPLITS if num_seqs * num_kv_heads <= num_sms(device) else 1
 
 
-def tile_config(head_dim: int, kv_block: int, quant: bool) -> dict:
+# Query heads a program takes of a head wider than 256 (MLA's 576-wide latent, BLOCK_D 1024): more do
+# not fit sm_90's registers and shared memory (tests/test_triton_gguf.py compiles the tiles), so a
+# latent head that serves more (DeepSeek-V3's 128) is read by several programs, each a tile of heads.
+WIDE_GROUP = 32
+
+
+def tile_config(head_dim: int, kv_block: int, quant: bool, rows: int = 16) -> dict:
     """Keys per loop step and the launch's warps and pipeline stages (benchmarks/tools/attention_tiles.py
-    sweeps them). An 8-bit cache takes tiles of 128 keys in two stages at head_dim <= 128: the values' conversion,
-    not the bytes, bounds it, and the default tile ran its decode 1.5x and its prefill 1.7x slower
-    (benchmarks/results/h100-kv-offload.md); 16-bit caches are at the memory's rate already."""
+    sweeps them) for tiles of `rows` query rows. An 8-bit cache takes tiles of 128 keys in two stages at
+    head_dim <= 128: the values' conversion, not the bytes, bounds it, and the default tile ran its decode
+    1.5x and its prefill 1.7x slower (benchmarks/results/h100-kv-offload.md); 16-bit caches are at the
+    memory's rate already. Heads wider than 256 take 16 keys a step, the most sm_90 holds at 1,024 columns."""
+    if head_dim > 256:
+        return {"TILE_N": max(kv_block, 16), "num_warps": 8, "num_stages": 2 if rows <= 16 else 1}
     if quant and head_dim <= 128:
         return {"TILE_N": max(kv_block, 128), "num_warps": 4, "num_stages": 2}
     return {"TILE_N": max(kv_block, 32 if head_dim > 64 else 64), "num_warps": 4, "num_stages": 3}
@@ -276,15 +285,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     t, hq, d = q.shape
     _, kv_block, hkv, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and hq % hkv == 0
+    if d > 256 and hq // hkv > WIDE_GROUP:  # tiles of WIDE_GROUP heads, each reading the wide head (stride 0)
+        assert hkv == 1 and hq % WIDE_GROUP == 0 and k_scale is None, (hq, hkv)
+        hkv = hq // WIDE_GROUP
+        k_cache, v_cache = (c.expand(-1, -1, hkv, -1) for c in (k_cache, v_cache))
     group = hq // hkv
     num_seqs = block_tables.shape[0]
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     # A decode tile holds one token's heads; prefill tiles take 64 rows (several tokens).
     block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 \
-        else max(64, triton.next_power_of_2(group))
+        else max(64 if d <= 256 else 32, triton.next_power_of_2(group))
     block_q = block_m // group
-    tiles = tile_config(d, kv_block, k_scale is not None)
+    tiles = tile_config(d, kv_block, k_scale is not None, block_m)
     tile_n = tiles["TILE_N"]
     assert tile_n % kv_block == 0
     if num_splits is None:
