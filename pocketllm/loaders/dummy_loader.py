@@ -35,3 +35,6 @@ def dummy_weights(model: CausalLM, dtype: torch.dtype, device, seed: int = 0,
         elif isinstance(m, RMSNorm):
             # Gemma-style norms scale by 1 + w: w = 0 is the identity scale there.
             yield f"{path}.weight", torch.full_like(m.weight, 0.0 if m.offset else 1.0)
+        elif hasattr(m, "load") and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.dim() == 1:
+            # per-expert or per-head vectors (V3's score correction, gpt-oss's sinks): zeros change nothing
+            yield f"{path}.weight", torch.zeros(m.weight.shape, dtype=m.weight.dtype, device=device)
