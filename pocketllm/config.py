@@ -162,6 +162,8 @@ class SpeculativeConfig:
       earlier in its prompt and output, and copying what followed them.
     - "draft_model" (given by `model`): a smaller model of the same vocabulary (a lower-bit GGUF
       of the target itself, say) proposes its greedy continuation.
+    - "mtp": the checkpoint's own next-token-prediction layer (DeepSeek-V3's) proposes from the
+      model's hidden states; `num_speculative_tokens` defaults to 1 (a longer chain reuses the layer).
 
     `row_invariant` (CUDA, off by default): a row computes the same bits at any number of rows in its
     step, so that drafts are verified with the bits plain decoding computes however many rows the
@@ -177,7 +179,8 @@ class SpeculativeConfig:
     row_invariant: bool = False
 
     KEYS = {"ngram": {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "row_invariant"},
-            "draft_model": {"num_speculative_tokens", "model", "row_invariant"}}
+            "draft_model": {"num_speculative_tokens", "model", "row_invariant"},
+            "mtp": {"num_speculative_tokens", "row_invariant"}}
 
     @classmethod
     def parse(cls, raw: str | dict) -> SpeculativeConfig:
@@ -198,7 +201,7 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigurationError(f"{where}: unknown keys {unknown} for method {method!r}; "
                                      f"valid ones are {sorted(cls.KEYS[method])}")
-        k = raw.get("num_speculative_tokens")
+        k = raw.get("num_speculative_tokens", 1 if method == "mtp" else None)
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         # vLLM's rule: one bound given sets both; neither gives 5.
         lo, hi = (lo if lo is not None else hi if hi is not None else 5), (hi if hi is not None else lo or 5)

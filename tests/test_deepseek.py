@@ -189,3 +189,124 @@ def test_an_older_gguf_with_one_kv_b_tensor_loads(tiny_models, tmp_path, monkeyp
     assert old.tensor_types["blk.0.attn_kv_b.weight"].name == "Q8_0"
     _, got = _logits(old.path, prompts)
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
+
+
+# -- the next-token-prediction layer as a draft (speculative method "mtp") --------------------------
+MTP_LAYER = ("enorm", "hnorm", "shared_head.norm")
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """A tiny V3 checkpoint with its next-token-prediction layer (random), and transformers' modules over
+    the same weights: a four-layer V3 whose last decoder layer is the checkpoint's layer 3, saved with
+    num_hidden_layers 3 (transformers' V3 runs only that many) and the layer's own tensors added."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from tiny_models import make_model
+
+    model, path = make_model("deepseek_v3", tmp_path_factory.mktemp("mtp"), num_hidden_layers=4)
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=3, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config))
+    model.config.num_hidden_layers = 3
+    weights = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(11)
+    h = config["hidden_size"]
+    layer = {f"{n}.weight": 1 + 0.1 * torch.randn(h, generator=g) for n in MTP_LAYER}
+    layer["eh_proj.weight"] = 0.08 * torch.randn(h, 2 * h, generator=g)
+    copies = {"embed_tokens.weight": weights["model.embed_tokens.weight"].clone(), "shared_head.head.weight":
+              weights["lm_head.weight"].clone()}  # (what DeepSeek's checkpoints hold: the model's own, not read)
+    save_file({**weights, **{f"model.layers.3.{n}": t for n, t in {**layer, **copies}.items()}},
+              path / "model.safetensors", metadata={"format": "pt"})
+    return model, path, layer
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_mtp_drafts(model, layer, tokens: list[int], k: int) -> list[int]:
+    """k chained drafts after `tokens`, with transformers' decoder layer: at position i the layer reads
+    eh_proj([enorm(embed(token i + 1)) | hnorm(h_i)]), h_i the model's final hidden state, or past the
+    known tokens its own output at the position before; a draft is the argmax of the model's head
+    after shared_head.norm."""
+    from transformers.masking_utils import create_causal_mask
+
+    m = model.model
+    with torch.no_grad():
+        hidden = m(torch.tensor([tokens])).last_hidden_state[0]
+        inputs, prev, drafts = list(tokens[1:]), hidden[:-1], []
+        for _ in range(k):
+            x = torch.cat((_rms(m.embed_tokens(torch.tensor(inputs)), layer["enorm.weight"]),
+                           _rms(prev, layer["hnorm.weight"])), -1) @ layer["eh_proj.weight"].T
+            pos = torch.arange(len(inputs))[None]
+            mask = create_causal_mask(config=model.config, inputs_embeds=x[None], attention_mask=None, cache=None,
+                                      position_ids=pos)
+            out = m.layers[3](x[None], attention_mask=mask, position_ids=pos,
+                              position_embeddings=m.rotary_emb(x[None], pos))[0]
+            drafts.append(int(model.lm_head(_rms(out[-1], layer["shared_head.norm.weight"])).argmax()))
+            inputs.append(drafts[-1])
+            prev = torch.cat((prev, out[-1:]))
+    return drafts
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_mtp_drafts_are_the_next_token_layer_over_the_models_hidden_states(mtp_checkpoint, device):
+    """Every proposal (two drafts a step, chunked prompts of three lengths beside each other, then a prompt
+    that adopts another's cached blocks and the layer's KV in them, less the last matching block, whose
+    first token that KV read) is what transformers' modules compute over the same tokens, and the tokens
+    are the model's own greedy tokens."""
+    from conftest import prompts_of
+    from reference import hf_greedy
+
+    from pocketllm import SamplingParams
+
+    model, path, layer = mtp_checkpoint
+    llm = LLM(str(path), device=device, dtype="float32", max_model_len=96, num_kv_blocks=48, block_size=8,
+              max_num_batched_tokens=16, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    engine = llm.engine
+    engine.speculator.draft_length.limit = lambda req, cost: 2  # every step drafts two
+    proposer, proposed = engine.speculator.proposer, []
+    propose = proposer.propose_for
+
+    def recorded(wanted):
+        drafts = propose(wanted)
+        proposed.extend((list(req.all_token_ids), d) for (req, _), d in zip(wanted, drafts))
+        return drafts
+
+    proposer.propose_for = recorded
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = prompts_of([5, 30, 19])
+    later = prompts[1][:24] + [7, 8, 9]  # 3 of the 30-token prompt's blocks match; the last one is computed
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs += llm.generate({"prompt_token_ids": later}, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(model, p, 10) for p in prompts + [later]]
+    assert outs[-1].num_cached_tokens == 16
+    assert len(proposed) >= 20 and all(len(d) == 2 for _, d in proposed)
+    for tokens, drafts in proposed:
+        assert drafts == reference_mtp_drafts(model, layer, tokens, 2), tokens
+
+
+def test_mtp_is_refused_where_there_is_no_next_token_layer(tiny_models, tmp_path):
+    """V2 has none; a V3 checkpoint may declare none, or declare one and not hold it: refused before any
+    weight is read."""
+    import json
+    import shutil
+
+    from pocketllm.errors import ConfigurationError
+
+    spec = {"method": "mtp"}
+    with pytest.raises(UnsupportedFeatureError, match="mtp is for DeepSeek-V3"):
+        LLM(str(tiny_models["llama"][1]), device="cpu", speculative_config=spec)
+    with pytest.raises(UnsupportedFeatureError, match="mtp is for DeepSeek-V3"):
+        LLM(str(tiny_models["deepseek_v2"][1]), device="cpu", speculative_config=spec)
+    path = tiny_models["deepseek_v3"][1]
+    with pytest.raises(ConfigurationError, match=r"holds no tensor of its next-token-prediction layer \(model\.layers\.3"):
+        LLM(str(path), device="cpu", speculative_config=spec)  # (transformers' config says 1; the file has none)
+    none = shutil.copytree(path, tmp_path / "none")
+    config = json.loads((none / "config.json").read_text())
+    (none / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(UnsupportedFeatureError, match="num_nextn_predict_layers is 0"):
+        LLM(str(none), device="cpu", speculative_config=spec)

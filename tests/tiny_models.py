@@ -64,10 +64,10 @@ CONFIGS = {
 }
 
 
-def make_model(kind: str, root: Path):
+def make_model(kind: str, root: Path, **overrides):
     import transformers
 
-    spec = dict(CONFIGS[kind])
+    spec = {**CONFIGS[kind], **overrides}
     arch = spec.pop("arch")
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config").replace("Gemma3", "Gemma3Text"))
     rope = spec.pop("rope_scaling", None)

@@ -40,9 +40,13 @@ class PrefixHit:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 hash_salt: bytes = b"", windows: Sequence[int | None] = (None,)):
+                 hash_salt: bytes = b"", windows: Sequence[int | None] = (None,), lookahead: bool = False):
+        """`lookahead`: some layers' KV at a position depends on the token after it too (a
+        next-token-prediction draft layer's): a hit leaves its last block to compute, the only
+        one whose last position's successor was not part of the match (vLLM drops it too)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.lookahead = lookahead
         self.pool = BlockPool(num_blocks)
         self.windows = tuple(windows)  # per KV group: None (full attention) or its window in tokens
         self.sliding = [g for g, w in enumerate(self.windows) if w is not None]
@@ -97,6 +101,8 @@ class KVCacheManager:
                 while i < n and lookup(hashes[i], g) is not None:
                     i += 1
                 n = i
+        if self.lookahead:
+            n = max(n - 1, 0)
         # A sliding group's hit at n says nothing about shorter ones, and a shorter one in one
         # group may shorten another's: go round until they agree.
         changed = bool(self.sliding)

@@ -159,6 +159,10 @@ class LLMEngine:
             from pocketllm.speculative.draft_model import DraftModel
 
             self.drafter = DraftModel(spec, self)
+        elif spec is not None and spec.method == "mtp":
+            from pocketllm.speculative.mtp import MTPProposer
+
+            self.drafter = MTPProposer(spec, self)
         # A block id holds its tokens' KV in every layer, a draft model's too (of this rank's KV heads).
         tp = args.tensor_parallel_size
         per_block = 0 if encoder else ModelRunner.kv_bytes_per_block(self.runtime.model_class.kv_shape(cfg),
@@ -168,7 +172,7 @@ class LLMEngine:
         # What loading will take, checked before a weight is read (this rank's share on CUDA; the
         # ranks share the host's memory on the CPU).
         self.planned_weight_bytes = self.worker.planned_weight_bytes() + (
-            self.drafter.worker.planned_weight_bytes() if self.drafter else 0)
+            self.drafter.planned_weight_bytes() if self.drafter else 0)
         share = self.planned_weight_bytes // tp if self.device.type == "cuda" else self.planned_weight_bytes
         self.kv_plan.plan_steps(cfg, 4 if self.device.type == "cpu" else torch.finfo(self.dtype).bits // 8,
                                 graphs=not args.enforce_eager and self.runtime.capabilities.cuda_graphs)
@@ -197,7 +201,8 @@ class LLMEngine:
         salt = "|".join(map(str, (cfg.architecture, self.dtype_name, cfg.num_layers, cfg.num_kv_heads,
                                   cfg.head_dim, self.block_size, path.resolve(), sorted(quant_types))))
         self.kv = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching,
-                                 hashlib.sha256(salt.encode()).digest(), self.kv_layout.windows)
+                                 hashlib.sha256(salt.encode()).digest(), self.kv_layout.windows,
+                                 lookahead=self.drafter is not None and self.drafter.kv_lookahead)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -502,7 +507,7 @@ class LLMEngine:
 
         touched = self.scheduler.update_from_output(sched, sampled, on_token)
         if self.speculator is not None:
-            self.speculator.step_done(sched, result.sampled, self.scheduler.has_work())
+            self.speculator.step_done(sched, result.sampled, self.scheduler.has_work(), result.hidden)
         now = time.monotonic()
         for req in touched:
             if req.first_token_time is None:

@@ -107,7 +107,8 @@ class ModelSource:
                 model.load_weights(self.gguf.iter_weights(dtype, device))
             else:
                 from pocketllm.loaders.safetensors_loader import iter_safetensors
-                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype, self.fp8))
+                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype, self.fp8,
+                                                                                  model.reads_tensor))
         model.eval()
         if self.is_gguf:
             self.gguf.release()

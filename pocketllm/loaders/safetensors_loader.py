@@ -3,7 +3,7 @@ Files are memory-mapped; each tensor is read once, straight into its module."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,17 +25,27 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str | Path, dtype: torch.dtype,
-                     fp8: Fp8Blocks | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in `dtype`; with `fp8` (a block-scaled FP8 checkpoint) each float8 weight dequantized
-    with its `weight_scale_inv` (wherever that is stored), which is not yielded itself."""
+def tensor_names(model_dir: str | Path) -> set[str]:
+    """Every tensor's name, from the files' headers (no tensor is read)."""
+    names: set[str] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def iter_safetensors(model_dir: str | Path, dtype: torch.dtype, fp8: Fp8Blocks | None = None,
+                     keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in `dtype` (those whose names `keep` accepts; the others are not read); with `fp8` (a
+    block-scaled FP8 checkpoint) each float8 weight dequantized with its `weight_scale_inv` (wherever that
+    is stored), which is not yielded itself."""
     handles = {path: safe_open(str(path), framework="pt") for path in safetensors_files(model_dir)}
     # each scale's file, for weights whose scales are in another shard
     scales = {} if fp8 is None else {name: f for f in handles.values() for name in f.keys()
                                      if name.endswith(SCALE_SUFFIX)}
     for f in handles.values():
         for name in f.keys():
-            if name in scales:
+            if name in scales or (keep is not None and not keep(name)):
                 continue
             t = f.get_tensor(name)
             if t.dtype != FP8:  # uint8 tensors are packed codes (MXFP4 blocks and exponents), not numbers to convert

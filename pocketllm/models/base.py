@@ -68,6 +68,10 @@ class CausalLM(torch.nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
 
+    def reads_tensor(self, name: str) -> bool:
+        """Whether loading reads a checkpoint tensor (by its name, before reading it)."""
+        return True
+
     def attention_layers(self) -> list[torch.nn.Module]:
         """Each layer's attention, in layer order: what the KV cache binds to."""
         return [layer.self_attn for layer in self.model.layers]

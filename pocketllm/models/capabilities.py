@@ -46,6 +46,9 @@ class RuntimeCapabilities:
     # An encoder (BERT): bidirectional attention over each whole prompt, computed in one step and pooled
     # (task embed only); it keeps no KV cache, so prefix caching and chunked prefill do not apply.
     encoder: bool = False
+    # Speculative method "mtp": the checkpoint's next-token-prediction layers draft (DeepSeek-V3's;
+    # the runtime's `draft_module` builds the first of them over the loaded model).
+    next_token_drafts: bool = False
 
 
 SLIDING_WINDOW_KV = frozenset({"full", "window"})  # the KV layouts the engine builds

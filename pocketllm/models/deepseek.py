@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import torch
 
@@ -38,8 +39,9 @@ from pocketllm.layers.linear import Linear
 from pocketllm.layers.moe import GROUPED_MAX_TOKENS, SparseMoE
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
+from pocketllm.models.base import CausalLM
 from pocketllm.models.capabilities import RuntimeCapabilities
-from pocketllm.models.llama import MLP, LlamaForCausalLM
+from pocketllm.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -196,17 +198,84 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights) -> None:
         # (a GGUF's exp_probs_b.bias reads as e_score_correction.bias)
         super().load_weights((re.sub(r"\.gate\.e_score_correction[._]bias$", ".score_correction.weight", name), t)
-                             for name, t in weights if not self._next_token_layer(name))
+                             for name, t in weights if self.reads_tensor(name))
 
-    def _next_token_layer(self, name: str) -> bool:
-        """Whether a checkpoint tensor is V3's next-token-prediction layer's (layers past the last decoder layer,
-        `num_nextn_predict_layers` of them), which plain decoding does not read."""
+    def reads_tensor(self, name: str) -> bool:
+        """Not V3's next-token-prediction layers (past the last decoder layer, `num_nextn_predict_layers` of
+        them): DeepseekMTP reads the first when it drafts."""
         m = re.match(r"model\.layers\.(\d+)\.", name)
-        return m is not None and int(m.group(1)) >= self.cfg.num_layers
+        return m is None or int(m.group(1)) < self.cfg.num_layers
 
     def _decoder(self):
         return None  # (the CPU fast path's one-call decoder is Llama's attention)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    capabilities = replace(DeepseekV2ForCausalLM.capabilities, next_token_drafts=True)
     sigmoid_routing = True
+
+    def draft_module(self, **kwargs) -> DeepseekMTP:
+        """The first next-token-prediction layer over this model (built empty: its weights load next)."""
+        return DeepseekMTP(self.cfg, self, **kwargs)
+
+
+class DeepseekMTP(CausalLM):
+    """DeepSeek-V3's next-token-prediction (MTP) layer, drafting for its model (speculative method "mtp").
+
+    At position i it reads the model's final hidden state h_i (`previous_hidden`, a row per input row)
+    and the embedding of token i + 1, each RMS-normed and joined by `eh_proj` ([embedding | hidden], as
+    vLLM and SGLang order them), runs one decoder layer (latent attention over a one-layer cache on the
+    model's block ids, MoE), and predicts token i + 2 through the model's output head after its own
+    norm. The embedding and the head are the model's (DeepSeek shares them; the checkpoint's copies are
+    not read). `forward` returns the layer's output before that norm: it stands in for h at the next
+    position when drafts are chained."""
+
+    capabilities = DeepseekV2ForCausalLM.capabilities
+    packed_modules = DeepseekV2ForCausalLM.packed_modules
+    has_lm_head = False
+    kv_shape = DeepseekV2ForCausalLM.kv_shape
+
+    def __init__(self, cfg: ModelConfig, target: DeepseekV2ForCausalLM, dtype=torch.float32, device="cpu",
+                 max_model_len: int = 2048):
+        super().__init__(cfg)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(h, eps, dtype=dtype, device=device)
+        self.hnorm = RMSNorm(h, eps, dtype=dtype, device=device)
+        self.eh_proj = Linear(2 * h, [h], False, dtype, device)
+        self.layer = DecoderLayer(cfg, LatentAttention(cfg, target.rotary, dtype, device),
+                                  target.make_mlp(cfg, cfg.num_layers, dtype, device), dtype, device)
+        self.shared_head_norm = RMSNorm(h, eps, dtype=dtype, device=device)
+        self._target = (target,)  # (not a submodule: its weights are the model's)
+        self.previous_hidden: torch.Tensor | None = None  # [T, H], set before each forward
+
+    def forward(self, input_ids, positions, meta):
+        target, h = self._target[0], self.previous_hidden
+        assert h is not None and h.shape[0] == input_ids.shape[0], "a previous hidden state for each row"
+        x = torch.cat((self.enorm(target.model.embed_tokens(input_ids)), self.hnorm(h.to(self.eh_proj.dtype))), -1)
+        x, residual = self.layer(positions, self.eh_proj(x), None, meta)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._target[0].compute_logits(self.shared_head_norm(hidden))
+
+    def attention_layers(self) -> list[torch.nn.Module]:
+        return [self.layer.self_attn]
+
+    def reads_tensor(self, name: str) -> bool:
+        """Whether loading reads a checkpoint tensor: the first next-token layer's, but its copies of the
+        model's embedding and head."""
+        prefix = f"model.layers.{self.cfg.num_layers}."
+        return name.startswith(prefix) and not name[len(prefix):].startswith(("embed_tokens.", "shared_head.head."))
+
+    def load_weights(self, weights) -> None:
+        prefix = f"model.layers.{self.cfg.num_layers}."
+
+        def ours(name: str) -> str:
+            name = name[len(prefix):].replace("shared_head.norm.", "shared_head_norm.")
+            if not name.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head_norm.")):
+                name = "layer." + name
+            return re.sub(r"\.gate\.e_score_correction[._]bias$", ".score_correction.weight", name)
+
+        # (random weights come under our own names)
+        super().load_weights((ours(n), t) if n.startswith(prefix) else (n, t) for n, t in weights
+                             if self.reads_tensor(n) or not n.startswith("model."))

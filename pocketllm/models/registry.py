@@ -87,6 +87,14 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
         raise UnsupportedFeatureError(f"{where} does not support prefix caching; "
                                       "pass enable_prefix_caching=False")
     check_tensor_parallel(cfg, args.tensor_parallel_size, quant_types, caps, where)
+    if args.speculative is not None and args.speculative.method == "mtp":
+        if not caps.next_token_drafts:
+            raise UnsupportedFeatureError(f"{where} has no next-token-prediction layer: speculative method mtp is "
+                                          "for DeepSeek-V3 checkpoints (DeepseekV3ForCausalLM)")
+        if not cfg.raw.get("num_nextn_predict_layers"):
+            raise UnsupportedFeatureError("this checkpoint has no next-token-prediction layer "
+                                          "(num_nextn_predict_layers is 0): speculative method mtp needs one; "
+                                          "methods ngram and draft_model need none")
     if caps.max_batch_size is not None and args.max_num_seqs > caps.max_batch_size:
         raise UnsupportedFeatureError(
             f"{where} supports at most {caps.max_batch_size} sequences per batch; "

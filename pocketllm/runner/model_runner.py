@@ -35,6 +35,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> why it could not be sampled
     pooled: dict[str, list[float]] = field(default_factory=dict)  # request id -> its embedding (task embed)
+    hidden: torch.Tensor | None = None  # the final hidden state of every row of the step (`keep_hidden`)
     forward_time: float = 0.0  # seconds spent in the model and sampler (launch and wait)
     device_time: float | None = None  # the step's time on the GPU's clock, when the runner times steps
     prepare_time: float = 0.0  # seconds spent building inputs
@@ -53,6 +54,7 @@ class LaunchedStep:
     prompt_sample: DeviceSample | None = None  # their logprobs, a row per scored position
     events: tuple | None = None  # CUDA events around the step's work, when the runner times steps
     pooled: list[tuple] = field(default_factory=list)  # (request id, its embedding on its way to the host)
+    hidden: torch.Tensor | None = None  # every row's final hidden state, on the device (`keep_hidden`)
 
     def sample_row(self) -> dict[str, int]:
         """Where each request's (one) sampled token is: a step with drafts is never overlapped."""
@@ -80,7 +82,8 @@ class ModelRunner:
         self.device = device
         cfg = model.cfg
         self.tp = get_tp()
-        layout = kv_layout or KVLayout.of([None] * cfg.num_layers)
+        attention = model.attention_layers()  # (a drafting layer's model has one, whatever its config says)
+        layout = kv_layout or KVLayout.of([None] * len(attention))
         self.windows = layout.windows  # per KV group
         # this rank's heads; none for an encoder, which keeps no KV (its blocks only count its tokens)
         kv = type(model).kv_shape(cfg)
@@ -97,13 +100,15 @@ class ModelRunner:
         self.kv_scales = None if quant is None else [
             tuple(_zeros(shape[:3], torch.float32, device, reserve_kv) for _ in range(2))
             for _ in range(layout.layers_per_block)]
-        place = layout.placement(cfg.num_layers)
-        for attn, (g, _) in zip(model.attention_layers(), place):
+        place = layout.placement(len(attention))
+        for attn, (g, _) in zip(attention, place):
             w = attn.window
             assert self.windows[g] in (None, w), f"a layer of window {w} in a KV group of window {self.windows[g]}"
         model.bind_kv_cache([self.k_caches[t] for _, t in place], [self.v_caches[t] for _, t in place],
                             [g for g, _ in place], None if quant is None else [self.kv_scales[t] for _, t in place])
         self.sampler = Sampler(seed, device)
+        # each step's final hidden states (every row, in the step's row order) kept for a drafter that reads them
+        self.keep_hidden = False
         self.use_kernels = device.type == "cuda"
         # CUDA: time each step on the GPU's clock (benchmarks; the host's clock times the launch
         # under asynchronous scheduling). Reading a step's time waits for it, chunks without samples too.
@@ -345,6 +350,8 @@ class ModelRunner:
                 self.broadcast.send(step, score_rows, ids)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
+        # (a graph's output is overwritten by its next replay)
+        kept = None if not self.keep_hidden else hidden.clone() if graphed else hidden
         prompt_sample = self._score_prompts(hidden, step.prompt_scores, score_rows) if score_rows else None
         pooled = pool(hidden, step.pooling) if step.pooling else []
         sample = None
@@ -366,7 +373,7 @@ class ModelRunner:
         if sample is not None:
             sample.start_copy()
         return LaunchedStep(sample, tokens, step.sampling, t1 - t0, time.perf_counter() - t1,
-                            step.prompt_scores, prompt_sample, events, pooled)
+                            step.prompt_scores, prompt_sample, events, pooled, kept)
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -409,7 +416,7 @@ class ModelRunner:
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Waits for a launched step and returns its sampled tokens."""
         t0 = time.perf_counter()
-        result = RunnerOutput(prepare_time=launched.prepare_time)
+        result = RunnerOutput(prepare_time=launched.prepare_time, hidden=launched.hidden)
         if launched.sample is not None:
             failed = launched.sample.failed
             for i, (req, tok) in enumerate(zip(launched.sampling, launched.sample.to_host())):

@@ -27,6 +27,7 @@ _GREEDY = SamplingParams(temperature=0)
 
 
 class DraftModel:
+    kv_lookahead = False  # (its KV at a position reads the tokens up to it)
     DECODE_ROWS = 8  # most tokens a request catches up on in decode rows
 
     def __init__(self, spec, target):
@@ -77,6 +78,9 @@ class DraftModel:
         self.model = self.runner = self.kv = None
         self.reserve = 0
         self.shadows: dict[str, Request] = {}
+
+    def planned_weight_bytes(self) -> int:
+        return self.worker.planned_weight_bytes()
 
     def load(self) -> None:
         self.model = self.worker.load(self.target.max_model_len, seed=self.args.seed + 1)

@@ -35,9 +35,11 @@ class Speculator:
     MAX_DRAFT_PAUSE = 32
 
     def __init__(self, proposer, num_speculative_tokens: int, cpu: bool, overlapped: bool):
-        """`proposer.propose_for([(request, at most n)]) -> drafts per request`; `overlapped`: the
+        """`proposer.propose_for([(request, at most n)]) -> drafts per request`, and where it has one,
+        `proposer.observe(step, its hidden states, its tokens)` after every step; `overlapped`: the
         engine schedules each step while the one before runs (asynchronous scheduling)."""
         self.proposer = proposer
+        self._observe = getattr(proposer, "observe", None)
         # until steps are measured: a row's share of a decode step at batch 1 (docs/performance/speculative-decoding.md)
         self.draft_length = DraftLength(num_speculative_tokens, 0.3 if cpu else 0.05)
         self.stats = SpecDecodingStats(accepted_per_pos=[0] * num_speculative_tokens)
@@ -68,9 +70,11 @@ class Speculator:
             self._backoff = 0 if found else min(2 * self._backoff or 1, self.MAX_DRAFT_PAUSE)
             self._pause = self._backoff
 
-    def step_done(self, sched: SchedulerOutput, sampled: dict[str, list], more_work: bool) -> None:
+    def step_done(self, sched: SchedulerOutput, sampled: dict[str, list], more_work: bool, hidden=None) -> None:
         """The counters, each request's acceptance, and the step's cost per row, once a step's tokens
-        (`sampled`: request id -> its tokens) are back."""
+        (`sampled`: request id -> its tokens; `hidden`: its rows' final hidden states) are back."""
+        if self._observe is not None:
+            self._observe(sched, hidden, sampled)
         stats, emitted = self.stats, 0
         for sr in sched.scheduled:
             toks = sampled.get(sr.request.request_id)
