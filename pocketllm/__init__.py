@@ -14,6 +14,7 @@ if "torch" not in sys.modules and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os
 from pocketllm.config import EngineArgs  # noqa: E402
 from pocketllm.errors import ConfigurationError, RequestError, UnsupportedFeatureError  # noqa: E402
 from pocketllm.logging_config import configure_logging  # noqa: E402
+from pocketllm.lora_request import LoRARequest  # noqa: E402
 from pocketllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pocketllm.pooling_params import PoolingParams  # noqa: E402
 from pocketllm.sampling_params import SamplingParams  # noqa: E402
@@ -40,5 +41,5 @@ def get_tokenizer(path, chat_template: str | None = None):
     return _get(path, chat_template=chat_template)
 
 
-__all__ = ["LLM", "SamplingParams", "PoolingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "LoRARequest", "EngineArgs", "RequestOutput", "CompletionOutput",
            "ConfigurationError", "UnsupportedFeatureError", "RequestError", "get_tokenizer"]

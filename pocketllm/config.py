@@ -69,6 +69,14 @@ class EngineArgs:
     # ranks of one engine, each holding a shard of every layer (vLLM's name); on CUDA one GPU each,
     # on the CPU processes sharing the cores (gloo)
     tensor_parallel_size: int = 1
+    # LoRA adapters, vLLM's names: slots for `max_loras` adapters at once (of rank <= `max_lora_rank`) on the
+    # projections adapters may target; `lora_modules` ["name=path", ...] (PEFT directories) loaded at start;
+    # `max_cpu_loras` adapters kept read in host memory (None: max_loras). A request names its adapter.
+    enable_lora: bool = False
+    lora_modules: list[str] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +89,12 @@ class EngineArgs:
         if self.max_prefill_tokens_with_decodes is None:
             self.max_prefill_tokens_with_decodes = 64 if cpu else self.max_num_batched_tokens
         self.validate()
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """`lora_modules` as name -> path."""
+        items = self.lora_modules or []
+        return dict(item.split("=", 1) if "=" in item else ("", item) for item in items)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -127,6 +141,15 @@ class EngineArgs:
             need(os.path.exists(self.model) or HubName.parse(self.model) is not None,
                  f"model path {self.model!r} does not exist; give a Hugging Face model directory, a .gguf file "
                  "or a name on the hub (org/name[@revision][:QUANT])")
+        need(self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora")
+        need(not self.enable_lora or self.tensor_parallel_size == 1, "LoRA adapters run with tensor_parallel_size 1")
+        need(isinstance(self.max_loras, int) and self.max_loras >= 1, f"max_loras must be >= 1; got {self.max_loras!r}")
+        need(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
+             f"max_lora_rank must be >= 1; got {self.max_lora_rank!r}")
+        need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        for name, path in self.lora_paths.items():
+            need(bool(name) and os.path.isdir(path), f"lora_modules: {name}={path}: give name=path, a PEFT adapter directory")
         spec = self.speculative  # parsed here so that a bad one fails before loading
         need(spec is None or spec.model is None or self.tensor_parallel_size == 1,
              "speculative_config: a draft model runs with tensor_parallel_size 1 only (n-gram speculation works with any)")

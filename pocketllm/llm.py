@@ -8,6 +8,7 @@ from tqdm import tqdm
 from pocketllm.config import EngineArgs
 from pocketllm.engine.llm_engine import LLMEngine
 from pocketllm.errors import RequestFailedError
+from pocketllm.lora_request import LoRARequest
 from pocketllm.outputs import RequestOutput
 from pocketllm.pooling_params import PoolingParams
 from pocketllm.sampling_params import SamplingParams
@@ -26,8 +27,10 @@ class LLM:
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
-        return self._run(prompts, sampling_params, SamplingParams, use_tqdm)
+                 use_tqdm: bool | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
+        return self._run(prompts, sampling_params, SamplingParams, use_tqdm, lora_request)
 
     def embed(self, prompts: str | dict | Sequence[str | dict],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -35,18 +38,22 @@ class LLM:
         """Each prompt's embedding (RequestOutput.embedding), for a model of task embed."""
         return self._run(prompts, pooling_params, PoolingParams, use_tqdm)
 
-    def _run(self, prompts, params, kind, use_tqdm: bool | None) -> list[RequestOutput]:
+    def _run(self, prompts, params, kind, use_tqdm: bool | None, lora=None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if params is None or isinstance(params, kind):
             params = [params or kind()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} {kind.__name__}")
+        if lora is None or isinstance(lora, LoRARequest):
+            lora = [lora] * len(prompts)
+        if len(lora) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(lora)} LoRA requests")
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+            for prompt, p, adapter in zip(prompts, params, lora):
+                ids.append(engine.add_request(None, prompt, p, lora_request=adapter))
         except BaseException:  # one bad prompt: queue none of the batch
             for rid in ids:
                 engine.abort_request(rid)

@@ -52,6 +52,12 @@ _HELP = {
     "speculative_config": "speculative decoding, as JSON (vLLM's speculative_config): "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
                           "proposes the tokens that followed the last n tokens' earlier occurrence (default: off)",
+    "enable_lora": "LoRA adapters: slots on the attention and MLP projections for --max-loras adapters at once; "
+                   "a request names its adapter as its model (default: off)",
+    "lora_modules": "LoRA adapters loaded at start: name=path ... (PEFT directories; needs --enable-lora)",
+    "max_loras": "LoRA adapters run in one step (default: 1)",
+    "max_lora_rank": "the largest LoRA rank an adapter may have (default: 16)",
+    "max_cpu_loras": "LoRA adapters kept read in host memory, least recently used first out (default: --max-loras)",
     "tensor_parallel_size": "ranks holding a shard of every layer each: on CUDA one GPU a rank (NCCL), on the CPU "
                             "processes sharing the cores (gloo) (default: 1)",
 }
@@ -79,7 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
-        if base[0] is bool:
+        if typing.get_origin(base[0]) is list:
+            group.add_argument(flag, nargs="+", default=f.default, metavar="NAME=PATH", help=_help(f))
+        elif base[0] is bool:
             group.add_argument(flag, type=_bool, nargs="?", const=True, default=f.default,
                                metavar="BOOL", help=_help(f))
             if f.default is not False:

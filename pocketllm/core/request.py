@@ -60,6 +60,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_prompt_scored = 0  # prompt positions whose logprobs are recorded (params.prompt_logprobs)
         self.status = RequestStatus.WAITING
+        # A LoRA adapter: its name, the identity of its load (its blocks are its own in the prefix cache),
+        # and the slot of the layers' adapter stacks it runs in while it runs (-1: none)
+        self.lora_name: str | None = None
+        self.lora_id = 0
+        self.lora_slot = -1
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0  # tokens whose KV is computed or being computed by a launched step
         self.num_pending = 0  # tokens sampled by launched steps that have not been appended yet

@@ -82,10 +82,14 @@ class KVCacheManager:
 
     def _root(self, req: Request) -> bytes:
         """The hash a request's chain starts from: a request with a cache_salt hits only blocks
-        computed under the same salt (so that `cached_tokens` tells nothing of other users' prompts)."""
+        computed under the same salt (so that `cached_tokens` tells nothing of other users' prompts),
+        one with a LoRA adapter only blocks computed under the same load of it."""
+        root = self.root_hash
+        if req.lora_id:
+            root = hashlib.sha256(root + b"lora:%d" % req.lora_id).digest()
         if req.cache_salt is None:
-            return self.root_hash
-        return hashlib.sha256(self.root_hash + b"salt:" + req.cache_salt.encode("utf-8", "surrogatepass")).digest()
+            return root
+        return hashlib.sha256(root + b"salt:" + req.cache_salt.encode("utf-8", "surrogatepass")).digest()
 
     def find_cached_blocks(self, req: Request) -> PrefixHit | None:
         """The longest prefix of cached full blocks every group can resume from. The last token

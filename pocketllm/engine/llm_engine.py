@@ -25,6 +25,7 @@ from pocketllm.engine.scheduler import Scheduler, SchedulerConfig
 from pocketllm.errors import ConfigurationError, EngineDeadError, RequestError
 from pocketllm.hub import HubName
 from pocketllm.loaders.model_source import ModelSource
+from pocketllm.lora_request import LoRARequest
 from pocketllm.outputs import RequestOutput
 from pocketllm.pooling_params import PoolingParams
 from pocketllm.runner.memory import weight_bytes
@@ -208,7 +209,8 @@ class LLMEngine:
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=self.max_model_len,
                             enable_chunked_prefill=args.enable_chunked_prefill,
-                            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes), self.kv)
+                            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes), self.kv,
+            lora=self.lora)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
@@ -263,6 +265,13 @@ class LLMEngine:
             self.weight_bytes += self.drafter.weight_bytes()
         if self.ranks is not None:
             self.ranks.wait_loaded()
+        self.lora = None
+        if args.enable_lora:  # (its slots take memory before the KV cache is sized)
+            from pocketllm.engine.lora_manager import LoRAManager
+
+            self.lora = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
+            for name, path in args.lora_paths.items():
+                self.lora.load(name, path)
         self.load_time = time.perf_counter() - t0
 
         if num_blocks is None:
@@ -274,9 +283,12 @@ class LLMEngine:
 
             log.info("speculative decoding: %d projections on the row-invariant GEMM", use_row_invariant_gemms(model))
         # each sequence's drafts are decode rows of their own: the graphs hold them all
+        # (LoRA steps run eagerly: the rows of each adapter change from step to step)
         self.runner = self.worker.build_runner(
             num_blocks, self.block_size, self.max_model_len,
-            max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
+            max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
+            enforce_eager=args.enforce_eager or args.enable_lora)
+        self.runner.lora = self.lora
         return model, num_blocks
 
     def on_ranks_lost(self, callback) -> None:
@@ -295,7 +307,7 @@ class LLMEngine:
         """Frees the weights and the KV cache for good (a multi-model server unloading this model): whatever
         still holds the engine holds none of its memory. The engine serves nothing after."""
         self.shutdown()
-        self.runner = self.worker = self.drafter = self.speculator = self._inflight = None
+        self.runner = self.worker = self.drafter = self.speculator = self._inflight = self.lora = None
         self.kv = self.scheduler = self.source = None
 
     def _describe_weights(self, model: torch.nn.Module, quant_types: set[str]) -> str:
@@ -354,12 +366,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | dict | list[int],
                     params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
-                    grammar=None) -> str:
+                    grammar=None, lora_request: LoRARequest | str | None = None) -> str:
         """Queue a request; `prompt` is a text, token ids, or a dict of "prompt" and/or
         "prompt_token_ids" and an optional "cache_salt" (vLLM's: prefix-cache blocks are shared only
         between requests of the same salt). Its n choices share its prompt and parameters. With
         PoolingParams (task embed) its prompt is pooled into one vector (RequestOutput.embedding).
-        `grammar`: its `structured_outputs` compiled already (the server's), else compiled here."""
+        `grammar`: its `structured_outputs` compiled already (the server's), else compiled here.
+        `lora_request`: its LoRA adapter, by name (a LoRARequest with a path loads one not loaded yet)."""
         params = params or (PoolingParams() if self.task == "embed" else SamplingParams())
         request_id = str(next(self._ids)) if request_id is None else request_id
         check_request_id(request_id)
@@ -376,6 +389,7 @@ class LLMEngine:
             pooling, params = params.resolved(self.default_pooling, cfg.normalize_embeddings, cfg.hidden_size), _POOLED
         text, ids = self.tokenize(prompt)
         self.validate_request(ids, params)
+        lora_name, lora_id = self._lora_of(lora_request)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and not (isinstance(salt, str) and salt):
             raise RequestError(f"cache_salt must be a non-empty string, got {salt!r}")
@@ -389,6 +403,7 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}{CHILD_MARK}{i}"
             req = Request(rid, ids, params, self.eos_token_ids, arrival_time, leader=leader, seed=seed,
                           cache_salt=salt, pooling=pooling)
+            req.lora_name, req.lora_id = lora_name, lora_id
             if grammar is not None:  # each sibling walks the grammar on its own
                 req.structured = self.structured.new_state(grammar)
             leader = leader or req
@@ -518,6 +533,17 @@ class LLMEngine:
         if propose and self.speculator is not None:
             self.speculator.propose(touched)
         return self._emit(parents)
+
+    def _lora_of(self, lora_request: LoRARequest | str | None) -> tuple[str | None, int]:
+        """(adapter name, the identity of its load) of a request, or (None, 0)."""
+        if lora_request is None:
+            return None, 0
+        if self.lora is None:
+            raise RequestError("this engine runs no LoRA adapters: start it with enable_lora (--enable-lora)")
+        name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
+        if not isinstance(lora_request, str) and lora_request.lora_path and name not in self.lora.names():
+            self.lora.load(name, lora_request.lora_path)
+        return name, self.lora.identity(name)
 
     def _emit(self, parents: dict[str, ParentState]) -> list[RequestOutput]:
         """The outputs of these requests; the finished ones leave the engine."""

@@ -41,9 +41,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, lora=None):
+        """`lora` (LoRA adapters, engine.lora_manager): `acquire(request)` gives an admitted request its
+        adapter's slot or says no (it waits), `release(request)` gives it back when it stops running."""
         self.config = config
         self.kv = kv
+        self.lora = lora
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}
@@ -73,6 +76,8 @@ class Scheduler:
         req.finished_time = time.monotonic()
         req.sampling_state = None  # its sampler tensors (penalty counts: a vocabulary's worth)
         self.kv.free(req)
+        if self.lora is not None:
+            self.lora.release(req)
 
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -154,7 +159,11 @@ class Scheduler:
                     break
                 num_new = room
             reserve = self.reserve_blocks if self.running else 0
+            if self.lora is not None and not self.lora.acquire(req):
+                break  # every adapter slot runs another adapter's requests
             if not self.kv.allocate_slots(req, num_new, hit, reserve=reserve):
+                if self.lora is not None:
+                    self.lora.release(req)
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # first admission: count prefix hits once
@@ -211,6 +220,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
+        if self.lora is not None:
+            self.lora.release(req)
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

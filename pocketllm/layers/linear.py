@@ -106,6 +106,7 @@ class Linear(torch.nn.Module):
         self.parallel = parallel
         # CUDA, dense weights: from this many rows the row-invariant GEMM (kernels/triton/invariant_gemm.py)
         self.invariant_rows: int | None = None
+        self.lora = None  # LoRA adapters' slots (pocketllm.layers.lora), on layers they may target
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         lo = sum(self.out_sizes[:shard])
@@ -157,6 +158,8 @@ class Linear(torch.nn.Module):
             y = invariant_linear(x2, self.weight, self.bias).reshape(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            y = self.lora.add(x, y)
         if self.reduce:
             return self.tp.all_reduce(y)
         return self.tp.all_gather(y) if self.gather else y

@@ -49,6 +49,8 @@ class RuntimeCapabilities:
     # Speculative method "mtp": the checkpoint's next-token-prediction layers draft (DeepSeek-V3's;
     # the runtime's `draft_module` builds the first of them over the loaded model).
     next_token_drafts: bool = False
+    # LoRA adapters on the decoder layers' attention and dense MLP projections (pocketllm.layers.lora)
+    lora: bool = True
 
 
 SLIDING_WINDOW_KV = frozenset({"full", "window"})  # the KV layouts the engine builds

@@ -177,6 +177,7 @@ class LlamaForCausalLM(CausalLM):
                                   gather=True)
         self.kernels = kernels_for(device)  # the CPU fast path: decode-only steps' layers in one C call
         self._cpu_decoder = None  # built at the first such step (the KV cache is bound by then)
+        self.fused_decode = True  # off: the layers' modules always run (LoRA adapters are added there)
 
     @classmethod
     def rotary_dim(cls, cfg: ModelConfig) -> int:
@@ -194,7 +195,8 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)
-        decoder = self._decoder() if self.kernels.cpu_fused and meta.decode_lens is not None else None
+        decoder = self._decoder() if self.kernels.cpu_fused and self.fused_decode and meta.decode_lens is not None \
+            else None
         if decoder is not None and meta.prefills:
             # A mixed step: its decode rows in the one call (the bits a decode-only step computes, and
             # 2-3x faster than the layers' masked attention over 64 rows), its chunks through the layers.

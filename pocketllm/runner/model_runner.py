@@ -109,6 +109,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         # each step's final hidden states (every row, in the step's row order) kept for a drafter that reads them
         self.keep_hidden = False
+        self.lora = None  # LoRA adapters (engine.lora_manager): each step's rows get their request's slot
         self.use_kernels = device.type == "cuda"
         # CUDA: time each step on the GPU's clock (benchmarks; the host's clock times the launch
         # under asynchronous scheduling). Reading a step's time waits for it, chunks without samples too.
@@ -321,6 +322,9 @@ class ModelRunner:
         `prev` is the step before, whose sampled tokens some decode rows take as input."""
         t0 = time.perf_counter()
         step = self.flatten(out, prev)
+        if self.lora is not None:  # (rows in the step's order: a request's rows together)
+            self.lora.set_rows([sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)],
+                               self.device)
         score_rows = [r0 + j for _, _, r0, ts in step.prompt_scores for j in range(len(ts))]  # hidden rows
         dev = self.device
         rows = step.logits_rows

@@ -236,11 +236,11 @@ class Messages(ChatCompletions):
             content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                             "input": _tool_input(call["function"]["arguments"])})
         reason, sequence = _stop(job, choice["finish_reason"])
-        return {"id": job.id, "type": "message", "role": "assistant", "model": self.cfg.model_name,
+        return {"id": job.id, "type": "message", "role": "assistant", "model": job.model,
                 "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(job)}
 
     def stream_writer(self, job: Job) -> MessagesStream:
-        return MessagesStream(job, self.cfg.model_name)
+        return MessagesStream(job, job.model)
 
 
 def _event(name: str, data: dict) -> str:

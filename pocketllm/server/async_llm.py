@@ -186,9 +186,10 @@ class AsyncLLM:
 
     # -- the event-loop side ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, grammar=None) -> RequestStream:
+                    arrival_time: float | None = None, grammar=None, lora: str | None = None) -> RequestStream:
         """Queue a request for the engine. Raises at once if it cannot be admitted. `grammar`: its
-        `structured_outputs` compiled already, so that the engine thread does not compile it."""
+        `structured_outputs` compiled already, so that the engine thread does not compile it. `lora`:
+        the name of its LoRA adapter."""
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         with self._cond:
             if not self.is_running:
@@ -202,7 +203,7 @@ class AsyncLLM:
             self._num_adding += params.n
             self._streams[request_id] = stream
             self._adds.append((stream, prompt, params, time.monotonic() if arrival_time is None else arrival_time,
-                               grammar))
+                               grammar, lora))
             self._cond.notify()
         return stream
 
@@ -358,11 +359,11 @@ class AsyncLLM:
 
     def _apply(self, adds, aborts) -> None:
         """On the engine thread, without the lock (only this thread touches the engine)."""
-        for stream, prompt, params, arrival, grammar in adds:
+        for stream, prompt, params, arrival, grammar, lora in adds:
             if stream.finished:
                 continue  # aborted before it reached the engine (its abort is in `aborts`: a no-op)
             try:
-                self.engine.add_request(stream.request_id, prompt, params, arrival, grammar=grammar)
+                self.engine.add_request(stream.request_id, prompt, params, arrival, grammar=grammar, lora_request=lora)
             except Exception as e:  # a bad request fails alone; the engine goes on
                 with self._cond:
                     self._streams.pop(stream.request_id, None)

@@ -233,7 +233,7 @@ class _Ollama:
     def reply(self, job: Job, choices: list[dict]) -> dict:
         c = choices[0]
         message = c.get("message") or {"content": c.get("text", "")}
-        return {"model": self.cfg.model_name, "created_at": _now(), **self._part(message.get("content") or "",
+        return {"model": job.model, "created_at": _now(), **self._part(message.get("content") or "",
                 message.get("reasoning_content"), _calls(message.get("tool_calls"))),
                 "done": True, "done_reason": _done_reason(c["finish_reason"]), **_counts(job)}
 
@@ -262,7 +262,7 @@ class OllamaStream:
         self.finish: str | None = None
 
     def _line(self, part: dict, done: bool = False, **extra) -> str:
-        return to_json({"model": self.endpoint.cfg.model_name, "created_at": _now(), **part, "done": done,
+        return to_json({"model": self.job.model, "created_at": _now(), **part, "done": done,
                         **extra}) + "\n"
 
     def start(self) -> list[str]:

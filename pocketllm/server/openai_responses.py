@@ -238,7 +238,7 @@ class Responses(ChatCompletions):
         return {"id": job.id, "object": "response", "created_at": job.created, "status": status,
                 "error": None, "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "model": self.cfg.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
+                "model": job.model, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
                 "previous_response_id": req.previous_response_id, "reasoning": req.reasoning,
                 "store": req.store, "temperature": req.temperature, "top_p": req.top_p,
                 "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)

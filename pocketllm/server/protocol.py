@@ -274,6 +274,16 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Strict):  # vLLM's /v1/load_lora_adapter
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Strict):  # vLLM's /v1/unload_lora_adapter
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 # -- validation errors in OpenAI's words ---------------------------------------------------------
 _KINDS = {str: "a string", bool: "a boolean", int: "an integer", float: "a decimal", list: "an array",
           dict: "an object", type(None): "null"}

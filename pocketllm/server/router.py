@@ -140,7 +140,10 @@ class ModelRouter:
     def _slot_of(self, asked) -> _Slot | None:
         """The model a request names (Ollama's ":latest" tag dropped); with one model served, any."""
         if isinstance(asked, str):
-            return self.slots.get(asked) or self.slots.get(asked.removesuffix(":latest"))
+            found = self.slots.get(asked) or self.slots.get(asked.removesuffix(":latest"))
+            # a LoRA adapter of a loaded model
+            return found or next((s for s in self.slots.values() if s.loaded and s.llm.engine.lora is not None
+                                  and asked in s.llm.engine.lora.names()), None)
         return next(iter(self.slots.values())) if asked is None else None
 
     async def _lifespan(self, receive, send) -> None:

@@ -80,6 +80,7 @@ class Job:
     last: list[RequestOutput | None] = field(default_factory=list)
     replies: list[ReplyParser] | None = None  # per choice, when tools or reasoning shape chat replies
     created: int = field(default_factory=lambda: int(time.time()))
+    model: str = ""  # the model its replies name: the served model, or the LoRA adapter it asked for
 
     def close(self) -> None:
         for stream, timer, out in zip(self.streams, self.timers, self.last):
@@ -147,10 +148,20 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args, **kwargs))
 
     # -- building a job --------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.cfg.model_name:
-            raise P.APIError(404, f"The model `{name}` does not exist or you do not have access to it; "
-                                  f"this server serves `{self.cfg.model_name}`.", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the served model itself); 404 for any other name."""
+        if name is None or name == self.cfg.model_name:
+            return None
+        adapters = self.lora_adapters()
+        if name in adapters:
+            return name
+        served = ", ".join(f"`{n}`" for n in [self.cfg.model_name, *adapters])
+        raise P.APIError(404, f"The model `{name}` does not exist or you do not have access to it; "
+                              f"this server serves {served}.", param="model", code="model_not_found")
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters loaded (requests name them as their model)."""
+        return self.engine.lora.names() if self.engine.lora is not None else []
 
     def check_request_size(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> None:
         """Refuse, before any work, what would make each step costly for everyone: too many stop
@@ -419,7 +430,7 @@ class Endpoint:
         """The reply to a request (its body read here, unless a route that looked at it first gives it)."""
         serving = self.serving
         req = await self.parse(await request.body() if body is None else body)
-        serving.check_model(req.model)
+        lora = serving.check_model(req.model)
         serving.check_request_size(req)
         prep = await self.prepare(request, req)
         grammar = None
@@ -427,7 +438,8 @@ class Endpoint:
             grammar = await serving.grammar(request, prep.params.structured_outputs, prep.where)
             if grammar is None:
                 return Response(status_code=499)  # the client left: nobody will read it
-        job = Job(f"{self.id_prefix}{uuid.uuid4().hex}", req, prep.prompts, replies=prep.replies)
+        job = Job(f"{self.id_prefix}{uuid.uuid4().hex}", req, prep.prompts, replies=prep.replies,
+                  model=lora or self.cfg.model_name)
         arrival = request.state.arrival_time
         try:
             for i, (text, ids) in enumerate(prep.prompts):
@@ -435,7 +447,8 @@ class Endpoint:
                 prompt = {"prompt": text, "prompt_token_ids": ids}
                 if req.cache_salt is not None:
                     prompt["cache_salt"] = req.cache_salt
-                job.streams.append(serving.llm.add_request(rid, prompt, prep.params, arrival, grammar=grammar))
+                job.streams.append(serving.llm.add_request(rid, prompt, prep.params, arrival, grammar=grammar,
+                                                           lora=lora))
                 job.timers.append(serving.metrics.timer(arrival))
                 job.last.append(None)
         except BaseException:
@@ -470,12 +483,12 @@ class Endpoint:
 
     def reply(self, job: Job, choices: list[dict]) -> dict:
         """The whole reply, from its choices."""
-        return {"id": job.id, "object": self.object_name, "created": job.created, "model": self.cfg.model_name,
+        return {"id": job.id, "object": self.object_name, "created": job.created, "model": job.model,
                 "choices": choices, "usage": job.usage(), "system_fingerprint": None}
 
     def stream_writer(self, job: Job) -> OpenAIStream:
         """What a stream's chunks are written as (another protocol's endpoint writes its own events)."""
-        return OpenAIStream(job, self.chunk_object_name, self.cfg.model_name)
+        return OpenAIStream(job, self.chunk_object_name, job.model)
 
     def progress(self, job: Job, i: int) -> ChoiceProgress:
         """A stream's record of one choice of prompt i, before anything is sent."""

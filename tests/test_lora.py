@@ -1,0 +1,172 @@
+"""LoRA adapters (PEFT directories) against transformers + peft on the same random weights: each
+adapter's greedy tokens and logits, adapters and the base model mixed in one batch, fewer slots than
+adapters, the prefix cache kept apart per adapter, unload and reload, and what is refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import prompts_of
+from reference import hf_greedy
+
+from pocketllm import LLM, LoRARequest, SamplingParams
+from pocketllm.errors import ConfigurationError, RequestError
+
+NEW = 16
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model, path, seed: int, r: int, targets, alpha: float = 16, rslora: bool = False):
+    """A PEFT adapter of random A and B (not the zero B PEFT starts training from), saved at `path`; returns
+    transformers' model with it applied (the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, use_rslora=rslora, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1)
+    peft_model.save_pretrained(path)
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models, tmp_path_factory):
+    """The tiny Llama and two adapters: rank 8 on every projection; rank 4 (rsLoRA) on q, v and down."""
+    model, path = tiny_models["llama"]
+    root = tmp_path_factory.mktemp("lora")
+    refs = {"a": make_adapter(model, root / "a", 1, 8, ALL),
+            "b": make_adapter(model, root / "b", 2, 4, ["q_proj", "v_proj", "down_proj"], alpha=8, rslora=True)}
+    return model, path, {name: str(root / name) for name in refs}, refs
+
+
+def _engine(path, dirs, **kw):
+    return LLM(str(path), device="cpu", max_model_len=128, num_kv_blocks=64, enable_lora=True,
+               lora_modules=[f"{n}={p}" for n, p in dirs.items()], **kw)
+
+
+def test_adapters_and_the_base_model_in_one_batch_give_transformers_peft_tokens(adapters):
+    model, path, dirs, refs = adapters
+    prompts = prompts_of([5, 23, 12])
+    want = {name: [hf_greedy(ref, p, NEW) for p in prompts] for name, ref in refs.items()}
+    want[None] = [hf_greedy(model, p, NEW) for p in prompts]
+    assert want["a"] != want[None] and want["b"] != want[None], "the adapters change the tokens"
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    jobs = [(p, i, name) for name in ("a", None, "b") for i, p in enumerate(prompts)]
+    for max_loras in (2, 1):  # two slots: all at once; one: each adapter's requests wait for the other's
+        llm = _engine(path, dirs, max_loras=max_loras)
+        outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in jobs], params, use_tqdm=False,
+                            lora_request=[name and LoRARequest(name) for _, _, name in jobs])
+        for (_, i, name), out in zip(jobs, outs):
+            assert list(out.outputs[0].token_ids) == want[name][i], (max_loras, name, i)
+
+
+def test_an_adapters_logits_are_peft_logits(adapters):
+    """The next-token distribution after a prompt, chunked over 8-token steps: within fp32 rounding of
+    transformers + peft's."""
+    model, path, dirs, refs = adapters
+    prompt = prompts_of([37])[0]
+    llm = _engine(path, dirs, max_num_batched_tokens=8, max_prefill_tokens_with_decodes=8)
+    for name in ("a", "b"):
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, logprobs=20),
+                           use_tqdm=False, lora_request=LoRARequest(name))[0]
+        got = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+        with torch.no_grad():
+            ref = torch.log_softmax(refs[name](torch.tensor([prompt])).logits[0, -1].float(), -1)
+        for t, lp in got.items():
+            assert abs(lp - float(ref[t])) < 1e-4, (name, t, lp, float(ref[t]))
+
+
+def test_the_prefix_cache_keeps_each_adapters_blocks_apart(adapters):
+    _, path, dirs, _ = adapters
+    llm = _engine(path, dirs)
+    prompt = {"prompt_token_ids": prompts_of([40])[0]}
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(name):
+        return llm.generate(prompt, params, use_tqdm=False, lora_request=name and LoRARequest(name))[0].num_cached_tokens
+
+    assert cached("a") == 0
+    assert cached("b") == 0 and cached(None) == 0  # blocks computed under "a" serve neither
+    assert cached("a") == 32 and cached("b") == 32 and cached(None) == 32
+
+
+def test_unload_and_load_again(adapters):
+    model, path, dirs, refs = adapters
+    llm = _engine(path, dirs)
+    prompt = prompts_of([9])[0]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = hf_greedy(refs["a"], prompt, NEW)
+    run = lambda lora: list(llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,  # noqa: E731
+                                         lora_request=lora)[0].outputs[0].token_ids)
+    assert run(LoRARequest("a")) == want
+    llm.engine.lora.unload("a")
+    with pytest.raises(RequestError, match="no LoRA adapter named 'a' is loaded; loaded: b"):
+        run(LoRARequest("a"))
+    assert run(LoRARequest("again", lora_path=dirs["a"])) == want  # loaded by the request that names its path
+    assert sorted(llm.engine.lora.names()) == ["again", "b"]
+
+
+def test_what_cannot_run_is_refused(adapters, tiny_models, tmp_path):
+    model, path, dirs, _ = adapters
+    with pytest.raises(ConfigurationError, match="lora_modules needs enable_lora"):
+        LLM(str(path), device="cpu", lora_modules=[f"a={dirs['a']}"])
+    with pytest.raises(ConfigurationError, match="rank 8 is above --max-lora-rank 4"):
+        _engine(path, dirs, max_lora_rank=4)
+    make_adapter(model, tmp_path / "head", 3, 4, ["q_proj", "lm_head"])
+    with pytest.raises(ConfigurationError, match=r"target modules \['lm_head'\] are not supported"):
+        _engine(path, {"head": tmp_path / "head"})
+    qwen2, _ = tiny_models["qwen2"]  # another base model's shapes (hidden size 96, not 64)
+    make_adapter(qwen2, tmp_path / "other", 4, 4, ["q_proj"])
+    with pytest.raises(ConfigurationError, match="an adapter of another base model"):
+        _engine(path, {"other": tmp_path / "other"})
+    llm = LLM(str(path), device="cpu", max_model_len=64, num_kv_blocks=16)
+    with pytest.raises(RequestError, match="start it with enable_lora"):
+        llm.generate({"prompt_token_ids": [1, 2]}, use_tqdm=False, lora_request=LoRARequest("a"))
+
+
+def test_a_server_serves_adapters_by_model_name_and_loads_them_at_run_time(adapters):
+    """Through the official client: an adapter named as the model (its reply names it too) computes what
+    the offline engine computes with it, the base model beside it; /v1/models lists adapters with their
+    parent; vLLM's load and unload routes add and remove one (a bad one is a 400, an unknown name a 404)."""
+    import httpx
+    import openai
+    from live_server import in_process
+
+    from pocketllm.config import EngineArgs
+    from pocketllm.engine.llm_engine import LLMEngine
+    from pocketllm.server.api_server import create_app
+    from pocketllm.server.async_llm import AsyncLLM
+    from pocketllm.server.config import ServerConfig
+
+    _, path, dirs, refs = adapters
+    prompt = prompts_of([11])[0]
+    want = {name: hf_greedy(ref, prompt, NEW) for name, ref in refs.items()}
+    engine = LLMEngine(EngineArgs(model=str(path), device="cpu", max_model_len=128, num_kv_blocks=64, enable_lora=True,
+                                  max_loras=2, lora_modules=[f"a={dirs['a']}"]))
+    with in_process(create_app(AsyncLLM(engine), ServerConfig(model_name="base"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+        def complete(model):
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=NEW, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            return r.model, list(r.choices[0].token_ids)
+
+        assert complete("a") == ("a", want["a"])
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"base", "a"} and models["a"].parent == "base"
+        with pytest.raises(openai.NotFoundError, match="serves `base`, `a`"):
+            complete("b")
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": dirs["b"]})
+        assert r.status_code == 200, r.text
+        assert complete("b") == ("b", want["b"])
+        bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(path)})
+        assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            complete("a")
+        assert complete("b") == ("b", want["b"]) and complete("base")[0] == "base"
