@@ -170,3 +170,33 @@ def test_a_server_serves_adapters_by_model_name_and_loads_them_at_run_time(adapt
         with pytest.raises(openai.NotFoundError):
             complete("a")
         assert complete("b") == ("b", want["b"]) and complete("base")[0] == "base"
+
+
+def test_the_cpus_one_call_decoder_adds_the_adapters_as_the_layers_do(adapters, tmp_path):
+    """A GGUF base (Q8_0) on the CPU's fast path, whose decode steps run every layer in one C call: with
+    adapter rows in them (two adapters and the base model, mixed with prompt chunks), the tokens and
+    logprobs are those of the layers' own modules, which add the adapters in torch."""
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    _, path, dirs, _ = adapters
+    gguf = write_gguf(path, tmp_path / "q8.gguf", "Q8_0").path
+    prompts = prompts_of([5, 23, 40, 12])
+    jobs = [(p, name) for p in prompts for name in ("a", None, "b")]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=3)
+    runs = []
+    for one_call in (True, False):
+        llm = LLM(str(gguf), device="cpu", max_model_len=128, num_kv_blocks=64, enable_lora=True, max_loras=2,
+                  lora_modules=[f"{n}={p}" for n, p in dirs.items()], max_num_batched_tokens=24,
+                  max_prefill_tokens_with_decodes=16)
+        model = llm.engine.runner.model
+        if one_call:
+            assert model._decoder() is not None, "the fast path's one-call decoder covers this model"
+        else:
+            model._decoder = lambda: None
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in jobs], params, use_tqdm=False,
+                            lora_request=[name and LoRARequest(name) for _, name in jobs])
+        runs.append(outs)
+    for (p, name), one, mods in zip(jobs, *runs):
+        assert one.outputs[0].token_ids == mods.outputs[0].token_ids, (name, len(p))
+        for a, b in zip(one.outputs[0].logprobs, mods.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)

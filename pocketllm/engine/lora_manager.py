@@ -24,12 +24,13 @@ from pocketllm.loaders.lora_adapter import LoRAAdapter, lora_layers, read_peft_a
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int):
         self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
-        self.rows = LoRARows()
+        self.rows = LoRARows(max_loras)
         self.layers: dict[str, LoRASlots] = {}
         for path, linear in lora_layers(model).items():
-            linear.lora = self.layers[path] = LoRASlots(linear.in_features, linear.out_sizes, max_loras, max_rank,
-                                                        self.rows, linear.dtype, linear.device)
-        model.fused_decode = False  # (the CPU's one-call decoder computes the projections without them)
+            linear.lora = self.layers[path] = LoRASlots(linear.in_features, linear.out_sizes, self.rows, max_rank,
+                                                        linear.dtype, linear.device)
+        # (the CPU's one-call decoder computes the projections without adapters: steps with adapter rows skip it)
+        model.lora_rows = self.rows
         self.paths: dict[str, tuple[str, int]] = {}  # name -> (path, the load's identity)
         self.sources: dict[int, str] = {}  # identity -> path, kept after an unload (requests of it may wait)
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # identity -> the adapter read, LRU

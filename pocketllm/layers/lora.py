@@ -1,62 +1,84 @@
 """LoRA adapters on the model's Linear layers: many adapters in one step, each row its own.
 
-A targeted layer holds `max_loras` slots of adapter weights: A [slots, parts * r, in] and B
-[slots, out, parts * r], r the largest rank allowed. A fused layer (QKV, gate/up) takes one adapter
-per part: part i's A rows are i * r .. i * r + rank_i, its B block is those columns of its own output
-rows, zeros elsewhere, so one pair of products gives every part its own adapter (the zeros add
-exactly nothing). The scaling (alpha / rank, or alpha / sqrt(rank) for rsLoRA) is folded into B.
+A targeted layer holds `max_loras` slots of adapter weights: A [slots * parts * r, in] and B
+[out, slots * parts * r], r the largest rank allowed. A fused layer (QKV, gate/up) takes one adapter
+per part: part i's A rows in a slot are i * r .. i * r + rank_i, its B block is those columns of its
+own output rows, zeros elsewhere, so one pair of products gives every part its own adapter (the zeros
+add exactly nothing). The scaling (alpha / rank, or alpha / sqrt(rank) for rsLoRA) is folded into B.
 
-A step's rows each run the adapter of their request's slot (or none): `LoRARows`, set by the runner
-before the forward, groups the rows by slot, and each layer adds (x[rows] @ A[slot]^T) @ B[slot]^T to
-its base output for each group, after the base product (dense or quantized, unchanged)."""
+A step's rows each run the adapter of their request's slot (or none). Each layer multiplies every row
+by every slot's A at once (one product: slots * parts * r columns, small beside the layer's own), keeps
+each row's own slot's columns (`LoRARows.mask`, made once a step), and adds that times B to its base
+output: three operations a layer whatever the mix of adapters, after the base product (dense or
+quantized, unchanged). A step without adapter rows does none of it."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 
 class LoRARows:
-    """The step's rows by adapter slot: [(slot, row indices)], set by the runner before each forward."""
+    """Each row's slot for the step, as a [rows, slots, 1] mask of ones (its slot) and zeros; None when
+    no row has an adapter. Set by the runner before each forward."""
 
-    def __init__(self):
-        self.groups: list[tuple[int, torch.Tensor]] = []
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+        self.mask: torch.Tensor | None = None
+        self._cast: dict[torch.dtype, torch.Tensor] = {}
 
     def set(self, slots: list[int], device: torch.device) -> None:
         """`slots`: each row's slot, -1 for a row without an adapter."""
-        self.groups = []
+        self._cast = {}
         if all(s < 0 for s in slots):
+            self.mask = None
             return
         t = torch.tensor(slots)
-        for s in sorted(set(slots) - {-1}):
-            self.groups.append((s, torch.nonzero(t == s).flatten().to(device)))
+        self.mask = (t[:, None] == torch.arange(self.max_loras)[None, :]).float()[:, :, None].to(device)
+
+    @contextlib.contextmanager
+    def after(self, n: int):
+        """Within: the rows from `n` on (a step's prompt chunks, run apart from its decode rows)."""
+        mask = self.mask
+        if mask is not None:
+            self.mask, self._cast = mask[n:], {}
+        try:
+            yield
+        finally:
+            self.mask, self._cast = mask, {}
+
+    def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._cast:
+            self._cast[dtype] = self.mask.to(dtype)
+        return self._cast[dtype]
 
 
 class LoRASlots(torch.nn.Module):
     """One layer's adapter slots (see the module's docs)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], max_loras: int, max_rank: int, rows: LoRARows,
-                 dtype, device):
+    def __init__(self, in_features: int, out_sizes: list[int], rows: LoRARows, max_rank: int, dtype, device):
         super().__init__()
-        parts = len(out_sizes)
-        self.out_sizes, self.max_rank = list(out_sizes), max_rank
-        self.a = torch.zeros(max_loras, parts * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(out_sizes), parts * max_rank, dtype=dtype, device=device)
-        self.rows = rows
+        self.out_sizes, self.max_rank, self.rows = list(out_sizes), max_rank, rows
+        self.width = len(out_sizes) * max_rank  # a slot's columns
+        slots = rows.max_loras
+        self.a = torch.zeros(slots * self.width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(sum(out_sizes), slots * self.width, dtype=dtype, device=device)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part `part`'s adapter into `slot`: a [rank, in], b [out_part, rank] (scaled already)."""
         rank = a.shape[0]
         assert rank <= self.max_rank and b.shape == (self.out_sizes[part], rank), (a.shape, b.shape)
-        lo = sum(self.out_sizes[:part])
-        self.a[slot, part * self.max_rank:part * self.max_rank + rank] = a
-        self.b[slot, lo:lo + b.shape[0], part * self.max_rank:part * self.max_rank + rank] = b
+        lo, col = sum(self.out_sizes[:part]), slot * self.width + part * self.max_rank
+        self.a[col:col + rank] = a
+        self.b[lo:lo + b.shape[0], col:col + rank] = b
 
     def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.a[slot * self.width:(slot + 1) * self.width].zero_()
+        self.b[:, slot * self.width:(slot + 1) * self.width].zero_()
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus each row's adapter product (x, y: [rows, in], [rows, out])."""
-        for slot, idx in self.rows.groups:
-            xs = x.index_select(0, idx).to(self.a.dtype)
-            y.index_add_(0, idx, ((xs @ self.a[slot].T) @ self.b[slot].T).to(y.dtype))
-        return y
+        if self.rows.mask is None:
+            return y
+        xa = (x.to(self.a.dtype) @ self.a.T).view(x.shape[0], -1, self.width) * self.rows.mask_as(self.a.dtype)
+        return y + (xa.view(x.shape[0], -1) @ self.b.T).to(y.dtype)

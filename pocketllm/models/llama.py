@@ -2,6 +2,8 @@
 Qwen2 and Qwen3 reuse it with their differences as class attributes."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -177,7 +179,7 @@ class LlamaForCausalLM(CausalLM):
                                   gather=True)
         self.kernels = kernels_for(device)  # the CPU fast path: decode-only steps' layers in one C call
         self._cpu_decoder = None  # built at the first such step (the KV cache is bound by then)
-        self.fused_decode = True  # off: the layers' modules always run (LoRA adapters are added there)
+        self.lora_rows = None  # LoRA adapters (layers.lora): the step's rows' slots, for the one-call decoder
 
     @classmethod
     def rotary_dim(cls, cfg: ModelConfig) -> int:
@@ -195,15 +197,15 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)
-        decoder = self._decoder() if self.kernels.cpu_fused and self.fused_decode and meta.decode_lens is not None \
-            else None
+        decoder = self._decoder() if self.kernels.cpu_fused and meta.decode_lens is not None else None
         if decoder is not None and meta.prefills:
             # A mixed step: its decode rows in the one call (the bits a decode-only step computes, and
             # 2-3x faster than the layers' masked attention over 64 rows), its chunks through the layers.
             n = meta.num_decodes
             decodes, chunks = meta.split_decodes()
             xd, rd = decoder(x[:n], positions[:n], decodes)
-            xc, rc = self._layers(x[n:], positions[n:], chunks)
+            with self.lora_rows.after(n) if self.lora_rows is not None else contextlib.nullcontext():
+                xc, rc = self._layers(x[n:], positions[n:], chunks)
             x, residual = torch.cat([xd, xc]), torch.cat([rd, rc])
         elif decoder is not None:
             x, residual = decoder(x, positions, meta)

@@ -44,6 +44,9 @@ typedef struct {
 typedef struct {
     int64_t nparts, n, k; /* parts side by side: n = their sum */
     ld_part part[3];
+    /* LoRA adapters' slots (pocketllm/layers/lora.py), or NULL: A [slots * lora_width, k], B [n, slots * lora_width] */
+    const float *lora_a, *lora_b;
+    int64_t lora_width;
 } ld_proj;
 
 typedef struct {
@@ -91,10 +94,64 @@ static int project(const ld_proj *p, const float *x, int64_t t, float *y, float 
     return 0;
 }
 
+/* y [t, n] += each row's LoRA product (x A_s^T) B_s^T, s the row's slot: the one 1 in its row of `mask`
+ * [t, nslots] (none: no adapter), in float32. A slot's columns are `lora_width` = nparts * r: part q's
+ * output rows read only its own r of them (B is zero elsewhere), so those are all that is summed. */
+static void lora_add(const ld_proj *p, const float *x, int64_t t, float *y, const float *mask, int64_t nslots,
+                     int nthreads) {
+    const int64_t w = p->lora_width, k = p->k, n = p->n, stride = nslots * w, r = w / p->nparts;
+    int64_t slot[t], part_end[3];
+    float *xa = malloc((size_t)(t * w) * sizeof(float));
+    if (!xa) return;
+    for (int64_t row = 0; row < t; row++) {
+        int64_t s = 0;
+        while (s < nslots && mask[row * nslots + s] == 0.0f) s++;
+        slot[row] = s < nslots ? s : -1;
+    }
+    for (int64_t q = 0, end = 0; q < p->nparts; q++) part_end[q] = end += p->part[q].n;
+    #pragma omp parallel num_threads(nthreads) if (t * (w * k + n * r) >= 65536)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t e = 0; e < t * w; e++) {
+            const int64_t row = e / w, j = e % w;
+            if (slot[row] < 0) continue;
+            const float *a = p->lora_a + (slot[row] * w + j) * k, *xr = x + row * k;
+            float acc = 0.0f;
+            #pragma omp simd reduction(+ : acc)
+            for (int64_t c = 0; c < k; c++) acc += a[c] * xr[c];
+            xa[e] = acc;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            int64_t q = 0;
+            while (i >= part_end[q]) q++;
+            for (int64_t row = 0; row < t; row++) {
+                if (slot[row] < 0) continue;
+                const float *b = p->lora_b + i * stride + slot[row] * w + q * r, *v = xa + row * w + q * r;
+                float acc = 0.0f;
+                #pragma omp simd reduction(+ : acc)
+                for (int64_t j = 0; j < r; j++) acc += b[j] * v[j];
+                y[row * n + i] += acc;
+            }
+        }
+    }
+    free(xa);
+}
+
+/* project(), then the LoRA adapters' products where the step has adapter rows */
+static int project_lora(const ld_proj *p, const float *x, int64_t t, float *y, float *tmp, const float *mask,
+                        int64_t nslots, int nthreads) {
+    int rc = project(p, x, t, y, tmp, nthreads);
+    if (rc == 0 && mask && p->lora_a) lora_add(p, x, t, y, mask, nslots, nthreads);
+    return rc;
+}
+
 /* x [t, hidden]: the embedded tokens in, the last layer's output out; residual [t, hidden]: the
- * residual stream out. pos, slots, lens [t]; tables [t, width] (the decode rows' block tables). */
+ * residual stream out. pos, slots, lens [t]; tables [t, width] (the decode rows' block tables).
+ * lora_mask [t, lora_slots]: each row's LoRA adapter slot (a 1 in its column), or NULL. */
 int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const int64_t *pos, const int64_t *slots,
-                 const int64_t *tables, int64_t width, const int64_t *lens, int nthreads) {
+                 const int64_t *tables, int64_t width, const int64_t *lens, const float *lora_mask,
+                 int64_t lora_slots, int nthreads) {
     const int64_t h = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads, inter = m->intermediate;
     const int64_t qkv_w = (hq + 2 * hkv) * d;
     int64_t widest = qkv_w > 2 * inter ? qkv_w : 2 * inter;
@@ -110,7 +167,7 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
         } else {
             cpu_rms_norm(x, residual, L->in_norm, normed, t, h, m->eps, nthreads);
         }
-        if ((rc = project(&L->qkv, normed, t, qkv, tmp, nthreads))) break;
+        if ((rc = project_lora(&L->qkv, normed, t, qkv, tmp, lora_mask, lora_slots, nthreads))) break;
         if (L->q_norm)  /* in place, head by head: a token's query heads, then its key heads */
             for (int64_t r = 0; r < t; r++) {
                 cpu_rms_norm(qkv + r * qkv_w, NULL, L->q_norm, qkv + r * qkv_w, hq, d, m->eps, 1);
@@ -121,11 +178,11 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
                                        width, lens, t, m->scale, L->window, L->softcap, NULL, attn, slots, pos,
                                        m->cos, m->sin, nthreads)))
             break;
-        if ((rc = project(&L->o, attn, t, x, tmp, nthreads))) break;
+        if ((rc = project_lora(&L->o, attn, t, x, tmp, lora_mask, lora_slots, nthreads))) break;
         cpu_rms_norm(x, residual, L->post_norm, normed, t, h, m->eps, nthreads);
-        if ((rc = project(&L->gate_up, normed, t, gate_up, tmp, nthreads))) break;
+        if ((rc = project_lora(&L->gate_up, normed, t, gate_up, tmp, lora_mask, lora_slots, nthreads))) break;
         cpu_gated_act(gate_up, t, inter, m->act, act, nthreads);
-        rc = project(&L->down, act, t, x, tmp, nthreads);
+        rc = project_lora(&L->down, act, t, x, tmp, lora_mask, lora_slots, nthreads);
     }
     free(normed); free(qkv); free(attn); free(gate_up); free(act); free(tmp);
     return rc;

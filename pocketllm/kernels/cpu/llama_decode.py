@@ -17,7 +17,8 @@ class _Part(ctypes.Structure):
 
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("nparts", _i64), ("n", _i64), ("k", _i64), ("part", _Part * 3)]
+    _fields_ = [("nparts", _i64), ("n", _i64), ("k", _i64), ("part", _Part * 3), ("lora_a", _ptr), ("lora_b", _ptr),
+                ("lora_width", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -51,6 +52,9 @@ def _proj(linear, keep: list) -> _Proj | None:
         keep.append(w)
         proj.part[i] = _Part(type=int(p.qtype), passes=p.int8, interleaved=int(interleaved), w=w.data_ptr(),
                              bias=None if p.bias is None else _f32_ptr(p.bias, keep), n=p.out_features)
+    if linear.lora is not None:  # (its slots' tensors are written in place as adapters come and go)
+        proj.lora_a, proj.lora_b = _f32_ptr(linear.lora.a, keep), _f32_ptr(linear.lora.b, keep)
+        proj.lora_width = linear.lora.width
     return proj
 
 
@@ -70,9 +74,10 @@ class LlamaDecoder:
     tanh GELU, layers in several KV groups, q/k norms of another epsilon), which then keeps its
     module-by-module forward."""
 
-    def __init__(self, spec: _Model, layers, keep: list):
+    def __init__(self, spec: _Model, layers, keep: list, lora_rows=None):
         self._spec, self._layers, self._keep = spec, layers, keep
         self._lib = load_cpu_kernels()
+        self._lora_rows = lora_rows  # LoRA adapters (layers.lora.LoRARows): each step's rows' slots
 
     @classmethod
     def build(cls, model) -> LlamaDecoder | None:
@@ -104,7 +109,7 @@ class LlamaDecoder:
                       a0.head_dim, layers[0].mlp.down_proj.in_features, a0.k_cache.shape[1],
                       layers[0].input_layernorm.eps, a0.scale, layers[0].mlp.act_code,
                       _f32_ptr(rot.cos, keep), _f32_ptr(rot.sin, keep), array)
-        return cls(spec, array, keep)
+        return cls(spec, array, keep, model.lora_rows)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x [t, hidden] (the embedded tokens; overwritten) -> (last layer's output, residual)."""
@@ -113,9 +118,14 @@ class LlamaDecoder:
         for t in (positions, tables, lens, slots):
             assert t.dtype == torch.int64 and t.is_contiguous()
         residual = torch.empty_like(x)
+        mask = None if self._lora_rows is None else self._lora_rows.mask
+        if mask is not None:
+            mask = mask[:x.shape[0]].reshape(x.shape[0], -1).contiguous()  # (decode rows come first)
+            assert mask.dtype == torch.float32
         rc = self._lib.llama_decode(ctypes.byref(self._spec), x.data_ptr(), residual.data_ptr(), x.shape[0],
                                     positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                    lens.data_ptr(), torch.get_num_threads())
+                                    lens.data_ptr(), None if mask is None else mask.data_ptr(),
+                                    0 if mask is None else mask.shape[1], torch.get_num_threads())
         assert rc == 0, f"llama_decode failed ({rc})"
         return x, residual
 
