@@ -149,7 +149,8 @@ class EngineArgs:
         need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         for name, path in self.lora_paths.items():
-            need(bool(name) and os.path.isdir(path), f"lora_modules: {name}={path}: give name=path, a PEFT adapter directory")
+            need(bool(name) and (os.path.isdir(path) or path.endswith(".gguf") and os.path.isfile(path)),
+                 f"lora_modules: {name}={path}: give name=path, a PEFT adapter directory or a GGUF LoRA file")
         spec = self.speculative  # parsed here so that a bad one fails before loading
         need(spec is None or spec.model is None or self.tensor_parallel_size == 1,
              "speculative_config: a draft model runs with tensor_parallel_size 1 only (n-gram speculation works with any)")

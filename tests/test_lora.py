@@ -80,6 +80,30 @@ def test_an_adapters_logits_are_peft_logits(adapters):
             assert abs(lp - float(ref[t])) < 1e-4, (name, t, lp, float(ref[t]))
 
 
+def test_a_gguf_lora_file_of_llama_cpps_converter_runs_as_its_peft_source(adapters):
+    """tests/data/lora_llama_a.gguf is adapter "a" as llama.cpp's convert_lora_to_gguf.py wrote it
+    (benchmarks/tools/record_gguf_lora.sh: its Q and K rows in llama.cpp's rotary order, alpha as a key):
+    loaded beside the PEFT directory, both give transformers + peft's tokens."""
+    from pathlib import Path
+
+    import gguf
+
+    model, path, dirs, refs = adapters
+    recorded = Path(__file__).parent / "data" / "lora_llama_a.gguf"
+    up_a = next(t for t in gguf.GGUFReader(recorded).tensors if t.name == "blk.0.ffn_up.weight.lora_a")
+    peft_a = refs["a"].base_model.model.model.layers[0].mlp.up_proj.lora_A["default"].weight
+    assert torch.equal(torch.from_numpy(up_a.data.copy()), peft_a.detach()), \
+        "the recorded file is another adapter's: record it again"
+    prompts = prompts_of([9, 30])
+    want = [hf_greedy(refs["a"], p, NEW) for p in prompts]
+    llm = _engine(path, {"a": dirs["a"], "gguf": recorded})
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for name in ("a", "gguf"):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                            lora_request=LoRARequest(name))
+        assert [list(o.outputs[0].token_ids) for o in outs] == want, name
+
+
 def test_the_prefix_cache_keeps_each_adapters_blocks_apart(adapters):
     _, path, dirs, _ = adapters
     llm = _engine(path, dirs)

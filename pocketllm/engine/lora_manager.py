@@ -18,7 +18,7 @@ import torch
 from pocketllm.core.request import Request
 from pocketllm.errors import RequestError
 from pocketllm.layers.lora import LoRARows, LoRASlots
-from pocketllm.loaders.lora_adapter import LoRAAdapter, lora_layers, read_peft_adapter
+from pocketllm.loaders.lora_adapter import LoRAAdapter, lora_layers, read_adapter
 
 
 class LoRAManager:
@@ -43,7 +43,7 @@ class LoRAManager:
     def load(self, name: str, path: str) -> None:
         """Register adapter `name` (replacing one of that name); read and checked now, so that an
         adapter that cannot run here is refused at once (ConfigurationError)."""
-        adapter = read_peft_adapter(name, path, self.model, self.max_rank)
+        adapter = read_adapter(name, path, self.model, self.max_rank)
         with self._lock:
             ident = next(self._ids)
             self.paths[name] = (str(path), ident)
@@ -101,7 +101,7 @@ class LoRAManager:
             if adapter is not None:
                 self.host.move_to_end(req.lora_id)
         if adapter is None:  # read again (evicted from host memory, or unloaded while requests of it waited)
-            adapter = read_peft_adapter(req.lora_name, self.sources[req.lora_id], self.model, self.max_rank)
+            adapter = read_adapter(req.lora_name, self.sources[req.lora_id], self.model, self.max_rank)
             with self._lock:
                 self._keep(req.lora_id, adapter)
         for layer in self.layers.values():

@@ -39,6 +39,13 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             if isinstance(m, Linear) and (hit := pattern.match(path)) and hit.group(2) in ours}
 
 
+def read_adapter(name: str, path: str | Path, model: torch.nn.Module, max_rank: int) -> LoRAAdapter:
+    """A PEFT directory, or a GGUF file of llama.cpp's LoRA format."""
+    if str(path).endswith(".gguf"):
+        return read_gguf_adapter(name, path, model, max_rank)
+    return read_peft_adapter(name, path, model, max_rank)
+
+
 def read_peft_adapter(name: str, path: str | Path, model: torch.nn.Module, max_rank: int) -> LoRAAdapter:
     """The adapter at `path` for `model`, refused with a one-line reason where it cannot run there: a rank
     above `max_rank`, a module the model has no adapter slots for, or shapes of another base model."""
@@ -75,6 +82,52 @@ def read_peft_adapter(name: str, path: str | Path, model: torch.nn.Module, max_r
         if m is None:
             raise ConfigurationError(f"{where}: unexpected tensor {key!r}")
         halves.setdefault((m.group(1), m.group(2)), {})[m.group(3)] = tensor
+    return _assemble(where, name, path, model, rank, scaling, halves)
+
+
+def read_gguf_adapter(name: str, path: str | Path, model: torch.nn.Module, max_rank: int) -> LoRAAdapter:
+    """A LoRA adapter as llama.cpp's convert_lora_to_gguf.py writes it (general.type "adapter", its
+    tensors `blk.N.<tensor>.weight.lora_a` [rank, in] and `.lora_b` [out, rank], Q and K rows in
+    llama.cpp's rotary order for llama), refused as `read_peft_adapter` refuses."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from pocketllm.gguf_file import GGUFFile
+    from pocketllm.loaders.gguf_loader import block_prefix, layer_names, unpermute_rows
+
+    where = f"LoRA adapter {name!r} ({path})"
+    f = GGUFFile(str(path))
+    meta = {k: field.contents() for k, field in f.fields.items()}
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise ConfigurationError(f"{where}: not a GGUF LoRA adapter (general.type {meta.get('general.type')!r}, "
+                                 f"adapter.type {meta.get('adapter.type')!r})")
+    arch, alpha = meta.get("general.architecture"), float(meta.get("adapter.lora.alpha") or 0.0)
+    table = layer_names(arch)
+    halves: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    rank = 0
+    for t in f.tensors:
+        m = re.match(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$", t.name)
+        if m is None or m.group(2) not in table:
+            raise ConfigurationError(f"{where}: unexpected tensor {t.name!r}")
+        shape = tuple(int(x) for x in reversed(t.shape))
+        data = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+        stem, half = m.group(2), m.group(3).upper()
+        if arch == "llama" and stem in ("attn_q", "attn_k") and half == "B":  # (its output rows, as the weight's)
+            cfg = model.cfg
+            data = unpermute_rows(data, cfg.num_heads if stem == "attn_q" else cfg.num_kv_heads)
+        parent, _, leaf = f"{block_prefix(arch).format(m.group(1))}.{table[stem]}".rpartition(".")
+        halves.setdefault((parent, leaf), {})[half] = torch.from_numpy(np.ascontiguousarray(data)).float()
+        rank = max(rank, shape[0] if half == "A" else shape[1])
+    if rank > max_rank:
+        raise ConfigurationError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
+    # llama.cpp's scale: alpha / rank, or 1 where the file has no alpha
+    return _assemble(where, name, path, model, rank, alpha / rank if alpha else 1.0, halves)
+
+
+def _assemble(where: str, name: str, path, model: torch.nn.Module, rank: int, scaling: float,
+              halves: dict[tuple[str, str], dict[str, torch.Tensor]]) -> LoRAAdapter:
+    """The adapter's (A, B) pairs by module (its `parent` path and checkpoint `leaf` name), checked
+    against the model's layers."""
     layers = lora_layers(model)
     weights: dict[str, list] = {}
     for (parent, leaf), ab in sorted(halves.items()):
