@@ -224,3 +224,14 @@ def test_the_cpus_one_call_decoder_adds_the_adapters_as_the_layers_do(adapters, 
         assert one.outputs[0].token_ids == mods.outputs[0].token_ids, (name, len(p))
         for a, b in zip(one.outputs[0].logprobs, mods.outputs[0].logprobs):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+
+
+def test_the_command_line_takes_vllms_lora_flags(adapters):
+    from pocketllm.cli.args import engine_args_from
+    from pocketllm.cli.main import build_parser
+
+    _, path, dirs, _ = adapters
+    argv = ["serve", str(path), "--enable-lora", "--lora-modules", f"a={dirs['a']}", f"b={dirs['b']}",
+            "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "4"]
+    args = engine_args_from(build_parser(argv).parse_args(argv))
+    assert args.enable_lora and args.lora_paths == dirs and (args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (2, 8, 4)
