@@ -82,8 +82,7 @@ class ModelRunner:
         self.device = device
         cfg = model.cfg
         self.tp = get_tp()
-        attention = model.attention_layers()  # (a drafting layer's model has one, whatever its config says)
-        layout = kv_layout or KVLayout.of([None] * len(attention))
+        layout = kv_layout or KVLayout.of([None] * cfg.num_layers)
         self.windows = layout.windows  # per KV group
         # this rank's heads; none for an encoder, which keeps no KV (its blocks only count its tokens)
         kv = type(model).kv_shape(cfg)
@@ -100,8 +99,9 @@ class ModelRunner:
         self.kv_scales = None if quant is None else [
             tuple(_zeros(shape[:3], torch.float32, device, reserve_kv) for _ in range(2))
             for _ in range(layout.layers_per_block)]
-        place = layout.placement(len(attention))
-        for attn, (g, _) in zip(attention, place):
+        # (the layout's layers: the model's, or a drafting layer's one whatever its config says)
+        place = layout.placement(sum(len(g.layers) for g in layout.groups))
+        for attn, (g, _) in zip(model.attention_layers(), place):
             w = attn.window
             assert self.windows[g] in (None, w), f"a layer of window {w} in a KV group of window {self.windows[g]}"
         model.bind_kv_cache([self.k_caches[t] for _, t in place], [self.v_caches[t] for _, t in place],

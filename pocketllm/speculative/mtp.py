@@ -90,8 +90,8 @@ class MTPProposer:
         for sr in sched.scheduled:
             req, start = sr.request, off
             off += sr.num_tokens
-            if req.is_finished or req.request_id not in live:
-                continue  # (its blocks are free already)
+            if req.status != RequestStatus.RUNNING or req.request_id not in live:
+                continue  # finished or preempted since the step was launched: its blocks are free already
             # with drafts: the last token's row and the accepted drafts' (the rest computed rejected tokens)
             n = len(sampled.get(req.request_id, ())) if sr.spec_token_ids else sr.num_tokens
             tokens = req.all_token_ids
