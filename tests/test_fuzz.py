@@ -20,7 +20,9 @@ EXAMPLES = {"/v1/chat/completions": 50, "/v1/completions": 40, "/tokenize": 30, 
             "/v1/messages": 25, "/v1/messages/count_tokens": 15, "/v1/responses": 20, "/api/chat": 20,
             "/api/generate": 20, "/api/show": 5,  # (the other protocols share chat's validation and engine path)
             # a generation model's embedding routes: each protocol's 400 (test_embeddings.py serves vectors)
-            "/v1/embeddings": 10, "/api/embed": 5, "/api/embeddings": 5, "/api/pull": 3}
+            "/v1/embeddings": 10, "/api/embed": 5, "/api/embeddings": 5, "/api/pull": 3,
+            # LoRA adapters' routes on a server without them: its 400 (test_lora.py loads and unloads)
+            "/v1/load_lora_adapter": 5, "/v1/unload_lora_adapter": 5}
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -38,7 +38,8 @@ def admin_routes(llm: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics) 
 
     # vLLM's routes for LoRA adapters at run time (behind the API key, as every /v1 route)
     @router.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(req: P.LoadLoRAAdapterRequest):
+    async def load_lora_adapter(request: Request):
+        req = await serving.parsed(P.LoadLoRAAdapterRequest, await request.body())
         lora = lora_manager()
         if req.lora_name == name or req.lora_name in lora.names():
             raise P.APIError(400, f"The name `{req.lora_name}` is taken; unload that adapter first.", param="lora_name")
@@ -49,7 +50,8 @@ def admin_routes(llm: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics) 
         return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
     @router.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(req: P.UnloadLoRAAdapterRequest):
+    async def unload_lora_adapter(request: Request):
+        req = await serving.parsed(P.UnloadLoRAAdapterRequest, await request.body())
         lora = lora_manager()
         if req.lora_name not in lora.names():
             raise P.APIError(404, f"No LoRA adapter named `{req.lora_name}` is loaded.", param="lora_name",

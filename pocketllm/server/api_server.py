@@ -38,7 +38,8 @@ _BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P
            "/v1/responses": openai_responses.ResponsesRequest, "/v1/embeddings": embedding_endpoints.EmbeddingRequest,
            "/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest, "/api/show": ollama.ShowRequest,
            "/api/embed": ollama.EmbedRequest, "/api/embeddings": ollama.LegacyEmbedRequest,
-           "/api/pull": ollama.PullRequest}
+           "/api/pull": ollama.PullRequest, "/v1/load_lora_adapter": P.LoadLoRAAdapterRequest,
+           "/v1/unload_lora_adapter": P.UnloadLoRAAdapterRequest}
 
 
 def _with_request_bodies(app: FastAPI) -> None:
