@@ -1,7 +1,7 @@
 """LoRA adapters on the model's Linear layers: many adapters in one step, each row its own.
 
-A targeted layer holds `max_loras` slots of adapter weights: A [slots * parts * r, in] and B
-[out, slots * parts * r], r the largest rank allowed. A fused layer (QKV, gate/up) takes one adapter
+A targeted layer holds `max_loras` slots of adapter weights: A [slots * parts * r, in] and B, kept
+transposed, [slots * parts * r, out], r the largest rank allowed. A fused layer (QKV, gate/up) takes one adapter
 per part: part i's A rows in a slot are i * r .. i * r + rank_i, its B block is those columns of its
 own output rows, zeros elsewhere, so one pair of products gives every part its own adapter (the zeros
 add exactly nothing). The scaling (alpha / rank, or alpha / sqrt(rank) for rsLoRA) is folded into B.
@@ -62,7 +62,8 @@ class LoRASlots(torch.nn.Module):
         self.width = len(out_sizes) * max_rank  # a slot's columns
         slots = rows.max_loras
         self.a = torch.zeros(slots * self.width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(sum(out_sizes), slots * self.width, dtype=dtype, device=device)
+        # (B transposed: the CPU's one-call decoder adds its rows to a token's outputs, contiguous)
+        self.bt = torch.zeros(slots * self.width, sum(out_sizes), dtype=dtype, device=device)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part `part`'s adapter into `slot`: a [rank, in], b [out_part, rank] (scaled already)."""
@@ -70,15 +71,15 @@ class LoRASlots(torch.nn.Module):
         assert rank <= self.max_rank and b.shape == (self.out_sizes[part], rank), (a.shape, b.shape)
         lo, col = sum(self.out_sizes[:part]), slot * self.width + part * self.max_rank
         self.a[col:col + rank] = a
-        self.b[lo:lo + b.shape[0], col:col + rank] = b
+        self.bt[col:col + rank, lo:lo + b.shape[0]] = b.T
 
     def clear(self, slot: int) -> None:
         self.a[slot * self.width:(slot + 1) * self.width].zero_()
-        self.b[:, slot * self.width:(slot + 1) * self.width].zero_()
+        self.bt[slot * self.width:(slot + 1) * self.width].zero_()
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus each row's adapter product (x, y: [rows, in], [rows, out])."""
         if self.rows.mask is None:
             return y
         xa = (x.to(self.a.dtype) @ self.a.T).view(x.shape[0], -1, self.width) * self.rows.mask_as(self.a.dtype)
-        return y + (xa.view(x.shape[0], -1) @ self.b.T).to(y.dtype)
+        return y + (xa.view(x.shape[0], -1) @ self.bt).to(y.dtype)

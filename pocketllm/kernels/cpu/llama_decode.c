@@ -44,8 +44,8 @@ typedef struct {
 typedef struct {
     int64_t nparts, n, k; /* parts side by side: n = their sum */
     ld_part part[3];
-    /* LoRA adapters' slots (pocketllm/layers/lora.py), or NULL: A [slots * lora_width, k], B [n, slots * lora_width] */
-    const float *lora_a, *lora_b;
+    /* LoRA adapters' slots (pocketllm/layers/lora.py), or NULL: A [slots * lora_width, k], B^T [slots * lora_width, n] */
+    const float *lora_a, *lora_bt;
     int64_t lora_width;
 } ld_proj;
 
@@ -96,11 +96,12 @@ static int project(const ld_proj *p, const float *x, int64_t t, float *y, float 
 
 /* y [t, n] += each row's LoRA product (x A_s^T) B_s^T, s the row's slot: the one 1 in its row of `mask`
  * [t, nslots] (none: no adapter), in float32. A slot's columns are `lora_width` = nparts * r: part q's
- * output rows read only its own r of them (B is zero elsewhere), so those are all that is summed. */
+ * output columns read only its own r of them (B is zero elsewhere), so those are all that is added:
+ * r rows of B^T, each scaled by its x A^T value and added to the part's outputs (contiguous). */
 static void lora_add(const ld_proj *p, const float *x, int64_t t, float *y, const float *mask, int64_t nslots,
                      int nthreads) {
-    const int64_t w = p->lora_width, k = p->k, n = p->n, stride = nslots * w, r = w / p->nparts;
-    int64_t slot[t], part_end[3];
+    const int64_t w = p->lora_width, k = p->k, n = p->n, r = w / p->nparts;
+    int64_t slot[t];
     float *xa = malloc((size_t)(t * w) * sizeof(float));
     if (!xa) return;
     for (int64_t row = 0; row < t; row++) {
@@ -108,8 +109,7 @@ static void lora_add(const ld_proj *p, const float *x, int64_t t, float *y, cons
         while (s < nslots && mask[row * nslots + s] == 0.0f) s++;
         slot[row] = s < nslots ? s : -1;
     }
-    for (int64_t q = 0, end = 0; q < p->nparts; q++) part_end[q] = end += p->part[q].n;
-    #pragma omp parallel num_threads(nthreads) if (t * (w * k + n * r) >= 65536)
+    #pragma omp parallel num_threads(nthreads) if (t * w * (k + n / p->nparts) >= 262144)
     {
         #pragma omp for schedule(static)
         for (int64_t e = 0; e < t * w; e++) {
@@ -121,17 +121,20 @@ static void lora_add(const ld_proj *p, const float *x, int64_t t, float *y, cons
             for (int64_t c = 0; c < k; c++) acc += a[c] * xr[c];
             xa[e] = acc;
         }
+        /* each (row, part) adds its r scaled rows of B^T to the part's outputs */
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) {
-            int64_t q = 0;
-            while (i >= part_end[q]) q++;
-            for (int64_t row = 0; row < t; row++) {
-                if (slot[row] < 0) continue;
-                const float *b = p->lora_b + i * stride + slot[row] * w + q * r, *v = xa + row * w + q * r;
-                float acc = 0.0f;
-                #pragma omp simd reduction(+ : acc)
-                for (int64_t j = 0; j < r; j++) acc += b[j] * v[j];
-                y[row * n + i] += acc;
+        for (int64_t e = 0; e < t * p->nparts; e++) {
+            const int64_t row = e / p->nparts, q = e % p->nparts;
+            if (slot[row] < 0) continue;
+            int64_t lo = 0;
+            for (int64_t i = 0; i < q; i++) lo += p->part[i].n;
+            const int64_t hi = lo + p->part[q].n, col = slot[row] * w + q * r;
+            float *yr = y + row * n;
+            for (int64_t j = 0; j < r; j++) {
+                const float c = xa[row * w + q * r + j], *bt = p->lora_bt + (col + j) * n;
+                if (c == 0.0f) continue;
+                #pragma omp simd
+                for (int64_t i = lo; i < hi; i++) yr[i] += c * bt[i];
             }
         }
     }

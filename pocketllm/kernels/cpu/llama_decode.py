@@ -17,7 +17,7 @@ class _Part(ctypes.Structure):
 
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("nparts", _i64), ("n", _i64), ("k", _i64), ("part", _Part * 3), ("lora_a", _ptr), ("lora_b", _ptr),
+    _fields_ = [("nparts", _i64), ("n", _i64), ("k", _i64), ("part", _Part * 3), ("lora_a", _ptr), ("lora_bt", _ptr),
                 ("lora_width", _i64)]
 
 
@@ -53,7 +53,7 @@ def _proj(linear, keep: list) -> _Proj | None:
         proj.part[i] = _Part(type=int(p.qtype), passes=p.int8, interleaved=int(interleaved), w=w.data_ptr(),
                              bias=None if p.bias is None else _f32_ptr(p.bias, keep), n=p.out_features)
     if linear.lora is not None:  # (its slots' tensors are written in place as adapters come and go)
-        proj.lora_a, proj.lora_b = _f32_ptr(linear.lora.a, keep), _f32_ptr(linear.lora.b, keep)
+        proj.lora_a, proj.lora_bt = _f32_ptr(linear.lora.a, keep), _f32_ptr(linear.lora.bt, keep)
         proj.lora_width = linear.lora.width
     return proj
 
