@@ -43,12 +43,14 @@ def adapters(tiny_models, tmp_path_factory):
     return model, path, {name: str(root / name) for name in refs}, refs
 
 
-def _engine(path, dirs, **kw):
-    return LLM(str(path), device="cpu", max_model_len=128, num_kv_blocks=64, enable_lora=True,
+def _engine(path, dirs, device="cpu", **kw):
+    return LLM(str(path), device=device, dtype="float32", max_model_len=128, num_kv_blocks=64, enable_lora=True,
                lora_modules=[f"{n}={p}" for n, p in dirs.items()], **kw)
 
 
-def test_adapters_and_the_base_model_in_one_batch_give_transformers_peft_tokens(adapters):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_adapters_and_the_base_model_in_one_batch_give_transformers_peft_tokens(adapters, device):
     model, path, dirs, refs = adapters
     prompts = prompts_of([5, 23, 12])
     want = {name: [hf_greedy(ref, p, NEW) for p in prompts] for name, ref in refs.items()}
@@ -57,7 +59,7 @@ def test_adapters_and_the_base_model_in_one_batch_give_transformers_peft_tokens(
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     jobs = [(p, i, name) for name in ("a", None, "b") for i, p in enumerate(prompts)]
     for max_loras in (2, 1):  # two slots: all at once; one: each adapter's requests wait for the other's
-        llm = _engine(path, dirs, max_loras=max_loras)
+        llm = _engine(path, dirs, device, max_loras=max_loras)
         outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in jobs], params, use_tqdm=False,
                             lora_request=[name and LoRARequest(name) for _, _, name in jobs])
         for (_, i, name), out in zip(jobs, outs):
