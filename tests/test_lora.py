@@ -64,6 +64,8 @@ def test_adapters_and_the_base_model_in_one_batch_give_transformers_peft_tokens(
                             lora_request=[name and LoRARequest(name) for _, _, name in jobs])
         for (_, i, name), out in zip(jobs, outs):
             assert list(out.outputs[0].token_ids) == want[name][i], (max_loras, name, i)
+        # (--max-cpu-loras defaults to --max-loras: with one slot, one adapter is kept read and the other read again)
+        assert len(llm.engine.lora.host) == max_loras
 
 
 def test_an_adapters_logits_are_peft_logits(adapters):
@@ -237,3 +239,38 @@ def test_the_command_line_takes_vllms_lora_flags(adapters):
             "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "4"]
     args = engine_args_from(build_parser(argv).parse_args(argv))
     assert args.enable_lora and args.lora_paths == dirs and (args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (2, 8, 4)
+
+
+def test_a_server_of_several_models_serves_a_loaded_models_adapters(adapters):
+    """The multi-model router: a model's adapters are listed (with their parent) and answer by name once the
+    model is loaded."""
+    import dataclasses
+
+    import httpx
+    from live_server import in_process
+
+    from pocketllm.config import EngineArgs
+    from pocketllm.engine.llm_engine import LLMEngine
+    from pocketllm.server.config import ServerConfig, ServerState
+    from pocketllm.server.guard import RequestGuard
+    from pocketllm.server.router import ModelRouter, ModelSpec
+
+    _, path, dirs, refs = adapters
+    prompt = prompts_of([7])[0]
+    args = EngineArgs(model=str(path), device="cpu", max_model_len=128, num_kv_blocks=64, enable_lora=True,
+                      lora_modules=[f"a={dirs['a']}"])
+    specs = [ModelSpec("base", args), ModelSpec("other", dataclasses.replace(args, enable_lora=False, lora_modules=None))]
+    router = ModelRouter(specs, ServerConfig(model_name="base"), ServerState(), LLMEngine)
+    with in_process(RequestGuard(router, router.cfg, router.state)) as url:
+        def listed():
+            return [(m["id"], m["parent"]) for m in httpx.get(f"{url}/v1/models").json()["data"]]
+
+        assert listed() == [("base", None), ("other", None)]  # (nothing loaded yet)
+        assert httpx.post(f"{url}/v1/completions", json={"model": "base", "prompt": prompt, "max_tokens": 2},
+                          timeout=60).status_code == 200
+        assert listed() == [("base", None), ("a", "base"), ("other", None)]
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "a", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json()
+        assert r["model"] == "a" and r["choices"][0]["token_ids"] == hf_greedy(refs["a"], prompt, NEW)
+        assert httpx.get(f"{url}/v1/models/a").json()["parent"] == "base"

@@ -141,9 +141,7 @@ class ModelRouter:
         """The model a request names (Ollama's ":latest" tag dropped); with one model served, any."""
         if isinstance(asked, str):
             found = self.slots.get(asked) or self.slots.get(asked.removesuffix(":latest"))
-            # a LoRA adapter of a loaded model
-            return found or next((s for s in self.slots.values() if s.loaded and s.llm.engine.lora is not None
-                                  and asked in s.llm.engine.lora.names()), None)
+            return found or next((s for s in self.slots.values() if asked in self._adapters(s)), None)
         return next(iter(self.slots.values())) if asked is None else None
 
     async def _lifespan(self, receive, send) -> None:
@@ -274,18 +272,28 @@ class ModelRouter:
             return JSONResponse(statuses[-1])
         return Response("".join(json.dumps(s) + "\n" for s in statuses), media_type="application/x-ndjson")
 
-    def _card(self, slot: _Slot) -> dict:
-        return {"id": slot.spec.name, "object": "model", "created": self.created, "owned_by": "pocketllm"}
+    def _card(self, slot: _Slot, adapter: str | None = None) -> dict:
+        if adapter is None:
+            return {"id": slot.spec.name, "object": "model", "created": self.created, "owned_by": "pocketllm",
+                    "parent": None}
+        return {"id": adapter, "object": "model", "created": self.created, "owned_by": "pocketllm",
+                "parent": slot.spec.name, "root": slot.llm.engine.lora.path(adapter)}
+
+    @staticmethod
+    def _adapters(slot: _Slot) -> list[str]:
+        """A loaded model's LoRA adapters (requests name them as their model)."""
+        return slot.llm.engine.lora.names() if slot.loaded and slot.llm.engine.lora is not None else []
 
     async def _models(self) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card(s) for s in self.slots.values()]})
+        return JSONResponse({"object": "list", "data": [card for s in self.slots.values() for card in
+                                                        [self._card(s), *(self._card(s, a) for a in self._adapters(s))]]})
 
     async def _model(self, name: str) -> Response:
         slot = self._slot_of(name)
         if slot is None:
             return error_response(P.APIError(404, f"The model `{name}` does not exist.", param="model",
                                              code="model_not_found"))
-        return JSONResponse(self._card(slot))
+        return JSONResponse(self._card(slot, name if name in self._adapters(slot) else None))
 
     async def _ollama_list(self, loaded_only: bool) -> Response:
         stamp = datetime.fromtimestamp(self.created, timezone.utc).isoformat().replace("+00:00", "Z")
