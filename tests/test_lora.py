@@ -68,6 +68,21 @@ def test_adapters_and_the_base_model_in_one_batch_give_transformers_peft_tokens(
         assert len(llm.engine.lora.host) == max_loras
 
 
+def test_speculative_decoding_verifies_drafts_under_each_requests_adapter(adapters):
+    """n-gram drafts are verified as decode rows of the request's own adapter: the tokens stay peft's."""
+    _, path, dirs, refs = adapters
+    prompts = [p * 3 for p in prompts_of([6, 9])]  # (repeats, so that lookups find drafts)
+    llm = _engine(path, dirs, max_loras=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    llm.engine.speculator.draft_length.limit = lambda req, cost: 3  # drafts at every step they are found
+    jobs = [(p, name) for p in prompts for name in ("a", "b", None)]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in jobs], SamplingParams(temperature=0, max_tokens=NEW,
+                        ignore_eos=True), use_tqdm=False, lora_request=[n and LoRARequest(n) for _, n in jobs])
+    for (p, name), out in zip(jobs, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(refs[name] if name else adapters[0], p, NEW), name
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
 def test_an_adapters_logits_are_peft_logits(adapters):
     """The next-token distribution after a prompt, chunked over 8-token steps: within fp32 rounding of
     transformers + peft's."""
