@@ -34,9 +34,11 @@ class LLM:
 
     def embed(self, prompts: str | dict | Sequence[str | dict],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Each prompt's embedding (RequestOutput.embedding), for a model of task embed."""
-        return self._run(prompts, pooling_params, PoolingParams, use_tqdm)
+              use_tqdm: bool | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Each prompt's embedding (RequestOutput.embedding), for a model of task embed; `lora_request` as
+        `generate`'s."""
+        return self._run(prompts, pooling_params, PoolingParams, use_tqdm, lora_request)
 
     def _run(self, prompts, params, kind, use_tqdm: bool | None, lora=None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):

@@ -289,3 +289,39 @@ def test_a_server_of_several_models_serves_a_loaded_models_adapters(adapters):
             "return_token_ids": True}).json()
         assert r["model"] == "a" and r["choices"][0]["token_ids"] == hf_greedy(refs["a"], prompt, NEW)
         assert httpx.get(f"{url}/v1/models/a").json()["parent"] == "base"
+
+
+def test_embeddings_of_an_adapter_named_as_the_model(adapters):
+    """Task embed: /v1/embeddings naming an adapter pools the adapter's hidden states (transformers + peft's
+    last token, final norm), offline and through the server alike; the base model's differ."""
+    import openai
+    from live_server import in_process
+
+    from pocketllm.config import EngineArgs
+    from pocketllm.engine.llm_engine import LLMEngine
+    from pocketllm.server.api_server import create_app
+    from pocketllm.server.async_llm import AsyncLLM
+    from pocketllm.server.config import ServerConfig
+
+    model, path, dirs, refs = adapters
+    prompt = prompts_of([13])[0]
+    with torch.no_grad():
+        want = {name: m.base_model.model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+                for name, m in refs.items()}
+        want[None] = model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+
+    def close(got, name):
+        return float(torch.nn.functional.cosine_similarity(torch.tensor(got), want[name], dim=0)) > 0.99999
+
+    kw = dict(device="cpu", max_model_len=128, num_kv_blocks=64, task="embed", enable_lora=True, max_loras=2,
+              lora_modules=[f"{n}={p}" for n, p in dirs.items()])
+    offline = LLM(str(path), **kw)
+    for name in ("a", "b", None):
+        got = offline.embed({"prompt_token_ids": prompt}, use_tqdm=False, lora_request=name and LoRARequest(name))
+        assert close(got[0].embedding, name), name
+    engine = LLMEngine(EngineArgs(model=str(path), **kw))
+    with in_process(create_app(AsyncLLM(engine), ServerConfig(model_name="base"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        for name in ("a", "b"):
+            r = client.embeddings.create(model=name, input=[prompt], encoding_format="float")
+            assert r.model == name and close(r.data[0].embedding, name) and not close(r.data[0].embedding, None)

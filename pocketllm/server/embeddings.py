@@ -35,9 +35,10 @@ def check_serves_embeddings(serving: OpenAIServing, param: str = "model") -> Non
 
 
 async def embed(serving: OpenAIServing, request: Request, inputs: list[str | list[int]], where: str,
-                dimensions: int | None = None, truncate: bool = False) -> Job | None:
+                dimensions: int | None = None, truncate: bool = False, lora: str | None = None) -> Job | None:
     """Each input's finished output (`Job.last`, in input order), or None if the client left first.
-    `truncate`: an input longer than the context is cut to it (Ollama's default), else refused."""
+    `truncate`: an input longer than the context is cut to it (Ollama's default), else refused. `lora`:
+    the LoRA adapter the request named (`serving.check_model`)."""
     check_serves_embeddings(serving)
     if not inputs:
         raise P.APIError(400, f"'{where}' must not be empty.", param=where)
@@ -70,12 +71,12 @@ async def embed(serving: OpenAIServing, request: Request, inputs: list[str | lis
         except RequestError as e:
             raise P.APIError(400, str(e), param=where, code="invalid_value") from None
         prompts.append((item if isinstance(item, str) else None, ids))
-    job = Job(f"embd-{uuid.uuid4().hex}", None, prompts)
+    job = Job(f"embd-{uuid.uuid4().hex}", None, prompts, model=lora or serving.cfg.model_name)
     arrival = request.state.arrival_time
     try:
         for i, (text, ids) in enumerate(prompts):
             job.streams.append(serving.llm.add_request(f"{job.id}-{i}", {"prompt": text, "prompt_token_ids": ids},
-                                                       params, arrival))
+                                                       params, arrival, lora=lora))
             job.timers.append(serving.metrics.timer(arrival))
             job.last.append(None)
 
@@ -94,17 +95,17 @@ async def embed(serving: OpenAIServing, request: Request, inputs: list[str | lis
 
 async def create(serving: OpenAIServing, request: Request):
     req = await serving.parsed(EmbeddingRequest, await request.body())
-    serving.check_model(req.model)
+    lora = serving.check_model(req.model)
     check_serves_embeddings(serving)
     inputs = [req.input] if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)) else req.input
-    job = await embed(serving, request, inputs, "input", req.dimensions)
+    job = await embed(serving, request, inputs, "input", req.dimensions, lora=lora)
     if job is None:
         return Response(status_code=499)  # the client left: nobody will read it
     data = [{"object": "embedding", "index": i,
              "embedding": _base64(out.embedding) if req.encoding_format == "base64" else out.embedding}
             for i, out in enumerate(job.last)]
     tokens = sum(len(ids) for _, ids in job.prompts)
-    return {"object": "list", "data": data, "model": serving.cfg.model_name,
+    return {"object": "list", "data": data, "model": job.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

@@ -317,8 +317,8 @@ def ollama_routes(serving: OpenAIServing) -> APIRouter:
     chat, generate, raw = OllamaChat(serving), OllamaGenerate(serving), OllamaRawGenerate(serving)
     engine, name = serving.engine, serving.cfg.model_name
 
-    def check_model(model: str | None) -> None:
-        serving.check_model(model.removesuffix(":latest") if model else model)
+    def check_model(model: str | None) -> str | None:
+        return serving.check_model(model.removesuffix(":latest") if model else model)
 
     def loaded(model: str, key: str) -> dict:
         """What Ollama answers a request without messages or prompt: the model is loaded."""
@@ -354,24 +354,24 @@ def ollama_routes(serving: OpenAIServing) -> APIRouter:
     @router.post("/api/embed")
     async def api_embed(request: Request):
         req = await serving.parsed(EmbedRequest, await request.body())
-        check_model(req.model)
+        lora = check_model(req.model)
         if serving.engine.task != "embed":
             raise P.APIError(400, f"{name} does not support embeddings (it is a text generation model).")
         job = await embeddings.embed(serving, request, [req.input] if isinstance(req.input, str) else req.input,
-                                     "input", req.dimensions, truncate=req.truncate)
+                                     "input", req.dimensions, truncate=req.truncate, lora=lora)
         if job is None:
             return Response(status_code=499)
         counts = _counts(job)
-        return {"model": name, "embeddings": [out.embedding for out in job.last], "total_duration":
+        return {"model": job.model, "embeddings": [out.embedding for out in job.last], "total_duration":
                 counts["total_duration"], "load_duration": 0, "prompt_eval_count": counts["prompt_eval_count"]}
 
     @router.post("/api/embeddings")
     async def api_embeddings(request: Request):  # the older route: one prompt, one vector
         req = await serving.parsed(LegacyEmbedRequest, await request.body())
-        check_model(req.model)
+        lora = check_model(req.model)
         if serving.engine.task != "embed":
             raise P.APIError(400, f"{name} does not support embeddings (it is a text generation model).")
-        job = await embeddings.embed(serving, request, [req.prompt], "prompt", truncate=True)
+        job = await embeddings.embed(serving, request, [req.prompt], "prompt", truncate=True, lora=lora)
         return Response(status_code=499) if job is None else {"embedding": job.last[0].embedding}
 
     @router.post("/api/pull")
