@@ -155,7 +155,7 @@ def test_layer_groups_split_unequal_kinds_into_equal_groups():
     assert [len(g.layers) for g in layout.groups] == [10, 9, 9, 9, 9, 8, 8]
     assert sorted(i for g in layout.groups for i in g.layers) == list(range(62))
     # every layer has one place: (group, KV tensor), tensors < layers_per_block
-    place = layout.placement(62)
+    place = layout.placement()
     assert len(set(place)) == 62 and max(t for _, t in place) == 9
     # gpt-oss: 12 sliding + 12 full -> two groups of 12; counts within 25% pad to the larger
     assert KVLayout.of([128, None] * 12).layers_per_block == 12

@@ -5,7 +5,7 @@ cache after a warm-up of each), and the base model's requests on the engine that
 The adapters are random (rank 16, alpha 32) on every projection the model has (q, k, v, o, gate, up,
 down), written as PEFT directories in a temporary folder, for the default model or any other.
 
-    python benchmarks/suites/lora.py --threads 2 --out benchmarks/results/cpu-lora.json
+    python benchmarks/suites/lora.py --threads 2 --reps 5 --out benchmarks/results/cpu-lora/run.json
     python benchmarks/suites/lora.py --model llama3-8b --load-format dummy --device cuda --dtype bfloat16 \\
         --adapters 8 --requests 64 --out benchmarks/results/h100-lora.json
 """

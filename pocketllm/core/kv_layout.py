@@ -63,9 +63,9 @@ class KVLayout:
         """More than one block table per request."""
         return len(self.groups) > 1
 
-    def placement(self, num_layers: int) -> list[tuple[int, int]]:
-        """Per model layer: (its group, its KV tensor)."""
-        place: list[tuple[int, int] | None] = [None] * num_layers
+    def placement(self) -> list[tuple[int, int]]:
+        """Per layer of the layout: (its group, its KV tensor)."""
+        place: list[tuple[int, int] | None] = [None] * sum(len(g.layers) for g in self.groups)
         for g, group in enumerate(self.groups):
             for t, layer in enumerate(group.layers):
                 place[layer] = (g, t)

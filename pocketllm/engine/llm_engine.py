@@ -262,7 +262,7 @@ class LLMEngine:
         self.weight_bytes = weight_bytes(model, self.device)  # before the runner binds the KV cache to it
         if self.drafter is not None:
             self.drafter.load()
-            self.weight_bytes += self.drafter.weight_bytes()
+            self.weight_bytes += weight_bytes(self.drafter.model, self.device)
         if self.ranks is not None:
             self.ranks.wait_loaded()
         self.lora = None
@@ -288,7 +288,7 @@ class LLMEngine:
             num_blocks, self.block_size, self.max_model_len,
             max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
             enforce_eager=args.enforce_eager or args.enable_lora)
-        self.runner.lora = self.lora
+        self.runner.lora_rows = None if self.lora is None else self.lora.rows
         return model, num_blocks
 
     def on_ranks_lost(self, callback) -> None:

@@ -115,7 +115,3 @@ class LoRAManager:
         self.host[ident] = adapter
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
-
-    # -- the step ----------------------------------------------------------------------------------
-    def set_rows(self, slots: list[int], device: torch.device) -> None:
-        self.rows.set(slots, device)

@@ -19,11 +19,13 @@ import torch
 
 
 class LoRARows:
-    """Each row's slot for the step, as a [rows, slots, 1] mask of ones (its slot) and zeros; None when
-    no row has an adapter. Set by the runner before each forward."""
+    """Each row's slot for the step (`slots`, int64 on the host, -1 for none: the CPU's one-call decoder
+    reads them) and the same as a [rows, slots, 1] mask of ones and zeros on the device (the layers');
+    both None when no row has an adapter. Set by the runner before each forward."""
 
     def __init__(self, max_loras: int):
         self.max_loras = max_loras
+        self.slots: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self._cast: dict[torch.dtype, torch.Tensor] = {}
 
@@ -31,21 +33,21 @@ class LoRARows:
         """`slots`: each row's slot, -1 for a row without an adapter."""
         self._cast = {}
         if all(s < 0 for s in slots):
-            self.mask = None
+            self.slots = self.mask = None
             return
-        t = torch.tensor(slots)
-        self.mask = (t[:, None] == torch.arange(self.max_loras)[None, :]).float()[:, :, None].to(device)
+        self.slots = torch.tensor(slots, dtype=torch.int64)
+        self.mask = (self.slots[:, None] == torch.arange(self.max_loras)[None, :]).float()[:, :, None].to(device)
 
     @contextlib.contextmanager
     def after(self, n: int):
         """Within: the rows from `n` on (a step's prompt chunks, run apart from its decode rows)."""
-        mask = self.mask
+        slots, mask = self.slots, self.mask
         if mask is not None:
-            self.mask, self._cast = mask[n:], {}
+            self.slots, self.mask, self._cast = slots[n:], mask[n:], {}
         try:
             yield
         finally:
-            self.mask, self._cast = mask, {}
+            self.slots, self.mask, self._cast = slots, mask, {}
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._cast:
@@ -53,11 +55,10 @@ class LoRARows:
         return self._cast[dtype]
 
 
-class LoRASlots(torch.nn.Module):
+class LoRASlots:
     """One layer's adapter slots (see the module's docs)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], rows: LoRARows, max_rank: int, dtype, device):
-        super().__init__()
         self.out_sizes, self.max_rank, self.rows = list(out_sizes), max_rank, rows
         self.width = len(out_sizes) * max_rank  # a slot's columns
         slots = rows.max_loras

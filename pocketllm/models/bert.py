@@ -110,7 +110,7 @@ class Encoder(torch.nn.Module):
 
 
 class BertModel(CausalLM):
-    capabilities = RuntimeCapabilities(encoder=True, prefix_caching=False, tensor_parallel=False,
+    capabilities = RuntimeCapabilities(encoder=True, lora=False, prefix_caching=False, tensor_parallel=False,
                                        kv_cache_dtypes=frozenset({"auto"}), rope_scaling=frozenset({"default"}))
     packed_modules = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
     # the masked-LM and pooler heads, and buffers some checkpoints keep

@@ -56,6 +56,11 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+def _score_correction(name: str) -> str:
+    """V3's e_score_correction_bias (a GGUF's exp_probs_b.bias reads as e_score_correction.bias) as ScoreCorrection's."""
+    return re.sub(r"\.gate\.e_score_correction[._]bias$", ".score_correction.weight", name)
+
+
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     """[..., 2n] pairs (x0, x1), (x2, x3), ... -> [x0, x2, ... | x1, x3, ...] (rotate-half's layout)."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
@@ -196,9 +201,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return DeepseekMoE(cfg, self.sigmoid_routing, dtype, device)
 
     def load_weights(self, weights) -> None:
-        # (a GGUF's exp_probs_b.bias reads as e_score_correction.bias)
-        super().load_weights((re.sub(r"\.gate\.e_score_correction[._]bias$", ".score_correction.weight", name), t)
-                             for name, t in weights if self.reads_tensor(name))
+        super().load_weights((_score_correction(name), t) for name, t in weights if self.reads_tensor(name))
 
     def reads_tensor(self, name: str) -> bool:
         """Not V3's next-token-prediction layers (past the last decoder layer, `num_nextn_predict_layers` of
@@ -274,7 +277,7 @@ class DeepseekMTP(CausalLM):
             name = name[len(prefix):].replace("shared_head.norm.", "shared_head_norm.")
             if not name.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head_norm.")):
                 name = "layer." + name
-            return re.sub(r"\.gate\.e_score_correction[._]bias$", ".score_correction.weight", name)
+            return _score_correction(name)
 
         # (random weights come under our own names)
         super().load_weights((ours(n), t) if n.startswith(prefix) else (n, t) for n, t in weights

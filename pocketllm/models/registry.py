@@ -87,7 +87,7 @@ def select_runtime(cfg: ModelConfig, args: EngineArgs, device: str, dtype: str,
         raise UnsupportedFeatureError(f"{where} does not support prefix caching; "
                                       "pass enable_prefix_caching=False")
     check_tensor_parallel(cfg, args.tensor_parallel_size, quant_types, caps, where)
-    if args.enable_lora and (not caps.lora or caps.encoder):
+    if args.enable_lora and not caps.lora:
         raise UnsupportedFeatureError(f"{where} does not run LoRA adapters")
     if args.speculative is not None and args.speculative.method == "mtp":
         if not caps.next_token_drafts:

@@ -99,8 +99,7 @@ class ModelRunner:
         self.kv_scales = None if quant is None else [
             tuple(_zeros(shape[:3], torch.float32, device, reserve_kv) for _ in range(2))
             for _ in range(layout.layers_per_block)]
-        # (the layout's layers: the model's, or a drafting layer's one whatever its config says)
-        place = layout.placement(sum(len(g.layers) for g in layout.groups))
+        place = layout.placement()  # (a drafting layer's layout has its one layer, whatever its config says)
         for attn, (g, _) in zip(model.attention_layers(), place):
             w = attn.window
             assert self.windows[g] in (None, w), f"a layer of window {w} in a KV group of window {self.windows[g]}"
@@ -109,7 +108,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         # each step's final hidden states (every row, in the step's row order) kept for a drafter that reads them
         self.keep_hidden = False
-        self.lora = None  # LoRA adapters (engine.lora_manager): each step's rows get their request's slot
+        self.lora_rows = None  # LoRA adapters (layers.lora.LoRARows): each step's rows get their request's slot
         self.use_kernels = device.type == "cuda"
         # CUDA: time each step on the GPU's clock (benchmarks; the host's clock times the launch
         # under asynchronous scheduling). Reading a step's time waits for it, chunks without samples too.
@@ -322,8 +321,8 @@ class ModelRunner:
         `prev` is the step before, whose sampled tokens some decode rows take as input."""
         t0 = time.perf_counter()
         step = self.flatten(out, prev)
-        if self.lora is not None:  # (rows in the step's order: a request's rows together)
-            self.lora.set_rows([sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)],
+        if self.lora_rows is not None:  # (rows in the step's order: a request's rows together)
+            self.lora_rows.set([sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)],
                                self.device)
         score_rows = [r0 + j for _, _, r0, ts in step.prompt_scores for j in range(len(ts))]  # hidden rows
         dev = self.device

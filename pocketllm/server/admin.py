@@ -22,11 +22,7 @@ def admin_routes(llm: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics) 
     name, created = serving.cfg.model_name, int(time.time())
 
     def model_card(adapter: str | None = None) -> dict:
-        if adapter is None:
-            return {"id": name, "object": "model", "created": created, "owned_by": "pocketllm", "parent": None}
-        # (a LoRA adapter: its base model as parent, as vLLM lists them)
-        return {"id": adapter, "object": "model", "created": created, "owned_by": "pocketllm", "parent": name,
-                "root": serving.engine.lora.path(adapter)}
+        return P.model_card(name, created, serving.engine, adapter)
 
     @router.get("/v1/models")
     async def list_models():

@@ -274,6 +274,15 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+def model_card(name: str, created: int, engine=None, adapter: str | None = None) -> dict:
+    """A /v1/models entry: the served model, or one of its engine's LoRA adapters (its base model as
+    parent and its path as root, as vLLM lists them)."""
+    if adapter is None:
+        return {"id": name, "object": "model", "created": created, "owned_by": "pocketllm", "parent": None}
+    return {"id": adapter, "object": "model", "created": created, "owned_by": "pocketllm", "parent": name,
+            "root": engine.lora.path(adapter)}
+
+
 class LoadLoRAAdapterRequest(_Strict):  # vLLM's /v1/load_lora_adapter
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)

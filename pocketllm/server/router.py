@@ -273,11 +273,7 @@ class ModelRouter:
         return Response("".join(json.dumps(s) + "\n" for s in statuses), media_type="application/x-ndjson")
 
     def _card(self, slot: _Slot, adapter: str | None = None) -> dict:
-        if adapter is None:
-            return {"id": slot.spec.name, "object": "model", "created": self.created, "owned_by": "pocketllm",
-                    "parent": None}
-        return {"id": adapter, "object": "model", "created": self.created, "owned_by": "pocketllm",
-                "parent": slot.spec.name, "root": slot.llm.engine.lora.path(adapter)}
+        return P.model_card(slot.spec.name, self.created, slot.llm.engine if slot.loaded else None, adapter)
 
     @staticmethod
     def _adapters(slot: _Slot) -> list[str]:

@@ -154,11 +154,6 @@ class DraftModel:
         sh.block_tables = req.block_tables
         return sh
 
-    def weight_bytes(self) -> int:
-        from pocketllm.runner.memory import weight_bytes
-
-        return weight_bytes(self.model, self.target.device)
-
 
 def _same_tokens(a, b) -> bool:
     """Whether two tokenizers give the same ids the same tokens, as far as the smaller goes (a GGUF

@@ -75,11 +75,6 @@ class MTPProposer:
         t.runner.keep_hidden = True
         self.kv, self.reserve = kv, reserve
 
-    def weight_bytes(self) -> int:
-        from pocketllm.runner.memory import weight_bytes
-
-        return weight_bytes(self.model, self.target.device)
-
     # -- after each step ------------------------------------------------------------------------
     def observe(self, sched: SchedulerOutput, hidden: torch.Tensor | None, sampled: dict[str, list]) -> None:
         """The layer over the step's rows of real tokens (`hidden`: the model's, a row per computed token in

@@ -94,21 +94,14 @@ static int project(const ld_proj *p, const float *x, int64_t t, float *y, float 
     return 0;
 }
 
-/* y [t, n] += each row's LoRA product (x A_s^T) B_s^T, s the row's slot: the one 1 in its row of `mask`
- * [t, nslots] (none: no adapter), in float32. A slot's columns are `lora_width` = nparts * r: part q's
- * output columns read only its own r of them (B is zero elsewhere), so those are all that is added:
- * r rows of B^T, each scaled by its x A^T value and added to the part's outputs (contiguous). */
-static void lora_add(const ld_proj *p, const float *x, int64_t t, float *y, const float *mask, int64_t nslots,
-                     int nthreads) {
+/* y [t, n] += each row's LoRA product (x A_s^T) B_s^T, s = slot[row] (-1: no adapter), in float32.
+ * A slot's columns are `lora_width` = nparts * r: part q's output columns read only its own r of them
+ * (B is zero elsewhere), so those are all that is added: r rows of B^T, each scaled by its x A^T value
+ * and added to the part's outputs (contiguous). */
+static void lora_add(const ld_proj *p, const float *x, int64_t t, float *y, const int64_t *slot, int nthreads) {
     const int64_t w = p->lora_width, k = p->k, n = p->n, r = w / p->nparts;
-    int64_t slot[t];
     float *xa = malloc((size_t)(t * w) * sizeof(float));
     if (!xa) return;
-    for (int64_t row = 0; row < t; row++) {
-        int64_t s = 0;
-        while (s < nslots && mask[row * nslots + s] == 0.0f) s++;
-        slot[row] = s < nslots ? s : -1;
-    }
     #pragma omp parallel num_threads(nthreads) if (t * w * (k + n / p->nparts) >= 262144)
     {
         #pragma omp for schedule(static)
@@ -142,19 +135,19 @@ static void lora_add(const ld_proj *p, const float *x, int64_t t, float *y, cons
 }
 
 /* project(), then the LoRA adapters' products where the step has adapter rows */
-static int project_lora(const ld_proj *p, const float *x, int64_t t, float *y, float *tmp, const float *mask,
-                        int64_t nslots, int nthreads) {
+static int project_lora(const ld_proj *p, const float *x, int64_t t, float *y, float *tmp, const int64_t *slots,
+                        int nthreads) {
     int rc = project(p, x, t, y, tmp, nthreads);
-    if (rc == 0 && mask && p->lora_a) lora_add(p, x, t, y, mask, nslots, nthreads);
+    if (rc == 0 && slots && p->lora_a) lora_add(p, x, t, y, slots, nthreads);
     return rc;
 }
 
 /* x [t, hidden]: the embedded tokens in, the last layer's output out; residual [t, hidden]: the
  * residual stream out. pos, slots, lens [t]; tables [t, width] (the decode rows' block tables).
- * lora_mask [t, lora_slots]: each row's LoRA adapter slot (a 1 in its column), or NULL. */
+ * lora_slots [t]: each row's LoRA adapter slot (-1: none), or NULL when no row has one. */
 int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const int64_t *pos, const int64_t *slots,
-                 const int64_t *tables, int64_t width, const int64_t *lens, const float *lora_mask,
-                 int64_t lora_slots, int nthreads) {
+                 const int64_t *tables, int64_t width, const int64_t *lens, const int64_t *lora_slots,
+                 int nthreads) {
     const int64_t h = m->hidden, d = m->head_dim, hq = m->heads, hkv = m->kv_heads, inter = m->intermediate;
     const int64_t qkv_w = (hq + 2 * hkv) * d;
     int64_t widest = qkv_w > 2 * inter ? qkv_w : 2 * inter;
@@ -170,7 +163,7 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
         } else {
             cpu_rms_norm(x, residual, L->in_norm, normed, t, h, m->eps, nthreads);
         }
-        if ((rc = project_lora(&L->qkv, normed, t, qkv, tmp, lora_mask, lora_slots, nthreads))) break;
+        if ((rc = project_lora(&L->qkv, normed, t, qkv, tmp, lora_slots, nthreads))) break;
         if (L->q_norm)  /* in place, head by head: a token's query heads, then its key heads */
             for (int64_t r = 0; r < t; r++) {
                 cpu_rms_norm(qkv + r * qkv_w, NULL, L->q_norm, qkv + r * qkv_w, hq, d, m->eps, 1);
@@ -181,11 +174,11 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
                                        width, lens, t, m->scale, L->window, L->softcap, NULL, attn, slots, pos,
                                        m->cos, m->sin, nthreads)))
             break;
-        if ((rc = project_lora(&L->o, attn, t, x, tmp, lora_mask, lora_slots, nthreads))) break;
+        if ((rc = project_lora(&L->o, attn, t, x, tmp, lora_slots, nthreads))) break;
         cpu_rms_norm(x, residual, L->post_norm, normed, t, h, m->eps, nthreads);
-        if ((rc = project_lora(&L->gate_up, normed, t, gate_up, tmp, lora_mask, lora_slots, nthreads))) break;
+        if ((rc = project_lora(&L->gate_up, normed, t, gate_up, tmp, lora_slots, nthreads))) break;
         cpu_gated_act(gate_up, t, inter, m->act, act, nthreads);
-        rc = project_lora(&L->down, act, t, x, tmp, lora_mask, lora_slots, nthreads);
+        rc = project_lora(&L->down, act, t, x, tmp, lora_slots, nthreads);
     }
     free(normed); free(qkv); free(attn); free(gate_up); free(act); free(tmp);
     return rc;

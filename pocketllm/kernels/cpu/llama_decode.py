@@ -118,14 +118,13 @@ class LlamaDecoder:
         for t in (positions, tables, lens, slots):
             assert t.dtype == torch.int64 and t.is_contiguous()
         residual = torch.empty_like(x)
-        mask = None if self._lora_rows is None else self._lora_rows.mask
-        if mask is not None:
-            mask = mask[:x.shape[0]].reshape(x.shape[0], -1).contiguous()  # (decode rows come first)
-            assert mask.dtype == torch.float32
+        lora = None if self._lora_rows is None else self._lora_rows.slots  # each row's adapter slot
+        if lora is not None:
+            lora = lora[:x.shape[0]].contiguous()  # (decode rows come first)
         rc = self._lib.llama_decode(ctypes.byref(self._spec), x.data_ptr(), residual.data_ptr(), x.shape[0],
                                     positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                    lens.data_ptr(), None if mask is None else mask.data_ptr(),
-                                    0 if mask is None else mask.shape[1], torch.get_num_threads())
+                                    lens.data_ptr(), None if lora is None else lora.data_ptr(),
+                                    torch.get_num_threads())
         assert rc == 0, f"llama_decode failed ({rc})"
         return x, residual
 
