@@ -68,6 +68,50 @@ def test_adapters_and_the_base_model_in_one_batch_give_transformers_peft_tokens(
         assert len(llm.engine.lora.host) == max_loras
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")
+def test_the_gpus_grouped_kernels_give_transformers_peft_tokens(adapters, monkeypatch):
+    """The GPU's kernels (Triton's interpreter on CPU tensors): rows sorted by adapter, each slot's rows
+    multiplied by its own A and B (kernels/triton/lora.py), in a batch mixing both adapters and the base."""
+    from pocketllm.kernels import platform
+
+    monkeypatch.setattr(platform, "TRITON_DEVICES", {"cuda", "cpu"})
+    model, path, dirs, refs = adapters
+    prompts = prompts_of([5, 12])
+    jobs = [(p, name) for p in prompts for name in ("a", None, "b")]
+    llm = _engine(path, dirs, max_loras=2)
+    assert llm.engine.lora.rows.grouped
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in jobs], SamplingParams(temperature=0, max_tokens=8,
+                        ignore_eos=True), use_tqdm=False, lora_request=[name and LoRARequest(name) for _, name in jobs])
+    for (p, name), out in zip(jobs, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(refs.get(name, model), p, 8), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")
+def test_grouped_adapter_products_equal_the_masked_ones():
+    """The two ways of layers.lora on random slots: more rows of a slot than one chunk, rows without an
+    adapter, a slot no row uses, and a grid of more chunks than needed (as a CUDA graph's is)."""
+    from pocketllm.layers.lora import LoRARows, LoRASlots
+
+    torch.manual_seed(0)
+    slots = [2, -1, 0, 2, 2, -1] + [0] * 19 + [2]
+    x = torch.randn(len(slots), 40)
+    got = {}
+    for grouped in (True, False):
+        rows = LoRARows(4, torch.device("cpu"), grouped=grouped, capacity=64)
+        layer = LoRASlots(40, [24, 8], rows, max_rank=8, dtype=torch.float32, device="cpu")
+        g = torch.Generator().manual_seed(1)
+        for slot, rank in ((0, 8), (2, 3), (3, 5)):
+            for part, out in enumerate((24, 8)):
+                layer.put(slot, part, torch.randn(rank, 40, generator=g), torch.randn(out, rank, generator=g))
+        rows.set(slots)
+        if grouped:
+            rows.chunks += 2
+        y = torch.randn(len(slots), 32, generator=torch.Generator().manual_seed(2))
+        got[grouped] = layer.add(x, y.clone())
+        assert torch.equal(got[grouped][[1, 5]], y[[1, 5]]), "rows without an adapter are untouched"
+    assert torch.allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
+
+
 def test_speculative_decoding_verifies_drafts_under_each_requests_adapter(adapters):
     """n-gram drafts are verified as decode rows of the request's own adapter: the tokens stay peft's."""
     _, path, dirs, refs = adapters

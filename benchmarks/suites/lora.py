@@ -7,7 +7,7 @@ down), written as PEFT directories in a temporary folder, for the default model 
 
     python benchmarks/suites/lora.py --threads 2 --reps 5 --out benchmarks/results/cpu-lora/run.json
     python benchmarks/suites/lora.py --model llama3-8b --load-format dummy --device cuda --dtype bfloat16 \\
-        --adapters 8 --requests 64 --out benchmarks/results/h100-lora.json
+        --adapters 8 --requests 64 1 --out benchmarks/results/h100-lora.json
 """
 from __future__ import annotations
 
@@ -66,14 +66,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--adapters", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, nargs="+", default=[8], help="concurrent requests; several: each in turn")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    most = max(a.requests)
     common = dict(device=a.device, dtype=a.dtype, load_format=a.load_format, num_threads=a.threads,
-                  max_model_len=a.input_len + a.output_len + 16, max_num_seqs=a.requests)
+                  max_model_len=a.input_len + a.output_len + 16, max_num_seqs=most)
+    if a.device == "cuda":  # two engines on one card: each a cache for its requests, not the card's memory
+        common["num_kv_blocks"] = most * (-(-common["max_model_len"] // 16) + 1)
     base = LLM(a.model, **common)
     tmp = Path(tempfile.mkdtemp())
     for i in range(a.adapters):
@@ -81,22 +84,23 @@ def main() -> None:
     lora = LLM(a.model, **common, enable_lora=True, max_loras=a.adapters, max_lora_rank=a.rank,
                lora_modules=[f"adapter{i}={tmp / f'adapter{i}'}" for i in range(a.adapters)])
     vocab = base.engine.model_config.vocab_size
-    prompts = [[(7 + 13 * i + 31 * j) % (vocab - 10) + 5 for j in range(a.input_len)] for i in range(a.requests)]
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-    loras = [LoRARequest(f"adapter{i % a.adapters}") for i in range(a.requests)]
-    runs = {"base": [], "lora": [], "lora_engine_base_rows": []}
-    cases = [("base", base, None), ("lora", lora, loras), ("lora_engine_base_rows", lora, None)]
-    for _, llm, lr in cases:  # warm-up (and the prefix cache holds every prompt from here on)
-        decode_rate(llm, prompts, params, lr)
-    for _ in range(a.reps):
-        for name, llm, lr in cases:
-            runs[name].append(decode_rate(llm, prompts, params, lr))
-    best = {k: max(v) for k, v in runs.items()}
     result = {**environment(), "command": " ".join(sys.argv), "adapters": a.adapters, "rank": a.rank,
-              "requests": a.requests, "input_len": a.input_len, "output_len": a.output_len, "runs": runs,
-              "best_decode_tok_s": best, "lora_over_base": best["lora"] / best["base"],
-              "lora_engine_base_rows_over_base": best["lora_engine_base_rows"] / best["base"]}
-    print(json.dumps(result, indent=1))
+              "input_len": a.input_len, "output_len": a.output_len, "by_requests": {}}
+    for n in a.requests:
+        prompts = [[(7 + 13 * i + 31 * j) % (vocab - 10) + 5 for j in range(a.input_len)] for i in range(n)]
+        loras = [LoRARequest(f"adapter{i % a.adapters}") for i in range(n)]
+        runs = {"base": [], "lora": [], "lora_engine_base_rows": []}
+        cases = [("base", base, None), ("lora", lora, loras), ("lora_engine_base_rows", lora, None)]
+        for _, llm, lr in cases:  # warm-up (and the prefix cache holds every prompt from here on)
+            decode_rate(llm, prompts, params, lr)
+        for _ in range(a.reps):
+            for name, llm, lr in cases:
+                runs[name].append(decode_rate(llm, prompts, params, lr))
+        best = {k: max(v) for k, v in runs.items()}
+        result["by_requests"][n] = {"runs": runs, "best_decode_tok_s": best, "lora_over_base": best["lora"] / best["base"],
+                                    "lora_engine_base_rows_over_base": best["lora_engine_base_rows"] / best["base"]}
+        print(n, "requests:", json.dumps(result["by_requests"][n]), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 

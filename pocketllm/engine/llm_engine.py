@@ -266,10 +266,13 @@ class LLMEngine:
         if self.ranks is not None:
             self.ranks.wait_loaded()
         self.lora = None
+        # each sequence's drafts are decode rows of their own: the graphs hold them all
+        max_decode_rows = args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         if args.enable_lora:  # (its slots take memory before the KV cache is sized)
             from pocketllm.engine.lora_manager import LoRAManager
 
-            self.lora = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
+            self.lora = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
+                                    max_rows=max(max_decode_rows, args.max_num_batched_tokens))
             for name, path in args.lora_paths.items():
                 self.lora.load(name, path)
         self.load_time = time.perf_counter() - t0
@@ -282,13 +285,9 @@ class LLMEngine:
             from pocketllm.layers.linear import use_row_invariant_gemms
 
             log.info("speculative decoding: %d projections on the row-invariant GEMM", use_row_invariant_gemms(model))
-        # each sequence's drafts are decode rows of their own: the graphs hold them all
-        # (LoRA steps run eagerly: the rows of each adapter change from step to step)
-        self.runner = self.worker.build_runner(
-            num_blocks, self.block_size, self.max_model_len,
-            max_decode_rows=args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
-            enforce_eager=args.enforce_eager or args.enable_lora)
-        self.runner.lora_rows = None if self.lora is None else self.lora.rows
+        self.runner = self.worker.build_runner(num_blocks, self.block_size, self.max_model_len,
+                                               max_decode_rows=max_decode_rows,
+                                               lora_rows=None if self.lora is None else self.lora.rows)
         return model, num_blocks
 
     def on_ranks_lost(self, callback) -> None:

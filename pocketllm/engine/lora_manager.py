@@ -22,11 +22,15 @@ from pocketllm.loaders.lora_adapter import LoRAAdapter, lora_layers, read_adapte
 
 
 class LoRAManager:
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int):
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int, max_rows: int):
+        """`max_rows`: the most rows of a step."""
         self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
-        self.rows = LoRARows(max_loras)
+        targets = lora_layers(model)
+        assert targets, "a runtime that declares LoRA has projections to target"
+        first = next(iter(targets.values()))  # (the model's kernels: the GPU's group the rows by adapter)
+        self.rows = LoRARows(max_loras, first.device, grouped=first.kernels.gpu, capacity=max_rows)
         self.layers: dict[str, LoRASlots] = {}
-        for path, linear in lora_layers(model).items():
+        for path, linear in targets.items():
             linear.lora = self.layers[path] = LoRASlots(linear.in_features, linear.out_sizes, self.rows, max_rank,
                                                         linear.dtype, linear.device)
         # (the CPU's one-call decoder computes the projections without adapters: steps with adapter rows skip it)

@@ -6,11 +6,14 @@ per part: part i's A rows in a slot are i * r .. i * r + rank_i, its B block is 
 own output rows, zeros elsewhere, so one pair of products gives every part its own adapter (the zeros
 add exactly nothing). The scaling (alpha / rank, or alpha / sqrt(rank) for rsLoRA) is folded into B.
 
-A step's rows each run the adapter of their request's slot (or none). Each layer multiplies every row
-by every slot's A at once (one product: slots * parts * r columns, small beside the layer's own), keeps
-each row's own slot's columns (`LoRARows.mask`, made once a step), and adds that times B to its base
-output: three operations a layer whatever the mix of adapters, after the base product (dense or
-quantized, unchanged). A step without adapter rows does none of it."""
+A step's rows each run the adapter of their request's slot (or none); a step without adapter rows
+does none of what follows. Two ways, by the layer's kernels (chosen once, `LoRARows.grouped`):
+- grouped (the GPU's): the rows sorted by slot, each slot's rows multiplied by its own A and B only
+  (kernels/triton/lora.py, Punica's SGMV), two launches a layer; CUDA graphs capture them once.
+- masked (the CPU's torch layers): every row times every slot's A at once (one product: slots * parts
+  * r columns, small beside the layer's own), each row keeping its own slot's columns
+  (`LoRARows.mask`), times B. The CPU's one-call decoder reads the rows' slots itself.
+Either adds to the base output (dense or quantized, unchanged)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,35 +22,76 @@ import torch
 
 
 class LoRARows:
-    """Each row's slot for the step (`slots`, int64 on the host, -1 for none: the CPU's one-call decoder
-    reads them) and the same as a [rows, slots, 1] mask of ones and zeros on the device (the layers');
-    both None when no row has an adapter. Set by the runner before each forward."""
+    """Each row's slot for the step, set by the runner before each forward: `slots` (int64 on the host,
+    -1 for none: the CPU's one-call decoder reads them), and per the module's two ways either `perm` /
+    `seg` on the device (rows sorted by slot; slot s owns perm[seg[s]:seg[s + 1]]) or `mask`
+    ([rows, slots, 1] ones and zeros). `active`: some row has an adapter."""
 
-    def __init__(self, max_loras: int):
-        self.max_loras = max_loras
+    def __init__(self, max_loras: int, device: torch.device, *, grouped: bool, capacity: int = 0):
+        """`capacity`: the most rows of a step (grouped: its buffers are fixed, for CUDA graphs)."""
+        self.max_loras, self.device, self.grouped = max_loras, device, grouped
+        self.active = False
         self.slots: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self._cast: dict[torch.dtype, torch.Tensor] = {}
+        if grouped:
+            self._perm = torch.zeros(max(capacity, 1), dtype=torch.int32, device=device)
+            self.perm = self._perm
+            self.seg = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
+            self.chunks = 0  # the grid's chunks of rows (kernels/triton/lora.py)
 
-    def set(self, slots: list[int], device: torch.device) -> None:
+    def set(self, slots: list[int]) -> None:
         """`slots`: each row's slot, -1 for a row without an adapter."""
         self._cast = {}
-        if all(s < 0 for s in slots):
-            self.slots = self.mask = None
+        self.active = any(s >= 0 for s in slots)
+        self.slots = torch.tensor(slots, dtype=torch.int64) if self.active else None
+        self.mask = None
+        if not self.active:
             return
-        self.slots = torch.tensor(slots, dtype=torch.int64)
-        self.mask = (self.slots[:, None] == torch.arange(self.max_loras)[None, :]).float()[:, :, None].to(device)
+        if not self.grouped:
+            self.mask = (self.slots[:, None] == torch.arange(self.max_loras)[None, :]).float()[:, :, None].to(
+                self.device)
+            return
+        from pocketllm.kernels.triton.lora import BLOCK_M
+
+        perm = sorted((i for i, s in enumerate(slots) if s >= 0), key=slots.__getitem__)
+        counts = torch.bincount(self.slots[self.slots >= 0], minlength=self.max_loras)
+        seg = [0] + torch.cumsum(counts, 0).tolist()
+        self.chunks = -(-int(counts.max()) // BLOCK_M)
+        host = torch.tensor(perm + seg, dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # (copied behind the queued steps, without waiting for them)
+        # a step of more rows than the graphs' buffers (never a graph's): buffers of its own
+        self.perm = self._perm if len(perm) <= self._perm.numel() else torch.empty_like(host[:len(perm)],
+                                                                                        device=self.device)
+        self.perm[:len(perm)].copy_(host[:len(perm)], non_blocking=True)
+        self.seg.copy_(host[len(perm):], non_blocking=True)
+
+    @contextlib.contextmanager
+    def capturing(self, rows: int):
+        """Within: a CUDA graph of `rows` rows is captured with the adapters' kernels, for any mix of
+        slots (no row has one while it warms up and captures)."""
+        from pocketllm.kernels.triton.lora import BLOCK_M
+
+        assert self.grouped and rows <= self._perm.numel(), rows
+        self.seg.zero_()
+        self.active, self.perm, self.chunks = True, self._perm, -(-rows // BLOCK_M)
+        try:
+            yield
+        finally:
+            self.active = False
 
     @contextlib.contextmanager
     def after(self, n: int):
         """Within: the rows from `n` on (a step's prompt chunks, run apart from its decode rows)."""
-        slots, mask = self.slots, self.mask
-        if mask is not None:
-            self.slots, self.mask, self._cast = slots[n:], mask[n:], {}
+        slots = None if self.slots is None else self.slots.tolist()
+        if slots is not None:
+            self.set(slots[n:])
         try:
             yield
         finally:
-            self.slots, self.mask, self._cast = slots, mask, {}
+            if slots is not None:
+                self.set(slots)
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._cast:
@@ -79,8 +123,14 @@ class LoRASlots:
         self.bt[slot * self.width:(slot + 1) * self.width].zero_()
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y plus each row's adapter product (x, y: [rows, in], [rows, out])."""
-        if self.rows.mask is None:
+        """y plus each row's adapter product (x, y: [rows, in], [rows, out]; grouped: y in place)."""
+        rows = self.rows
+        if not rows.active:
+            return y
+        if rows.grouped:
+            from pocketllm.kernels.triton.lora import add_lora
+
+            add_lora(x, self.a, self.bt, y, rows.perm, rows.seg, rows.chunks)
             return y
         xa = (x.to(self.a.dtype) @ self.a.T).view(x.shape[0], -1, self.width) * self.rows.mask_as(self.a.dtype)
         return y + (xa.view(x.shape[0], -1) @ self.bt).to(y.dtype)

@@ -5,9 +5,13 @@ graph. Inputs live in persistent device buffers that each step overwrites (throu
 staging buffers, without a host sync); padding rows write no KV (slot -1) and attend to one
 stale slot, so their outputs are finite and ignored. All graphs share one memory pool; the
 hidden states a replay returns stay valid until the next replay. Each KV group (a model with
-sliding-window layers has several) has its own static slots and block tables.
+sliding-window layers has several) has its own static slots and block tables. With LoRA adapters
+each bucket has a second graph, with the adapters' kernels, for steps where some row has one: their
+rows and slots are in the LoRARows' fixed buffers, so one graph serves every mix.
 """
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -24,8 +28,9 @@ def buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, device: torch.device, max_batch: int, max_blocks: int,
-                 windows: tuple[int | None, ...] = (None,)):
+                 windows: tuple[int | None, ...] = (None,), lora_rows=None):
         self.model = model
+        self.lora_rows = lora_rows  # (layers.lora.LoRARows)
         self.windows = windows  # per KV group
         num_groups = len(windows)
         self.sizes = buckets(max_batch)
@@ -47,7 +52,7 @@ class DecodeGraphs:
         for slots in self.slots:
             slots.fill_(-1)
         self.seq_lens.fill_(1)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, adapters)
         self._copied: torch.cuda.Event | None = None  # the staging buffers are free once it fires
         self._capture_all(device)
 
@@ -70,12 +75,14 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
-                meta = self._meta(b)
-                self.model(self.ids[:b], self.pos[:b], meta)  # compiles the kernels, warms cuBLAS
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    hidden = self.model(self.ids[:b], self.pos[:b], meta)
-                self.graphs[b] = (graph, hidden)
+                for adapters in (False, True) if self.lora_rows is not None else (False,):
+                    with self.lora_rows.capturing(b) if adapters else contextlib.nullcontext():
+                        meta = self._meta(b)
+                        self.model(self.ids[:b], self.pos[:b], meta)  # compiles the kernels, warms cuBLAS
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool, stream=stream):
+                            hidden = self.model(self.ids[:b], self.pos[:b], meta)
+                    self.graphs[b, adapters] = (graph, hidden)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
 
@@ -115,6 +122,6 @@ class DecodeGraphs:
         if pending is not None:
             dst, tokens, src = pending
             self.ids[dst] = tokens[src]
-        graph, hidden = self.graphs[b]
+        graph, hidden = self.graphs[b, self.lora_rows is not None and self.lora_rows.active]
         graph.replay()
         return hidden if n == b else hidden[:n]  # the whole output keeps the form its norm wrote (int8_act)

@@ -76,7 +76,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, seed: int = 0, max_decode_rows: int = 64, max_model_len: int = 2048,
                  enforce_eager: bool = False, kv_layout: KVLayout | None = None, reserve_kv: bool = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", lora_rows=None):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -108,7 +108,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         # each step's final hidden states (every row, in the step's row order) kept for a drafter that reads them
         self.keep_hidden = False
-        self.lora_rows = None  # LoRA adapters (layers.lora.LoRARows): each step's rows get their request's slot
+        self.lora_rows = lora_rows  # LoRA adapters (layers.lora.LoRARows): each step's rows get their request's slot
         self.use_kernels = device.type == "cuda"
         # CUDA: time each step on the GPU's clock (benchmarks; the host's clock times the launch
         # under asynchronous scheduling). Reading a step's time waits for it, chunks without samples too.
@@ -127,7 +127,8 @@ class ModelRunner:
             from pocketllm.runner.cuda_graphs import DecodeGraphs
 
             largest = min(max_decode_rows, model.capabilities.cuda_graph_max_batch or max_decode_rows)
-            self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows)
+            self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows,
+                                       lora_rows)
 
     @staticmethod
     def kv_bytes_per_block(kv: KVShape, layout: KVLayout, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1,
@@ -322,8 +323,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         step = self.flatten(out, prev)
         if self.lora_rows is not None:  # (rows in the step's order: a request's rows together)
-            self.lora_rows.set([sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)],
-                               self.device)
+            self.lora_rows.set([sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)])
         score_rows = [r0 + j for _, _, r0, ts in step.prompt_scores for j in range(len(ts))]  # hidden rows
         dev = self.device
         rows = step.logits_rows
