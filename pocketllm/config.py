@@ -142,7 +142,6 @@ class EngineArgs:
                  f"model path {self.model!r} does not exist; give a Hugging Face model directory, a .gguf file "
                  "or a name on the hub (org/name[@revision][:QUANT])")
         need(self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora")
-        need(not self.enable_lora or self.tensor_parallel_size == 1, "LoRA adapters run with tensor_parallel_size 1")
         need(isinstance(self.max_loras, int) and self.max_loras >= 1, f"max_loras must be >= 1; got {self.max_loras!r}")
         need(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
              f"max_lora_rank must be >= 1; got {self.max_lora_rank!r}")

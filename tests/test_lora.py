@@ -112,6 +112,24 @@ def test_grouped_adapter_products_equal_the_masked_ones():
     assert torch.allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
 
 
+def test_two_tensor_parallel_ranks_give_transformers_peft_tokens(adapters):
+    """Two ranks (gloo), each holding its share of every adapter as of its layers (B's rows for the
+    column-parallel projections, A's columns for the row-parallel ones), filled as rank 0 fills its slots:
+    one slot for two adapters, so the ranks' slots change mid-run."""
+    model, path, dirs, refs = adapters
+    prompts = prompts_of([5, 17])
+    jobs = [(p, name) for p in prompts for name in ("a", None, "b")]
+    llm = _engine(path, dirs, max_loras=1, tensor_parallel_size=2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in jobs], SamplingParams(
+            temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False,
+            lora_request=[name and LoRARequest(name) for _, name in jobs])
+    finally:
+        llm.shutdown()
+    for (p, name), out in zip(jobs, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(refs.get(name, model), p, NEW), name
+
+
 def test_speculative_decoding_verifies_drafts_under_each_requests_adapter(adapters):
     """n-gram drafts are verified as decode rows of the request's own adapter: the tokens stay peft's."""
     _, path, dirs, refs = adapters

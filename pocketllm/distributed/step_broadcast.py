@@ -1,6 +1,7 @@
 """How rank 0 tells the other tensor-parallel ranks what to run: each step as two broadcasts of
-int64 tensors (a 2-entry header, then the step's flattened positions, slots, block tables and the
-rows whose logits are computed) plus one of the input ids as rank 0 built them on its device
+int64 tensors (a 2-entry header, then the step's flattened positions, slots, block tables, the
+rows whose logits are computed and, with LoRA adapters, each row's adapter slot and the adapters
+put into slots since the last step) plus one of the input ids as rank 0 built them on its device
 (with the tokens still in flight from the step before filled in). No Python objects are pickled."""
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from pocketllm.core.step import StepInputs
 STEP, STOP = 1, 2
 
 
-def encode(step: StepInputs, score_rows: list[int]) -> list[int]:
+def encode(step: StepInputs, score_rows: list[int], lora_slots: list[int] | None = None,
+           fills: list[tuple[int, int, str]] = ()) -> list[int]:
     """The step as ints: counts, then positions, (query_len, context_len) per row, per KV group
-    the slots and the block tables (lengths, then entries), the logits rows and the prompt rows
-    scored (``score_rows``)."""
+    the slots and the block tables (lengths, then entries), the logits rows, the prompt rows
+    scored (``score_rows``), each row's LoRA slot and the adapters filled: (slot, identity, path)."""
     n_groups = len(step.slots)
-    out = [len(step.positions), len(step.rows), step.num_decodes, n_groups, len(step.logits_rows), len(score_rows)]
+    fill_ints = [v for slot, ident, path in fills for v in (slot, ident, len(path.encode()), *path.encode())]
+    out = [len(step.positions), len(step.rows), step.num_decodes, n_groups, len(step.logits_rows), len(score_rows),
+           len(lora_slots or ()), len(fill_ints)]
     out += step.positions
     out += [v for row in step.rows for v in row]
     for g in range(n_groups):
@@ -26,13 +30,15 @@ def encode(step: StepInputs, score_rows: list[int]) -> list[int]:
         out += [b for t in step.tables[g] for b in t]
     out += step.logits_rows
     out += score_rows
-    return out
+    out += lora_slots or ()
+    return out + fill_ints
 
 
-def decode(flat: list[int]) -> tuple[StepInputs, list[int]]:
-    """``encode``'s inverse: the step (without input ids or sampling state) and its scored rows."""
-    n_tok, n_rows, num_decodes, n_groups, n_logits, n_scores = flat[:6]
-    i = 6
+def decode(flat: list[int]) -> tuple[StepInputs, list[int], list[int], list[tuple[int, int, str]]]:
+    """``encode``'s inverse: the step (without input ids or sampling state), its scored rows, its rows'
+    LoRA slots and the adapters filled."""
+    n_tok, n_rows, num_decodes, n_groups, n_logits, n_scores, n_lora, n_fill = flat[:8]
+    i = 8
 
     def take(n: int) -> list[int]:
         nonlocal i
@@ -49,8 +55,13 @@ def decode(flat: list[int]) -> tuple[StepInputs, list[int]]:
         tables.append([take(n) for n in lens])
     logits_rows = take(n_logits)
     score_rows = take(n_scores)
+    lora_slots = take(n_lora)
+    fills, end = [], i + n_fill
+    while i < end:
+        slot, ident, n = take(3)
+        fills.append((slot, ident, bytes(take(n)).decode()))
     assert i == len(flat), (i, len(flat))
-    return StepInputs([], positions, slots, rows, tables, num_decodes, logits_rows, []), score_rows
+    return StepInputs([], positions, slots, rows, tables, num_decodes, logits_rows, []), score_rows, lora_slots, fills
 
 
 class StepBroadcast:
@@ -64,8 +75,9 @@ class StepBroadcast:
         dist.broadcast(t, src=0)
         return t
 
-    def send(self, step: StepInputs, score_rows: list[int], ids: torch.Tensor) -> None:
-        flat = encode(step, score_rows)
+    def send(self, step: StepInputs, score_rows: list[int], ids: torch.Tensor, lora_slots: list[int] | None = None,
+             fills: list[tuple[int, int, str]] = ()) -> None:
+        flat = encode(step, score_rows, lora_slots, fills)
         self._bcast(torch.tensor([STEP, len(flat)], dtype=torch.long))
         self._bcast(torch.tensor(flat, dtype=torch.long))
         self._bcast(ids)
@@ -73,11 +85,11 @@ class StepBroadcast:
     def stop(self) -> None:
         self._bcast(torch.tensor([STOP, 0], dtype=torch.long))
 
-    def recv(self) -> tuple[StepInputs, list[int], torch.Tensor] | None:
-        """The next step (None: stop)."""
+    def recv(self) -> tuple[StepInputs, list[int], torch.Tensor, list[int], list[tuple[int, int, str]]] | None:
+        """The next step: (step, scored rows, input ids, rows' LoRA slots, adapters filled); None: stop."""
         head = self._bcast(torch.zeros(2, dtype=torch.long)).tolist()
         if head[0] == STOP:
             return None
-        step, score_rows = decode(self._bcast(torch.zeros(head[1], dtype=torch.long)).tolist())
+        step, score_rows, lora_slots, fills = decode(self._bcast(torch.zeros(head[1], dtype=torch.long)).tolist())
         ids = self._bcast(torch.zeros(len(step.positions), dtype=torch.long))
-        return step, score_rows, ids
+        return step, score_rows, ids, lora_slots, fills

@@ -269,7 +269,7 @@ class LLMEngine:
         # each sequence's drafts are decode rows of their own: the graphs hold them all
         max_decode_rows = args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         if args.enable_lora:  # (its slots take memory before the KV cache is sized)
-            from pocketllm.engine.lora_manager import LoRAManager
+            from pocketllm.runner.lora_manager import LoRAManager
 
             self.lora = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
                                     max_rows=max(max_decode_rows, args.max_num_batched_tokens))
@@ -287,7 +287,7 @@ class LLMEngine:
             log.info("speculative decoding: %d projections on the row-invariant GEMM", use_row_invariant_gemms(model))
         self.runner = self.worker.build_runner(num_blocks, self.block_size, self.max_model_len,
                                                max_decode_rows=max_decode_rows,
-                                               lora_rows=None if self.lora is None else self.lora.rows)
+                                               lora=self.lora)
         return model, num_blocks
 
     def on_ranks_lost(self, callback) -> None:

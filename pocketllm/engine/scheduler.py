@@ -42,7 +42,7 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, lora=None):
-        """`lora` (LoRA adapters, engine.lora_manager): `acquire(request)` gives an admitted request its
+        """`lora` (LoRA adapters, runner.lora_manager): `acquire(request)` gives an admitted request its
         adapter's slot or says no (it waits), `release(request)` gives it back when it stops running."""
         self.config = config
         self.kv = kv

@@ -73,6 +73,7 @@ class Linear(torch.nn.Module):
         super().__init__()
         tp = get_tp()
         self.tp = tp
+        self.checkpoint_shape = (list(out_sizes), in_features)  # the whole layer's, before sharding
         self.rows: list[tuple[int, int]] | None = None  # per part: this rank's rows of it
         self.cols: tuple[int, int] | None = None  # this rank's input features
         self.reduce, self.gather = False, False

@@ -52,20 +52,15 @@ class LoRARows:
             self.mask = (self.slots[:, None] == torch.arange(self.max_loras)[None, :]).float()[:, :, None].to(
                 self.device)
             return
-        from pocketllm.kernels.triton.lora import BLOCK_M
+        from pocketllm.kernels.triton.lora import BLOCK_M, upload
 
         perm = sorted((i for i, s in enumerate(slots) if s >= 0), key=slots.__getitem__)
         counts = torch.bincount(self.slots[self.slots >= 0], minlength=self.max_loras)
-        seg = [0] + torch.cumsum(counts, 0).tolist()
         self.chunks = -(-int(counts.max()) // BLOCK_M)
-        host = torch.tensor(perm + seg, dtype=torch.int32)
-        if self.device.type == "cuda":
-            host = host.pin_memory()  # (copied behind the queued steps, without waiting for them)
         # a step of more rows than the graphs' buffers (never a graph's): buffers of its own
-        self.perm = self._perm if len(perm) <= self._perm.numel() else torch.empty_like(host[:len(perm)],
-                                                                                        device=self.device)
-        self.perm[:len(perm)].copy_(host[:len(perm)], non_blocking=True)
-        self.seg.copy_(host[len(perm):], non_blocking=True)
+        self.perm = self._perm if len(perm) <= self._perm.numel() else torch.empty(
+            len(perm), dtype=torch.int32, device=self.device)
+        upload(perm + [0] + torch.cumsum(counts, 0).tolist(), self.perm[:len(perm)], self.seg)
 
     @contextlib.contextmanager
     def capturing(self, rows: int):

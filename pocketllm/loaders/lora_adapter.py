@@ -140,11 +140,18 @@ def _assemble(where: str, name: str, path, model: torch.nn.Module, rank: int, sc
         if set(ab) != {"A", "B"}:
             raise ConfigurationError(f"{where}: {parent}.{leaf} has lora_{''.join(ab)} alone")
         a, b = ab["A"], ab["B"]
-        want_a, want_b = (rank, layer.in_features), (layer.out_sizes[part], rank)
-        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+        outs, ins = layer.checkpoint_shape
+        if tuple(a.shape) != (rank, ins) or tuple(b.shape) != (outs[part], rank):
             raise ConfigurationError(f"{where}: {parent}.{leaf} is [{', '.join(map(str, b.shape))}] x "
                                      f"[{', '.join(map(str, a.shape))}], the model's layer takes "
-                                     f"[{want_b[0]}, {rank}] x [{rank}, {want_a[1]}]: an adapter of another base model")
+                                     f"[{outs[part]}, {rank}] x [{rank}, {ins}]: an adapter of another base model")
+        # tensor parallelism: this rank's share, as its layer's weight is shared (B's rows, or A's columns)
+        if layer.rows:
+            lo, n = layer.rows[part]
+            b = b[lo:lo + n]
+        if layer.cols:
+            lo, n = layer.cols
+            a = a[:, lo:lo + n]
         weights.setdefault(ours, []).append((part, a.float(), b.float() * scaling))
     if not weights:
         raise ConfigurationError(f"{where}: the adapter holds no LoRA weights")

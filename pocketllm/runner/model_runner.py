@@ -76,7 +76,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, seed: int = 0, max_decode_rows: int = 64, max_model_len: int = 2048,
                  enforce_eager: bool = False, kv_layout: KVLayout | None = None, reserve_kv: bool = False,
-                 kv_cache_dtype: str = "auto", lora_rows=None):
+                 kv_cache_dtype: str = "auto", lora=None):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -108,7 +108,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         # each step's final hidden states (every row, in the step's row order) kept for a drafter that reads them
         self.keep_hidden = False
-        self.lora_rows = lora_rows  # LoRA adapters (layers.lora.LoRARows): each step's rows get their request's slot
+        # LoRA adapters (runner.lora_manager.LoRAManager): each step's rows get their request's slot
+        self.lora = lora
         self.use_kernels = device.type == "cuda"
         # CUDA: time each step on the GPU's clock (benchmarks; the host's clock times the launch
         # under asynchronous scheduling). Reading a step's time waits for it, chunks without samples too.
@@ -128,7 +129,7 @@ class ModelRunner:
 
             largest = min(max_decode_rows, model.capabilities.cuda_graph_max_batch or max_decode_rows)
             self.graphs = DecodeGraphs(model, device, largest, -(-max_model_len // block_size), self.windows,
-                                       lora_rows)
+                                       None if lora is None else lora.rows)
 
     @staticmethod
     def kv_bytes_per_block(kv: KVShape, layout: KVLayout, block_size: int, kv_dtype: torch.dtype, tp_size: int = 1,
@@ -322,8 +323,10 @@ class ModelRunner:
         `prev` is the step before, whose sampled tokens some decode rows take as input."""
         t0 = time.perf_counter()
         step = self.flatten(out, prev)
-        if self.lora_rows is not None:  # (rows in the step's order: a request's rows together)
-            self.lora_rows.set([sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)])
+        lora_slots = None
+        if self.lora is not None:  # (rows in the step's order: a request's rows together)
+            lora_slots = [sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)]
+            self.lora.rows.set(lora_slots)
         score_rows = [r0 + j for _, _, r0, ts in step.prompt_scores for j in range(len(ts))]  # hidden rows
         dev = self.device
         rows = step.logits_rows
@@ -350,7 +353,7 @@ class ModelRunner:
             pos = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
             if self.broadcast is not None:
                 self.ranks_mid_step = True
-                self.broadcast.send(step, score_rows, ids)
+                self.broadcast.send(step, score_rows, ids, lora_slots, self.lora.take_fills() if self.lora else ())
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
         # (a graph's output is overwritten by its next replay)
@@ -384,7 +387,11 @@ class ModelRunner:
         The forward, and the LM head on the same rows as rank 0's (its logits are gathered
         there): prompt rows scored, then the rows sampled."""
         while (received := self.broadcast.recv()) is not None:
-            step, score_rows, ids = received
+            step, score_rows, ids, lora_slots, fills = received
+            if self.lora is not None:
+                for slot, ident, path in fills:
+                    self.lora.fill_from(slot, ident, path)
+                self.lora.rows.set(lora_slots)
             pos = torch.tensor(step.positions, dtype=torch.long).to(self.device)
             hidden = self.model(ids.to(self.device), pos, self._metadata(step))
             for _ in self._score_logits(hidden, torch.tensor(score_rows, dtype=torch.long, device=hidden.device)):

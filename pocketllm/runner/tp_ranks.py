@@ -115,12 +115,19 @@ def _rank_main(spec: RankSpec, rank: int, conn) -> None:
 
         args, device = spec.args, rank_device(spec.device_type, rank)
         worker = Worker.open(args.model, args, device, spec.dtype)
-        worker.load(spec.max_model_len)
+        model = worker.load(spec.max_model_len)
+        lora = None
+        if args.enable_lora:  # (slots filled as rank 0 fills its own: ModelRunner.follow)
+            from pocketllm.runner.lora_manager import LoRAManager
+
+            lora = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
+                               max_rows=args.max_num_batched_tokens or 0)
         conn.send(None)
         blocks = torch.zeros(1, dtype=torch.long, device=device)
         dist.broadcast(blocks, src=0)
         # rank 0 captures the graphs; a rank replays the steps it is sent, eagerly
-        worker.build_runner(int(blocks.item()), args.block_size, spec.max_model_len, enforce_eager=True).follow()
+        worker.build_runner(int(blocks.item()), args.block_size, spec.max_model_len, enforce_eager=True,
+                            lora=lora).follow()
     except BaseException:  # noqa: BLE001  (rank 0 raises it, or its watchdog reports it)
         with contextlib.suppress(OSError):
             conn.send(traceback.format_exc())

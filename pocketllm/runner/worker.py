@@ -46,7 +46,7 @@ class Worker:
 
     def build_runner(self, num_blocks: int, block_size: int, max_model_len: int, *, max_decode_rows: int = 64,
                      enforce_eager: bool | None = None, kv_layout: KVLayout | None = None,
-                     lora_rows=None) -> ModelRunner:
+                     lora=None) -> ModelRunner:
         assert self.model is not None, "load() first"
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.args.seed,
                                   max_decode_rows=max_decode_rows, max_model_len=max_model_len,
@@ -54,5 +54,5 @@ class Worker:
                                   enforce_eager=(self.args.enforce_eager if enforce_eager is None else enforce_eager)
                                   or self.args.cpu_offload_experts is not None,
                                   kv_layout=kv_layout or self.runtime.kv_layout, reserve_kv=self.args.reserve_kv_cache,
-                                  kv_cache_dtype=self.args.kv_cache_dtype, lora_rows=lora_rows)
+                                  kv_cache_dtype=self.args.kv_cache_dtype, lora=lora)
         return self.runner

@@ -76,6 +76,19 @@ def _expand(part_ptr, bt_ptr, perm_ptr, seg_ptr, y_ptr, M, N, stride_y, W, split
         tl.store(yp, (y.to(tl.float32) + out).to(y.dtype), mask=y_ok)
 
 
+def upload(values: list[int], *outs: torch.Tensor) -> None:
+    """`values` into the int32 device buffers `outs`, one after the other, queued behind the device's work
+    (from pinned memory on CUDA: the host does not wait for the steps in flight)."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if outs[0].is_cuda:
+        host = host.pin_memory()
+    assert len(values) == sum(o.numel() for o in outs)
+    i = 0
+    for out in outs:
+        out.copy_(host[i:i + out.numel()], non_blocking=True)
+        i += out.numel()
+
+
 def add_lora(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, y: torch.Tensor, perm: torch.Tensor,
              seg: torch.Tensor, chunks: int) -> None:
     """y [M, N] += each row's slot's product, in place. x [M, K]; a [slots * W, K]; bt [slots * W, N]

@@ -16,6 +16,7 @@ from collections import OrderedDict
 import torch
 
 from pocketllm.core.request import Request
+from pocketllm.distributed.parallel_state import get_tp
 from pocketllm.errors import RequestError
 from pocketllm.layers.lora import LoRARows, LoRASlots
 from pocketllm.loaders.lora_adapter import LoRAAdapter, lora_layers, read_adapter
@@ -41,6 +42,8 @@ class LoRAManager:
         self.slot_id = [0] * max_loras  # the identity of the adapter in each slot (0: none)
         self.users = [0] * max_loras  # running requests in each slot
         self._ids = itertools.count(1)
+        self.tp_size = get_tp().size
+        self._fills: list[tuple[int, int, str]] = []  # (slot, identity, path) not yet sent to the other ranks
         self._lock = threading.Lock()
 
     # -- adapters by name ------------------------------------------------------------------------
@@ -108,12 +111,31 @@ class LoRAManager:
             adapter = read_adapter(req.lora_name, self.sources[req.lora_id], self.model, self.max_rank)
             with self._lock:
                 self._keep(req.lora_id, adapter)
+        self._put(slot, adapter)
+        self.slot_id[slot] = req.lora_id
+        if self.tp_size > 1:
+            self._fills.append((slot, req.lora_id, self.sources[req.lora_id]))
+
+    def _put(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer in self.layers.values():
             layer.clear(slot)
         for path, parts in adapter.weights.items():
             for part, a, b in parts:
                 self.layers[path].put(slot, part, a, b)
-        self.slot_id[slot] = req.lora_id
+
+    # -- tensor parallelism: the other ranks fill their shares of the same slots ------------------
+    def take_fills(self) -> list[tuple[int, int, str]]:
+        """Rank 0: the (slot, identity, path) filled since the last call, for the other ranks."""
+        fills, self._fills = self._fills, []
+        return fills
+
+    def fill_from(self, slot: int, ident: int, path: str) -> None:
+        """A rank other than 0: rank 0 put adapter `ident` (read from `path`) into `slot`."""
+        adapter = self.host.get(ident)
+        if adapter is None:
+            adapter = read_adapter(f"#{ident}", path, self.model, self.max_rank)
+            self._keep(ident, adapter)
+        self._put(slot, adapter)
 
     def _keep(self, ident: int, adapter: LoRAAdapter) -> None:
         self.host[ident] = adapter
