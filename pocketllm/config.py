@@ -63,6 +63,10 @@ class EngineArgs:
     # GPU: the experts of the first N mixture-of-experts layers ("all": every one) held in host memory and
     # computed there by the CPU's kernels (llama.cpp's --n-cpu-moe), the rest of the model on the GPU
     cpu_offload_experts: str | None = None
+    # How offloaded experts run: "compute" (on the CPU, as above) or "copy" (to the GPU as steps select them,
+    # into `expert_cache_slots` slots a layer kept least-recently-used; None: 4 x the experts a token takes)
+    expert_offload: str = "compute"
+    expert_cache_slots: int | None = None
     # generate | embed (requests are pooled into vectors: /v1/embeddings); auto: embed for an embedding
     # model (an encoder, sentence-transformers files, a GGUF's pooling_type), generate otherwise
     task: str = "auto"
@@ -97,6 +101,11 @@ class EngineArgs:
         return dict(item.split("=", 1) if "=" in item else ("", item) for item in items)
 
     @property
+    def expert_cache(self) -> int | None:
+        """Offloaded experts copied to the device: its slots a layer (0: the default); None: computed on the CPU."""
+        return None if self.expert_offload == "compute" else self.expert_cache_slots or 0
+
+    @property
     def speculative(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
@@ -125,6 +134,12 @@ class EngineArgs:
         need(self.cpu_offload_experts is None or self.cpu_offload_experts == "all"
              or str(self.cpu_offload_experts).isdigit(),
              f"cpu_offload_experts must be a number of layers or 'all'; got {self.cpu_offload_experts!r}")
+        need(self.expert_offload in ("compute", "copy"),
+             f"expert_offload must be compute or copy; got {self.expert_offload!r}")
+        need(self.expert_cache_slots is None or self.expert_cache_slots >= 1,
+             f"expert_cache_slots must be >= 1; got {self.expert_cache_slots}")
+        need(self.expert_offload == "compute" and self.expert_cache_slots is None or self.cpu_offload_experts,
+             "expert_offload copy and expert_cache_slots are for experts offloaded with cpu_offload_experts")
         need(self.task in TASKS, f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         need(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 bytes; got {self.kv_cache_memory}")
         need(0 < self.gpu_memory_utilization <= 1,

@@ -23,9 +23,9 @@ def mixtral_q8(tiny_models, tmp_path_factory):
     return write_gguf(tiny_models["mixtral"][1], tmp_path_factory.mktemp("offload") / "mixtral.Q8_0.gguf", "Q8_0").path
 
 
-def _run(path, offload, prompts):
+def _run(path, offload, prompts, **kw):
     llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, exact_kernels=True,
-              cpu_offload_experts=offload)
+              cpu_offload_experts=offload, **kw)
     with captured_logits(llm) as logits:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -37,16 +37,38 @@ def _run(path, offload, prompts):
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")
 
 
-@interpreted
-def test_offloaded_experts_compute_what_resident_experts_compute(mixtral_q8, monkeypatch):
+def _gpu_kernels_on_cpu(monkeypatch):
     from pocketllm.kernels import platform
     from pocketllm.kernels.triton import gguf as kg
 
     monkeypatch.setattr(platform, "TRITON_DEVICES", {"cuda", "cpu"})  # the GPU's kernels, on CPU tensors
     tuned = kg.kernel_config  # 16-row tiles: fewer programs for the interpreter
     monkeypatch.setattr(kg, "kernel_config", lambda regime, qtype: {**tuned(regime, qtype), "BLOCK_N": 16})
-    prompts = prompts_of([3, 9])
-    resident, tokens, logits = _run(mixtral_q8, None, prompts)
+
+
+PROMPTS = prompts_of([3, 9])
+
+
+@pytest.fixture(scope="module")
+def resident_runs(tiny_models, tmp_path_factory):
+    """kind -> (planned weight bytes, greedy tokens, logits) of the resident model on PROMPTS (the GPU's kernels)."""
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    q8 = write_gguf(tiny_models["mixtral"][1], tmp_path_factory.mktemp("resident") / "mixtral.Q8_0.gguf", "Q8_0").path
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        _gpu_kernels_on_cpu(mp)
+        for kind, path in (("gguf", q8), ("safetensors", tiny_models["mixtral"][1])):
+            llm, tokens, logits = _run(path, None, PROMPTS)
+            runs[kind] = (llm.engine.planned_weight_bytes, tokens, logits)
+    return runs
+
+
+@interpreted
+def test_offloaded_experts_compute_what_resident_experts_compute(mixtral_q8, resident_runs, monkeypatch):
+    _gpu_kernels_on_cpu(monkeypatch)
+    planned, tokens, logits = resident_runs["gguf"]
+    prompts = PROMPTS
     # the first layer's experts in host memory, the second's resident: both kinds in one model
     llm, got_tokens, got_logits = _run(mixtral_q8, "1", prompts)
     blocks = [layer.mlp for layer in llm.engine.runner.model.model.layers]
@@ -61,7 +83,32 @@ def test_offloaded_experts_compute_what_resident_experts_compute(mixtral_q8, mon
     # the plan before loading leaves the offloaded experts' bytes out of the device's
     experts = sum(int(t.n_bytes) for t in gguf.GGUFReader(mixtral_q8).tensors if t.name.startswith("blk.0.ffn_")
                   and "_exps" in t.name)
-    assert resident.engine.planned_weight_bytes - llm.engine.planned_weight_bytes == experts
+    assert planned - llm.engine.planned_weight_bytes == experts
+
+
+@interpreted
+@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+def test_experts_copied_to_the_device_as_selected_compute_what_resident_experts_compute(tiny_models, mixtral_q8,
+                                                                                      resident_runs, monkeypatch, kind):
+    """expert_offload copy with two slots a layer (a token's two experts): decode steps evict and copy, a prompt's
+    chunk selects more experts than there are slots and runs in rounds; the device holds two experts' worth."""
+    _gpu_kernels_on_cpu(monkeypatch)
+    path = mixtral_q8 if kind == "gguf" else tiny_models["mixtral"][1]
+    planned, tokens, logits = resident_runs[kind]
+    llm, got_tokens, got_logits = _run(path, "all", PROMPTS, expert_offload="copy", expert_cache_slots=2)
+    blocks = [layer.mlp for layer in llm.engine.runner.model.model.layers]
+    for moe in blocks:
+        cache = moe.cache
+        assert not moe.on_host and cache.slots == 2 and len(moe.experts) > 2
+        assert all(part.stacked.shape[0] == 2 * host.shape[1] for part, host in zip(cache.parts, cache.host))
+        assert cache.copied > 2 and cache.hits > 0, (cache.copied, cache.hits)  # evicted and copied again; reused
+    assert got_tokens == tokens
+    assert float((got_logits - logits).abs().max()) < 1e-4 * float(logits.abs().max())
+    # the plan: each layer's experts on the device for two slots of the layer's experts
+    experts = sum(p.numel() for moe in blocks for p in moe.experts.parameters()) * 4 if kind == "safetensors" else \
+        sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if "_exps" in t.name)
+    share = 1 - 2 / len(blocks[0].experts)
+    assert abs(planned - llm.engine.planned_weight_bytes - share * experts) <= 1
 
 
 def test_what_cannot_be_offloaded_is_refused_before_loading(tiny_models, mixtral_q8, monkeypatch):
@@ -78,6 +125,10 @@ def test_what_cannot_be_offloaded_is_refused_before_loading(tiny_models, mixtral
         LLM(str(mixtral_q8), device="cpu", cpu_offload_experts=str(layers + 1))
     with pytest.raises(ConfigurationError, match="cpu_offload_experts must be a number of layers or 'all'"):
         LLM(str(mixtral_q8), device="cpu", cpu_offload_experts="half")
+    with pytest.raises(ConfigurationError, match="expert_offload must be compute or copy"):
+        LLM(str(mixtral_q8), device="cpu", cpu_offload_experts="1", expert_offload="stream")
+    with pytest.raises(ConfigurationError, match="are for experts offloaded with cpu_offload_experts"):
+        LLM(str(mixtral_q8), device="cpu", expert_offload="copy")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -86,10 +137,10 @@ def test_on_cuda_offloaded_experts_give_the_resident_tokens(tiny_models, mixtral
     path = mixtral_q8 if kind == "gguf" else tiny_models["mixtral"][1]
     prompts = [{"prompt_token_ids": p} for p in prompts_of([5, 11, 17])]
     tokens = {}
-    for offload in (None, "1", "all"):
+    for offload, mode in ((None, "compute"), ("1", "compute"), ("all", "compute"), ("all", "copy")):
         llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=64, num_kv_blocks=16,
-                  cpu_offload_experts=offload)
+                  cpu_offload_experts=offload, expert_offload=mode, expert_cache_slots=2 if mode == "copy" else None)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        tokens[offload] = [o.outputs[0].token_ids for o in outs]
+        tokens[offload, mode] = [o.outputs[0].token_ids for o in outs]
         del llm
-    assert tokens["1"] == tokens[None] and tokens["all"] == tokens[None]
+    assert tokens["1", "compute"] == tokens["all", "compute"] == tokens["all", "copy"] == tokens[None, "compute"]

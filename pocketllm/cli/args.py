@@ -24,6 +24,11 @@ _HELP = {
     "cpu_offload_experts": "CUDA, mixture-of-experts models: N | all: the experts of the first N layers (all: every "
                            "layer) stay in host memory and run on the CPU's kernels, the rest on the GPU (llama.cpp's "
                            "--n-cpu-moe), for a model whose experts do not fit the card (default: none)",
+    "expert_offload": "compute | copy: how the experts --cpu-offload-experts holds in host memory run: compute: on "
+                      "the CPU's kernels; copy: copied to the GPU as steps select them, into --expert-cache-slots "
+                      "slots a layer kept least-recently-used (default: compute)",
+    "expert_cache_slots": "--expert-offload copy: experts a layer keeps on the GPU (default: 4 x the experts a "
+                          "token takes)",
     "task": "auto | generate | embed: what requests do; embed pools each prompt into a vector (/v1/embeddings) "
             "(default: auto: embed for an embedding model, as its sentence-transformers files or GGUF's "
             "pooling_type say, generate otherwise)",

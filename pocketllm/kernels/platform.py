@@ -76,3 +76,9 @@ def kernels_for(device: torch.device | str) -> KernelConfig:
     """The kernels of the model being built on `device` (its plain ones outside `building_with`)."""
     config = _building.get()
     return KernelConfig.plain(device) if config is None else config
+
+
+def staged_for(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` in page-locked memory where copies from it go to a CUDA `device` (queued behind the device's
+    work, the host not waiting), else itself."""
+    return host.pin_memory() if device.type == "cuda" else host

@@ -179,6 +179,8 @@ class SparseMoE(torch.nn.Module):
         self.make_expert = make_expert  # (device, dtype) -> an expert
         self.experts = torch.nn.ModuleList(make_expert(device, dtype) for _ in range(num_experts))
         self.on_host = False  # the experts live in host memory and run on the CPU's kernels (offload_experts)
+        self.cache_slots = 0  # or: they live in host memory and are copied to this many slots (ExpertCache)
+        self.cache = None
         self.stacks: tuple[ExpertStack, ExpertStack] | None = None  # (gate_up, down), after loading
         self.fused_kind: str | None = None  # "gguf" / "dense" where the tile kernel covers both stacks
         self.kernels = kernels_for(device)  # the CPU fast path: a token's experts in one C call (DecodeExperts)
@@ -187,12 +189,15 @@ class SparseMoE(torch.nn.Module):
         # activation's output) in 8 bits, so that its producer writes them (int8_act)
         self.int8_tokens = self.int8_pairs = 0
 
-    def place_experts_on_host(self, kernels) -> None:
-        """Before loading: the experts rebuilt for the CPU, in float32 (what its kernels compute in),
-        running `kernels` (the CPU's configuration); the router stays where the layer is."""
+    def place_experts_on_host(self, kernels, cache_slots: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        """Before loading: the experts rebuilt in host memory, the router staying where the layer is.
+        Either run there by the CPU's `kernels`, in float32 (what they compute in), or (`cache_slots`)
+        in the layer's own encoding and `dtype`, copied to that many slots on its device as steps
+        select them (ExpertCache)."""
+        assert not cache_slots or kernels is self.kernels
         with building_with(kernels):
-            self.experts = torch.nn.ModuleList(self.make_expert("cpu", torch.float32) for _ in self.experts)
-        self.on_host = True
+            self.experts = torch.nn.ModuleList(self.make_expert("cpu", dtype) for _ in self.experts)
+        self.on_host, self.cache_slots = not cache_slots, cache_slots
 
     def finish_loading(self) -> None:
         """Stack the experts' projections where the grouped kernels take them."""
@@ -204,6 +209,13 @@ class SparseMoE(torch.nn.Module):
         if self.stacks is not None and gate_up.fused and down.fused:
             dense = all(part.qtype is None for stack in self.stacks for part in stack.parts)
             self.fused_kind = "dense" if dense else "gguf"
+        if self.cache_slots:
+            from pocketllm.layers.expert_cache import ExpertCache
+
+            if self.stacks is None:
+                raise ConfigurationError("expert_offload copy: these experts' encodings have no grouped GPU kernels "
+                                         "(experts of different types in one layer); use expert_offload compute")
+            self.cache = ExpertCache(self.stacks, len(self.experts), self.cache_slots, self.gate.device)
         if self.stacks is not None:
             from pocketllm.kernels.triton.moe import FUSED_MIN_TOKENS
 
@@ -247,27 +259,39 @@ class SparseMoE(torch.nn.Module):
         if self.on_host:  # (waits for the device: the routing is read on the host)
             y = self._host_experts(x.to("cpu", torch.float32), weights.cpu(), ids.cpu())
             return y.to(x.device, x.dtype, non_blocking=True)
+        if self.cache is not None:
+            return self.cache.run(x, weights, ids, self._stacked)
+        y = self._stacked(x, weights, ids, ids, len(self.experts))
+        if y is not None:
+            return y
+        assert not (self.kernels.gpu and torch.cuda.is_current_stream_capturing()), \
+            "a CUDA graph was captured over more tokens than the grouped expert path takes"
+        return self._host_experts(x, weights, ids) if not self.kernels.gpu else self._sorted_experts(x, weights, ids)
+
+    def _stacked(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, stack_ids: torch.Tensor,
+                 stacked: int, grouped_max: int = GROUPED_MAX_TOKENS) -> torch.Tensor | None:
+        """The experts through the stacks (`stack_ids`: each pair's entry in them, of `stacked`; `ids`: its
+        expert, whose bias it takes), or None where the step is too large for them (up to `grouped_max`
+        tokens a step without the tile kernel)."""
         t, k = ids.shape
         routing = None
         if self.fused_kind is not None:
             from pocketllm.kernels.triton import moe as kmoe
 
-            most = kmoe.FUSED_MAX_PAIRS_PER_EXPERT * len(self.experts) // k  # tokens: past it, dequantize + cuBLAS
+            most = kmoe.FUSED_MAX_PAIRS_PER_EXPERT * stacked // k  # tokens: past it, dequantize + cuBLAS
             if kmoe.FUSED_MIN_TOKENS[self.fused_kind] <= t <= most:
-                routing = kmoe.align(ids, len(self.experts))
-        if routing is not None or self.stacks is not None and t <= GROUPED_MAX_TOKENS:
-            from pocketllm.kernels.triton.moe import weighted_sum
+                routing = kmoe.align(stack_ids, stacked)
+        if routing is None and (self.stacks is None or t > grouped_max):
+            return None
+        from pocketllm.kernels.triton.moe import weighted_sum
 
-            # the experts' biases added by the weighted sum and (its kernel, on CUDA) the activation,
-            # not launches of their own
-            gate_up, down = self.stacks
-            pair_ids, fold = ids.reshape(-1), self.kernels.gpu
-            h = self.experts[0].activation(gate_up(x, ids, k, routing, add_bias=not fold),
-                                           gate_up.bias if fold else None, pair_ids, self.int8_pairs)
-            return weighted_sum(down(h, ids, 1, routing, add_bias=False), weights, down.bias, pair_ids).to(x.dtype)
-        assert not (self.kernels.gpu and torch.cuda.is_current_stream_capturing()), \
-            "a CUDA graph was captured over more tokens than the grouped expert path takes"
-        return self._host_experts(x, weights, ids) if not self.kernels.gpu else self._sorted_experts(x, weights, ids)
+        # the experts' biases added by the weighted sum and (its kernel, on CUDA) the activation,
+        # not launches of their own
+        gate_up, down = self.stacks
+        pair_ids, fold = ids.reshape(-1), self.kernels.gpu
+        h = self.experts[0].activation(gate_up(x, stack_ids, k, routing, add_bias=not fold),
+                                       gate_up.bias if fold else None, pair_ids, self.int8_pairs)
+        return weighted_sum(down(h, stack_ids, 1, routing, add_bias=False), weights, down.bias, pair_ids).to(x.dtype)
 
     def _host_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The CPU's experts: one token's in one C call on the fast path, else sorted by expert."""
@@ -301,15 +325,20 @@ class SparseMoE(torch.nn.Module):
         return out.to(x.dtype)
 
 
-def offload_experts(model: torch.nn.Module, setting: str, kernels) -> list[SparseMoE]:
+def offload_experts(model: torch.nn.Module, setting: str, kernels, cache_slots: int | None = None,
+                    dtype: torch.dtype = torch.float32) -> list[SparseMoE]:
     """Before loading: the experts of the first N mixture-of-experts layers (`setting`: N, or "all") in
     host memory, on the CPU's `kernels` (llama.cpp's --n-cpu-moe keeps the first N layers' experts on
-    the CPU). The layers whose experts moved."""
+    the CPU), or (`cache_slots` not None) copied to that many slots a layer on the device (0: four times
+    the experts a token takes), in the layer's own kernels and `dtype`. The layers whose experts moved."""
     blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
     layers = len(blocks) if setting == "all" else int(setting)
     if layers > len(blocks):
         raise ConfigurationError(f"cpu_offload_experts {layers}: the model has {len(blocks)} layers of experts; "
                                  f"give at most {len(blocks)}, or all")
     for moe in blocks[:layers]:
-        moe.place_experts_on_host(kernels)
+        if cache_slots is None:
+            moe.place_experts_on_host(kernels)
+        else:
+            moe.place_experts_on_host(moe.kernels, min(cache_slots or 4 * moe.top_k, len(moe.experts)), dtype)
     return blocks[:layers]

@@ -151,11 +151,12 @@ class GGUFModelFile:
     def quant_types(self) -> set[str]:
         return {t.tensor_type.name for t in self.tensors.values() if len(t.shape) > 1}
 
-    def held_bytes(self, kept: frozenset[str], dense_bytes: int, left_out: frozenset[int] = frozenset()) -> int:
+    def held_bytes(self, kept: frozenset[str], dense_bytes: int, layers: frozenset[int] | None = None,
+                   experts_only: bool = False) -> int:
         """The weights' bytes in memory: the file's blocks for the types in `kept`, `dense_bytes` a
-        weight for the others (dequantized at load); the experts of the layers in `left_out` not counted."""
+        weight for the others (dequantized at load); `experts_only`: only the experts of `layers`."""
         return sum(int(t.n_bytes) if t.tensor_type.name in kept else int(t.n_elements) * dense_bytes
-                   for t in self.tensors.values() if _expert_layer(t.name) not in left_out)
+                   for t in self.tensors.values() if not experts_only or _expert_layer(t.name) in layers)
 
     def expert_layers(self, cpu_offload_experts: str | None) -> frozenset[int]:
         """The layers whose experts `cpu_offload_experts` (N, or "all") puts in host memory: the first N

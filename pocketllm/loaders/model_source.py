@@ -62,29 +62,36 @@ class ModelSource:
         return get_tokenizer(tok_path)
 
     def weight_bytes(self, model_class, dtype: torch.dtype, device: torch.device, *, dequantize_at_load: bool,
-                     cpu_offload_experts: str | None = None) -> int:
-        """What the weights will take on `device` (experts offloaded to host memory left out), from the
-        file's header or the model's shapes (built on the meta device: no memory), before any weight is read."""
+                     cpu_offload_experts: str | None = None, expert_cache: int | None = None) -> int:
+        """What the weights will take on `device` (experts offloaded to host memory left out, but for the
+        slots they are copied to), from the file's header or the model's shapes (built on the meta device: no
+        memory), before any weight is read."""
+        from pocketllm.layers.moe import offload_experts
         from pocketllm.models.capabilities import PLATFORMS
 
+        model, moved = None, []
+        if cpu_offload_experts is not None or not self.is_gguf:
+            with building_with(KernelConfig()):
+                model = model_class(self.config, dtype=dtype, device="meta", max_model_len=1)
+            if cpu_offload_experts is not None:
+                moved = offload_experts(model, cpu_offload_experts, KernelConfig(), expert_cache)
+        # the share of each offloaded layer's experts on the device: its slots (copy), or none (compute)
+        share = {id(p): moe.cache_slots / len(moe.experts) for moe in moved for p in moe.experts.parameters()}
+        if not self.is_gguf:
+            return round(sum(p.numel() * share.get(id(p), 1.0) for p in model.parameters())) * (
+                torch.finfo(dtype).bits // 8)
         dense = torch.finfo(torch.float32 if device.type == "cpu" else dtype).bits // 8
-        if self.is_gguf:
-            kept = frozenset() if dequantize_at_load else PLATFORMS[device.type].kept_quantized
-            return self.gguf.held_bytes(kept, dense, self.gguf.expert_layers(cpu_offload_experts))
-        with building_with(KernelConfig()):
-            model = model_class(self.config, dtype=dtype, device="meta", max_model_len=1)
-        host = set()
-        if cpu_offload_experts is not None:
-            from pocketllm.layers.moe import offload_experts
-
-            host = {id(p) for moe in offload_experts(model, cpu_offload_experts, KernelConfig())
-                    for p in moe.experts.parameters()}
-        return sum(p.numel() for p in model.parameters() if id(p) not in host) * (torch.finfo(dtype).bits // 8)
+        kept = frozenset() if dequantize_at_load else PLATFORMS[device.type].kept_quantized
+        experts = self.gguf.held_bytes(kept, dense, self.gguf.expert_layers(cpu_offload_experts), experts_only=True)
+        on_device = moved[0].cache_slots / len(moved[0].experts) if moved else 0.0  # (every layer's alike)
+        return self.gguf.held_bytes(kept, dense) - round((1 - on_device) * experts)
 
     def load(self, model_class, dtype: torch.dtype, device: torch.device, max_model_len: int, *, seed: int,
-             dequantize_at_load: bool, exact_kernels: bool, cpu_offload_experts: str | None = None):
+             dequantize_at_load: bool, exact_kernels: bool, cpu_offload_experts: str | None = None,
+             expert_cache: int | None = None):
         """The runtime's model with its weights read (random ones for a dummy source); with
-        `cpu_offload_experts`, the experts of those layers in host memory on the CPU's kernels."""
+        `cpu_offload_experts`, the experts of those layers in host memory on the CPU's kernels, or
+        (`expert_cache`: slots a layer, 0 the default) copied to the device as steps select them."""
         kernels = KernelConfig.choose(device, dtype, exact_kernels=exact_kernels, tp_size=get_tp().size)
         host = KernelConfig.host(exact_kernels=exact_kernels)
         if self.is_gguf:
@@ -99,7 +106,7 @@ class ModelSource:
             if cpu_offload_experts is not None:
                 from pocketllm.layers.moe import offload_experts
 
-                offload_experts(model, cpu_offload_experts, host)
+                offload_experts(model, cpu_offload_experts, host, expert_cache, dtype)
             if self.dummy:
                 from pocketllm.loaders.dummy_loader import dummy_weights
                 model.load_weights(dummy_weights(model, dtype, device, seed))

@@ -34,14 +34,15 @@ class Worker:
         """What `load` will hold, from the file's header or the model's shapes, before any weight is read."""
         return self.source.weight_bytes(self.runtime.model_class, self.dtype, self.device,
                                         dequantize_at_load=self.args.dequantize_at_load,
-                                        cpu_offload_experts=self.args.cpu_offload_experts)
+                                        cpu_offload_experts=self.args.cpu_offload_experts,
+                                        expert_cache=self.args.expert_cache)
 
     def load(self, max_model_len: int, seed: int | None = None) -> torch.nn.Module:
         args = self.args
         self.model = self.source.load(self.runtime.model_class, self.dtype, self.device, max_model_len,
                                       seed=args.seed if seed is None else seed,
                                       dequantize_at_load=args.dequantize_at_load, exact_kernels=args.exact_kernels,
-                                      cpu_offload_experts=args.cpu_offload_experts)
+                                      cpu_offload_experts=args.cpu_offload_experts, expert_cache=args.expert_cache)
         return self.model
 
     def build_runner(self, num_blocks: int, block_size: int, max_model_len: int, *, max_decode_rows: int = 64,

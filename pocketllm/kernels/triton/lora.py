@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pocketllm.kernels.platform import staged_for
+
 BLOCK_M = 16  # rows a program takes (tl.dot's least)
 BLOCK_K = 64
 TILES_PER_SPLIT = 8  # K tiles a shrink program reads: a split is 512 values of K
@@ -79,9 +81,7 @@ def _expand(part_ptr, bt_ptr, perm_ptr, seg_ptr, y_ptr, M, N, stride_y, W, split
 def upload(values: list[int], *outs: torch.Tensor) -> None:
     """`values` into the int32 device buffers `outs`, one after the other, queued behind the device's work
     (from pinned memory on CUDA: the host does not wait for the steps in flight)."""
-    host = torch.tensor(values, dtype=torch.int32)
-    if outs[0].is_cuda:
-        host = host.pin_memory()
+    host = staged_for(torch.tensor(values, dtype=torch.int32), outs[0].device)
     assert len(values) == sum(o.numel() for o in outs)
     i = 0
     for out in outs:
