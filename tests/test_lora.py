@@ -105,9 +105,9 @@ def test_grouped_adapter_products_equal_the_masked_ones():
                 layer.put(slot, part, torch.randn(rank, 40, generator=g), torch.randn(out, rank, generator=g))
         rows.set(slots)
         if grouped:
-            rows.chunks += 2
+            rows.grid += 2
         y = torch.randn(len(slots), 32, generator=torch.Generator().manual_seed(2))
-        got[grouped] = layer.add(x, y.clone())
+        got[grouped] = layer.add(x, y.clone(), layer.begin(x))
         assert torch.equal(got[grouped][[1, 5]], y[[1, 5]]), "rows without an adapter are untouched"
     assert torch.allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
 

@@ -76,7 +76,8 @@ def main() -> None:
     common = dict(device=a.device, dtype=a.dtype, load_format=a.load_format, num_threads=a.threads,
                   max_model_len=a.input_len + a.output_len + 16, max_num_seqs=most)
     if a.device == "cuda":  # two engines on one card: each a cache for its requests, not the card's memory
-        common["num_kv_blocks"] = most * (-(-common["max_model_len"] // 16) + 1)
+        # (three sets of prompts stay cached: the base model's, the adapters', the base rows on the LoRA engine)
+        common["num_kv_blocks"] = 3 * most * (-(-common["max_model_len"] // 16) + 1)
     base = LLM(a.model, **common)
     tmp = Path(tempfile.mkdtemp())
     for i in range(a.adapters):

@@ -13,7 +13,11 @@ several CPU thread counts. A Qwen3-30B-A3B-shaped Q4_K_M file of fewer layers is
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -64,6 +68,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--type", default="Q4_K_M")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--cprofile", action="store_true", help="profile the last thread count's decode (Python's "
+                    "cProfile): its top functions by own time go in the JSON")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args()
     path = Path(tempfile.mkdtemp()) / "moe.gguf"
@@ -95,9 +101,15 @@ def main() -> None:
             prompt = [{"prompt_token_ids": list(range(100, 132))}]
             llm.generate(prompt, params, use_tqdm=False)
             timers.host = timers.layer = 0.0
+            profile = cProfile.Profile() if a.cprofile and threads == a.threads[-1] else None
             t0 = time.perf_counter()
-            llm.generate(prompt, params, use_tqdm=False)
+            with profile or contextlib.nullcontext():
+                llm.generate(prompt, params, use_tqdm=False)
             wall = time.perf_counter() - t0
+            if profile is not None:
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+                result["cprofile_tottime"] = text.getvalue().splitlines()
             run.update(decode_tok_s=a.tokens / wall, ms_per_token=wall / a.tokens * 1e3,
                        host_experts_ms_per_token=timers.host / a.tokens * 1e3,
                        offloaded_layers_other_ms_per_token=(timers.layer - timers.host) / a.tokens * 1e3)

@@ -150,6 +150,7 @@ class Linear(torch.nn.Module):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = None if self.lora is None else self.lora.begin(x)  # (beside the product, where it can be)
         if self.quantized is not None:
             y = self.quantized(x).to(x.dtype)  # CPU paths compute in float32, CUDA ones in x's dtype
         elif self.invariant_rows is not None and x.numel() >= self.invariant_rows * self.in_features:
@@ -160,7 +161,7 @@ class Linear(torch.nn.Module):
         else:
             y = F.linear(x, self.weight, self.bias)
         if self.lora is not None:
-            y = self.lora.add(x, y)
+            y = self.lora.add(x, y, lora)
         if self.reduce:
             return self.tp.all_reduce(y)
         return self.tp.all_gather(y) if self.gather else y

@@ -9,7 +9,8 @@ add exactly nothing). The scaling (alpha / rank, or alpha / sqrt(rank) for rsLoR
 A step's rows each run the adapter of their request's slot (or none); a step without adapter rows
 does none of what follows. Two ways, by the layer's kernels (chosen once, `LoRARows.grouped`):
 - grouped (the GPU's): the rows sorted by slot, each slot's rows multiplied by its own A and B only
-  (kernels/triton/lora.py, Punica's SGMV), two launches a layer; CUDA graphs capture them once.
+  (kernels/triton/lora.py, Punica's SGMV), two launches a layer, the first beside the layer's own
+  product; CUDA graphs capture them once.
 - masked (the CPU's torch layers): every row times every slot's A at once (one product: slots * parts
   * r columns, small beside the layer's own), each row keeping its own slot's columns
   (`LoRARows.mask`), times B. The CPU's one-call decoder reads the rows' slots itself.
@@ -35,10 +36,12 @@ class LoRARows:
         self.mask: torch.Tensor | None = None
         self._cast: dict[torch.dtype, torch.Tensor] = {}
         if grouped:
+            from pocketllm.kernels.triton.lora import max_chunks
+
             self._perm = torch.zeros(max(capacity, 1), dtype=torch.int32, device=device)
-            self.perm = self._perm
-            self.seg = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
-            self.chunks = 0  # the grid's chunks of rows (kernels/triton/lora.py)
+            self._chunks = torch.zeros(max_chunks(max(capacity, 1), max_loras), 3, dtype=torch.int32, device=device)
+            self.perm, self.chunks = self._perm, self._chunks
+            self.grid = 0  # the chunks the kernels cover (kernels/triton/lora.py)
 
     def set(self, slots: list[int]) -> None:
         """`slots`: each row's slot, -1 for a row without an adapter."""
@@ -52,25 +55,29 @@ class LoRARows:
             self.mask = (self.slots[:, None] == torch.arange(self.max_loras)[None, :]).float()[:, :, None].to(
                 self.device)
             return
-        from pocketllm.kernels.triton.lora import BLOCK_M, upload
+        from pocketllm.kernels.triton.lora import chunks_of, upload
 
         perm = sorted((i for i, s in enumerate(slots) if s >= 0), key=slots.__getitem__)
-        counts = torch.bincount(self.slots[self.slots >= 0], minlength=self.max_loras)
-        self.chunks = -(-int(counts.max()) // BLOCK_M)
-        # a step of more rows than the graphs' buffers (never a graph's): buffers of its own
-        self.perm = self._perm if len(perm) <= self._perm.numel() else torch.empty(
-            len(perm), dtype=torch.int32, device=self.device)
-        upload(perm + [0] + torch.cumsum(counts, 0).tolist(), self.perm[:len(perm)], self.seg)
+        chunks = chunks_of(torch.bincount(self.slots[self.slots >= 0], minlength=self.max_loras).tolist())
+        self.grid = len(chunks)
+        self.perm, self.chunks = self._perm, self._chunks
+        if len(perm) > self._perm.numel():  # a step of more rows than the buffers (never a graph's): its own
+            self.perm = torch.empty(len(perm), dtype=torch.int32, device=self.device)
+            self.chunks = torch.empty(len(chunks), 3, dtype=torch.int32, device=self.device)
+        # (the chunks past the step's are (0, 0, 0): a graph's grid covers as many as its rows can make)
+        pad = [0] * (self.chunks.numel() - 3 * len(chunks))
+        upload(perm + [v for c in chunks for v in c] + pad, self.perm[:len(perm)], self.chunks)
 
     @contextlib.contextmanager
     def capturing(self, rows: int):
         """Within: a CUDA graph of `rows` rows is captured with the adapters' kernels, for any mix of
         slots (no row has one while it warms up and captures)."""
-        from pocketllm.kernels.triton.lora import BLOCK_M
+        from pocketllm.kernels.triton.lora import max_chunks
 
         assert self.grouped and rows <= self._perm.numel(), rows
-        self.seg.zero_()
-        self.active, self.perm, self.chunks = True, self._perm, -(-rows // BLOCK_M)
+        self._chunks.zero_()
+        self.active, self.perm, self.chunks = True, self._perm, self._chunks
+        self.grid = max_chunks(rows, self.max_loras)
         try:
             yield
         finally:
@@ -117,15 +124,25 @@ class LoRASlots:
         self.a[slot * self.width:(slot + 1) * self.width].zero_()
         self.bt[slot * self.width:(slot + 1) * self.width].zero_()
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y plus each row's adapter product (x, y: [rows, in], [rows, out]; grouped: y in place)."""
+    def begin(self, x: torch.Tensor):
+        """Before the layer's own product: the grouped way starts the shrink beside it (None: nothing begun)."""
+        rows = self.rows
+        if not (rows.active and rows.grouped):
+            return None
+        from pocketllm.kernels.triton.lora import shrink
+
+        return shrink(x, self.a, rows.perm, rows.chunks, rows.grid, self.width)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, begun=None) -> torch.Tensor:
+        """y plus each row's adapter product (x, y: [rows, in], [rows, out]; grouped: y in place, `begun`
+        what `begin` returned)."""
         rows = self.rows
         if not rows.active:
             return y
         if rows.grouped:
-            from pocketllm.kernels.triton.lora import add_lora
+            from pocketllm.kernels.triton.lora import expand
 
-            add_lora(x, self.a, self.bt, y, rows.perm, rows.seg, rows.chunks)
+            expand(begun, self.bt, y, rows.perm, rows.chunks, rows.grid, self.width)
             return y
         xa = (x.to(self.a.dtype) @ self.a.T).view(x.shape[0], -1, self.width) * self.rows.mask_as(self.a.dtype)
         return y + (xa.view(x.shape[0], -1) @ self.bt).to(y.dtype)
