@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 Q4=${GGUF_DIR:-/tmp}/llama3-8b-Q4_K_M.gguf
 [ -f "$Q4" ] || $PY -m pocketllm.cli.main dummy-gguf "$Q4" --shape llama3-8b --type Q4_K_M -q &
-$PY -m pytest -q tests/test_lora.py -p no:cacheprovider 2>&1 | tail -n 5 | tee "$OUT/lora-tests.log"
+$PY -m pytest -q tests/test_lora.py -k cuda -p no:cacheprovider 2>&1 | tail -n 5 | tee "$OUT/lora-tests.log"
 $PY benchmarks/suites/lora.py --model llama3-8b --load-format dummy --device cuda --dtype bfloat16 \
     --adapters 8 --requests 64 1 --reps 2 --out "$OUT/lora-bf16.json" 2>&1 | grep requests
 wait
