@@ -215,9 +215,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     model: str | None = None
     row_invariant: bool = False
+    # a draft model's own LoRA adapters ["name=path", ...]: a request of adapter `name` drafts with the draft's
+    # adapter of that name (the draft runs without one for other requests)
+    lora_modules: list[str] | None = None
 
     KEYS = {"ngram": {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "row_invariant"},
-            "draft_model": {"num_speculative_tokens", "model", "row_invariant"},
+            "draft_model": {"num_speculative_tokens", "model", "row_invariant", "lora_modules"},
             "mtp": {"num_speculative_tokens", "row_invariant"}}
 
     @classmethod
@@ -255,7 +258,11 @@ class SpeculativeConfig:
         row_invariant = raw.get("row_invariant", False)
         if not isinstance(row_invariant, bool):
             raise ConfigurationError(f"{where}: row_invariant must be true or false; got {row_invariant!r}")
-        return cls(method, k, lo, hi, model, row_invariant)
+        loras = raw.get("lora_modules")
+        if loras is not None and (not isinstance(loras, list) or not all(isinstance(m, str) and "=" in m
+                                                                          for m in loras)):
+            raise ConfigurationError(f"{where}: lora_modules must be a list of \"name=path\"; got {loras!r}")
+        return cls(method, k, lo, hi, model, row_invariant, loras)
 
 
 @dataclass

@@ -145,6 +145,31 @@ def test_speculative_decoding_verifies_drafts_under_each_requests_adapter(adapte
     assert llm.engine.speculator.stats.num_draft_tokens > 0
 
 
+def test_a_draft_model_drafts_with_its_adapter_of_the_requests_adapters_name(adapters):
+    """A draft model (here the model itself) given the same adapters by name drafts what the model with its
+    adapter decodes: every draft is accepted; given none, it drafts with the base model for every request, and
+    the model's adapter rows reject some. The tokens are peft's either way."""
+    model, path, dirs, refs = adapters
+    prompts = prompts_of([6, 9])
+    jobs = [(p, name) for p in prompts for name in ("a", "b")]
+    rates = {}
+    for with_adapters in (True, False):
+        spec = {"model": str(path), "num_speculative_tokens": 3}
+        if with_adapters:
+            spec["lora_modules"] = [f"{n}={p}" for n, p in dirs.items()]
+        llm = _engine(path, dirs, max_loras=2, speculative_config=spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in jobs], SamplingParams(
+            temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False,
+            lora_request=[LoRARequest(n) for _, n in jobs])
+        for (p, name), out in zip(jobs, outs):
+            assert list(out.outputs[0].token_ids) == hf_greedy(refs[name], p, NEW), (with_adapters, name)
+        stats = llm.engine.speculator.stats
+        assert stats.num_draft_tokens > 0
+        rates[with_adapters] = stats.acceptance_rate
+        llm.engine.check_no_leaks()
+    assert rates[True] == 1.0 and rates[False] < 0.9, rates
+
+
 def test_an_adapters_logits_are_peft_logits(adapters):
     """The next-token distribution after a prompt, chunked over 8-token steps: within fp32 rounding of
     transformers + peft's."""

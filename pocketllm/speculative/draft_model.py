@@ -49,8 +49,13 @@ class DraftModel:
         self.args = EngineArgs(model=model, load_format=args.load_format, device=str(target.device),
                                dtype=target.dtype_name, max_num_seqs=args.max_num_seqs, seed=args.seed,
                                enforce_eager=args.enforce_eager, exact_kernels=args.exact_kernels,
-                               dequantize_at_load=args.dequantize_at_load, kv_cache_dtype=args.kv_cache_dtype)
+                               dequantize_at_load=args.dequantize_at_load, kv_cache_dtype=args.kv_cache_dtype,
+                               enable_lora=bool(spec.lora_modules), lora_modules=spec.lora_modules,
+                               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
         where = f"the draft model {spec.model!r}"
+        if spec.lora_modules and not args.enable_lora:
+            raise ConfigurationError(f"{where} has LoRA adapters (lora_modules), the model runs none: "
+                                     "start it with enable_lora (--enable-lora)")
         try:
             self.worker = Worker.open(model, self.args, target.device, target.dtype_name)
         except ConfigurationError as e:
@@ -75,22 +80,35 @@ class DraftModel:
         self.kv_bytes_per_block = ModelRunner.kv_bytes_per_block(self.worker.runtime.model_class.kv_shape(cfg),
                                                                  self.layout, target.block_size, target.dtype,
                                                                  kv_cache_dtype=args.kv_cache_dtype)
-        self.model = self.runner = self.kv = None
+        self.model = self.runner = self.kv = self.lora = None
         self.reserve = 0
         self.shadows: dict[str, Request] = {}
+        self.where = where
 
     def planned_weight_bytes(self) -> int:
         return self.worker.planned_weight_bytes()
 
     def load(self) -> None:
         self.model = self.worker.load(self.target.max_model_len, seed=self.args.seed + 1)
+        if self.args.enable_lora:
+            from pocketllm.runner.lora_manager import LoRAManager
+
+            args = self.args
+            self.lora = LoRAManager(self.model, args.max_loras, args.max_lora_rank, args.max_loras,
+                                    max_rows=self.target.args.max_num_batched_tokens)
+            for name, path in args.lora_paths.items():
+                try:
+                    self.lora.load(name, path)
+                except ConfigurationError as e:
+                    raise ConfigurationError(f"{self.where}: {e}") from None
 
     def bind(self, num_blocks: int, kv, reserve: int) -> None:
         """KV tensors for `num_blocks` block ids of the target's manager `kv`; drafting leaves
         `reserve` blocks free (the scheduler's watermark)."""
         t = self.target
         self.runner = self.worker.build_runner(num_blocks, t.block_size, t.max_model_len,
-                                               max_decode_rows=self.args.max_num_seqs, kv_layout=self.layout)
+                                               max_decode_rows=self.args.max_num_seqs, kv_layout=self.layout,
+                                               lora=self.lora)
         self.kv, self.reserve = kv, reserve
 
     # -- drafting --------------------------------------------------------------------------------
@@ -99,7 +117,7 @@ class DraftModel:
         tokens it has not written yet (its prompt, the first time), then a decode pass per draft."""
         live = self.target.scheduler.requests
         for rid in [rid for rid in self.shadows if rid not in live]:
-            del self.shadows[rid]
+            self._forget(self.shadows.pop(rid))
         drafts: dict[str, list[int]] = {}
         active = []
         for req, limit in wanted:
@@ -136,9 +154,15 @@ class DraftModel:
         progress, kept as far as the tokens it computed are still the request's."""
         sh = self.shadows.get(req.request_id)
         if sh is None or sh.num_preemptions != req.num_preemptions:  # new, or its blocks were freed
+            if sh is not None:
+                self._forget(sh)
             sh = self.shadows[req.request_id] = Request(req.request_id, [], _GREEDY)
             sh.num_preemptions = req.num_preemptions
             sh.status = RequestStatus.RUNNING
+            if self.lora is not None and req.lora_name in self.lora.names():  # the draft's adapter of its name
+                sh.lora_name, sh.lora_id = req.lora_name, self.lora.identity(req.lora_name)
+                if not self.lora.acquire(sh):  # (every slot drafting for other adapters: drafts without)
+                    sh.lora_name, sh.lora_id = None, 0
         else:
             # at most up to the last token: its logits give the first draft (if the step before ran
             # without its drafts and its token was the first of them, the draft has that token's KV
@@ -153,6 +177,11 @@ class DraftModel:
         sh.all_token_ids = list(req.all_token_ids)
         sh.block_tables = req.block_tables
         return sh
+
+
+    def _forget(self, sh: Request) -> None:
+        if self.lora is not None:
+            self.lora.release(sh)
 
 
 def _same_tokens(a, b) -> bool:
