@@ -81,6 +81,59 @@ def test_fp8_checkpoint_runs_as_transformers_runs_it(fp8_model):
             assert abs(lp.logprob - float(want[token])) < 1e-4
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")
+@pytest.mark.parametrize("m", [1, 20, 70])  # each row count's tiles (kernels/triton/fp8.py `tiles`)
+def test_the_fp8_kernel_multiplies_by_the_dequantized_weight(m):
+    """Tiles cut at the edges of the weight and of its 128 x 128 scale tiles, in float32: the product of the
+    dequantized weight within float32 rounding."""
+    from pocketllm.kernels.triton.fp8 import fp8_matmul
+
+    torch.manual_seed(2)
+    n, k = 200, 300
+    values = (torch.randn(n, k) * 100).clamp(-448, 448).to(FP8)
+    scales = torch.rand(BLOCKS.scale_shape(n, k)) * 1e-3
+    x, bias = torch.randn(m, k), torch.randn(n)
+    want = x @ BLOCKS.dequantize(values, scales, torch.float32).T + bias
+    got = fp8_matmul(x, values, scales, (128, 128), bias)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")
+def test_the_gpus_kernels_keep_the_fp8_weights_and_run_as_transformers_runs_them(fp8_model, monkeypatch):
+    """The GPU's kernels (Triton's interpreter on CPU tensors) keep each projection's FP8 values and scales as
+    the checkpoint holds them and multiply them there (kernels/triton/fp8.py), DeepSeek's shared experts too;
+    the routed experts, the router and MLA's kv_b_proj (read as numbers) are dequantized. The memory plan
+    counts a byte a kept weight."""
+    from pocketllm.kernels import platform
+    from pocketllm.layers.linear import ConcatLinear, Linear
+    from pocketllm.layers.moe import SparseMoE
+    from pocketllm.quant.fp8 import Fp8Linear
+    from pocketllm.runner.memory import weight_bytes
+
+    monkeypatch.setattr(platform, "TRITON_DEVICES", {"cuda", "cpu"})
+    out, ref = fp8_model
+    prompts = prompts_of([3, 17])
+    llm = LLM(str(out), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+    model = llm.engine.runner.model
+    experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in (*moe.experts.modules(),
+                                                                                         moe.gate)}
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    kept = [n for n, m in linears if isinstance(m.quantized, (Fp8Linear, ConcatLinear))]
+    assert kept and all(n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_a_proj", "q_b_proj",
+                                    "q_proj", "kv_a_proj_with_mqa")) for n in kept), kept
+    assert all(m.weight is not None for n, m in linears if id(m) in experts or n.endswith("kv_b_proj"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 8) for p in prompts]
+    # what keeping them saves, planned and held, against the same model dequantized (the CPU's exact kernels)
+    cpu = torch.device("cpu")
+    monkeypatch.undo()
+    dense = LLM(str(out), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, exact_kernels=True)
+    saved = weight_bytes(dense.engine.runner.model, cpu) - weight_bytes(model, cpu)
+    planned = dense.engine.planned_weight_bytes - llm.engine.planned_weight_bytes
+    assert saved > 0 and abs(planned - saved) <= 0.02 * saved, (planned, saved)
+
+
 @pytest.mark.parametrize("config, says", [
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "scaled per tensor"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "static activation"),

@@ -78,3 +78,6 @@ SHAPES: dict[str, dict] = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                         tie_word_embeddings=True, torch_dtype="bfloat16"),
 }
+# Llama-3-8B as a block-scaled FP8 release (its projections FP8, 128 x 128 tiles): random FP8 values
+SHAPES["llama3-8b-fp8"] = {**SHAPES["llama3-8b"], "quantization_config": {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}

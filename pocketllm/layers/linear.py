@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from pocketllm.distributed.parallel_state import get_tp
 from pocketllm.kernels.platform import kernels_for
+from pocketllm.quant.fp8 import Fp8Linear, Fp8Weight
 
 
 @dataclass
@@ -108,6 +109,10 @@ class Linear(torch.nn.Module):
         # CUDA, dense weights: from this many rows the row-invariant GEMM (kernels/triton/invariant_gemm.py)
         self.invariant_rows: int | None = None
         self.lora = None  # LoRA adapters' slots (pocketllm.layers.lora), on layers they may target
+        # block-scaled FP8 checkpoint weights kept as they are (quant/fp8.py) where the kernels multiply them;
+        # a layer whose weight is read as numbers (an expert's, stacked; MLA's kv_b_proj) sets it False
+        self.keeps_fp8 = self.kernels.gpu and tp.size == 1
+        self._fp8_parts: dict = {}
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:
         lo = sum(self.out_sizes[:shard])
@@ -120,10 +125,30 @@ class Linear(torch.nn.Module):
             self._quant_parts[shard] = tensor
             if len(self._quant_parts) == len(self.out_sizes):
                 self._build_quantized()
+        elif isinstance(tensor, Fp8Weight) and self.keeps_fp8:
+            assert tuple(tensor.shape) == (hi - lo, self.in_features), (tensor.shape, hi - lo, self.in_features)
+            self._fp8_parts[shard] = tensor
+            if len(self._fp8_parts) == len(self.out_sizes):
+                self._build_fp8()
         else:
+            if isinstance(tensor, Fp8Weight):
+                tensor = tensor.dequantize()
+            assert not self._fp8_parts, "a fused layer's parts are all FP8 or none"
             assert tuple(tensor.shape) == (hi - lo, self.in_features), (tensor.shape, hi - lo, self.in_features)
             _materialize(self)
             self.weight.data[lo:hi].copy_(tensor)
+
+    def _build_fp8(self) -> None:
+        parts = [self._fp8_parts[i] for i in range(len(self.out_sizes))]
+        self._fp8_parts = {}
+        bias = None if self.bias is None else self.bias.data
+        if Fp8Linear.stacks(parts):
+            self.quantized = Fp8Linear(parts, bias)
+        else:  # (a part not a whole number of tiles tall: each its own layer)
+            bounds = [sum(self.out_sizes[:i]) for i in range(len(parts) + 1)]
+            self.quantized = ConcatLinear([Fp8Linear([p], None if bias is None else bias[a:b])
+                                           for p, a, b in zip(parts, bounds, bounds[1:])])
+        self.weight = None
 
     def _build_quantized(self) -> None:
         from pocketllm.quant.linear import GGUFLinear

@@ -152,6 +152,14 @@ class _PartStack:
         return y
 
 
+def _dense_weights(moe: torch.nn.Module) -> None:
+    """The router and the experts read their weights as numbers (stacked, or by the routing GEMV): an FP8
+    checkpoint's are dequantized at load."""
+    for m in moe.modules():
+        if isinstance(m, Linear):
+            m.keeps_fp8 = False
+
+
 def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, hidden] . weight [E, hidden]^T on CUDA: the CUDA C GEMV in bf16 / fp16 (a row's bits at any row
     count), else ``F.linear`` (float32, or where NVRTC cannot build the kernel)."""
@@ -178,6 +186,7 @@ class SparseMoE(torch.nn.Module):
         self.gate = Linear(hidden_size, [num_experts], router_bias, dtype=dtype, device=device)
         self.make_expert = make_expert  # (device, dtype) -> an expert
         self.experts = torch.nn.ModuleList(make_expert(device, dtype) for _ in range(num_experts))
+        _dense_weights(self)
         self.on_host = False  # the experts live in host memory and run on the CPU's kernels (offload_experts)
         self.cache_slots = 0  # or: they live in host memory and are copied to this many slots (ExpertCache)
         self.cache = None
@@ -197,6 +206,7 @@ class SparseMoE(torch.nn.Module):
         assert not cache_slots or kernels is self.kernels
         with building_with(kernels):
             self.experts = torch.nn.ModuleList(self.make_expert("cpu", dtype) for _ in self.experts)
+        _dense_weights(self)
         self.on_host, self.cache_slots = not cache_slots, cache_slots
 
     def finish_loading(self) -> None:

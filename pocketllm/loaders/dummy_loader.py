@@ -9,15 +9,24 @@ import torch
 from pocketllm.layers.linear import Embedding, Linear
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.models.base import CausalLM
+from pocketllm.quant.fp8 import FP8, FP8_MAX, Fp8Blocks, Fp8Weight
 
 
-def dummy_weights(model: CausalLM, dtype: torch.dtype, device, seed: int = 0,
-                  std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_weights(model: CausalLM, dtype: torch.dtype, device, seed: int = 0, std: float = 0.02,
+                  fp8: Fp8Blocks | None = None) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """`fp8`: the shape is a block-scaled FP8 release: its projections (not the output layer) come as FP8
+    values of about the same spread, with one scale."""
     unpacked = {fused: name for name, fused in model.packed_modules.items()}
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+    def projection(rows: int, cols: int) -> torch.Tensor | Fp8Weight:
+        if fp8 is None:
+            return randn(rows, cols)
+        values = (torch.randn(rows, cols, generator=g, device=device) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return Fp8Weight(values, torch.full(fp8.scale_shape(rows, cols), std / 64, device=device), fp8, dtype)
 
     for path, m in list(model.named_modules()):
         parent, _, leaf = path.rpartition(".")
@@ -27,7 +36,7 @@ def dummy_weights(model: CausalLM, dtype: torch.dtype, device, seed: int = 0,
                 continue
             for shard, size in enumerate(m.out_sizes):
                 name = unpacked.get((leaf, shard), leaf)
-                yield f"{prefix}{name}.weight", randn(size, m.in_features)
+                yield f"{prefix}{name}.weight", (randn if path == "lm_head" else projection)(size, m.in_features)
                 if m.bias is not None:
                     yield f"{prefix}{name}.bias", randn(size)
         elif isinstance(m, Embedding):

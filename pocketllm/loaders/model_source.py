@@ -66,20 +66,30 @@ class ModelSource:
         """What the weights will take on `device` (experts offloaded to host memory left out, but for the
         slots they are copied to), from the file's header or the model's shapes (built on the meta device: no
         memory), before any weight is read."""
+        from pocketllm.layers.linear import Linear
         from pocketllm.layers.moe import offload_experts
         from pocketllm.models.capabilities import PLATFORMS
 
         model, moved = None, []
         if cpu_offload_experts is not None or not self.is_gguf:
-            with building_with(KernelConfig()):
+            with building_with(KernelConfig.plain(device)):  # (the layers' choices: which keep FP8 weights)
                 model = model_class(self.config, dtype=dtype, device="meta", max_model_len=1)
             if cpu_offload_experts is not None:
                 moved = offload_experts(model, cpu_offload_experts, KernelConfig(), expert_cache)
         # the share of each offloaded layer's experts on the device: its slots (copy), or none (compute)
         share = {id(p): moe.cache_slots / len(moe.experts) for moe in moved for p in moe.experts.parameters()}
         if not self.is_gguf:
-            return round(sum(p.numel() * share.get(id(p), 1.0) for p in model.parameters())) * (
-                torch.finfo(dtype).bits // 8)
+            size = torch.finfo(dtype).bits // 8
+            held = sum(p.numel() * share.get(id(p), 1.0) for p in model.parameters()) * size
+            if self.fp8 is not None and get_tp().size == 1:  # FP8 kept: a byte a weight and a scale a tile
+                from pocketllm.loaders.safetensors_loader import fp8_tensor_names
+
+                tile = self.fp8.rows * self.fp8.cols
+                fp8 = ({p for p, m in model.named_modules() if isinstance(m, Linear) and p != "lm_head"} if self.dummy
+                       else {model.destination(name)[0] for name in fp8_tensor_names(self.path)})
+                held -= sum(m.weight.numel() * (size - 1 - 4 / tile) for path, m in model.named_modules()
+                            if isinstance(m, Linear) and m.keeps_fp8 and path in fp8)
+            return round(held)
         dense = torch.finfo(torch.float32 if device.type == "cpu" else dtype).bits // 8
         kept = frozenset() if dequantize_at_load else PLATFORMS[device.type].kept_quantized
         experts = self.gguf.held_bytes(kept, dense, self.gguf.expert_layers(cpu_offload_experts), experts_only=True)
@@ -109,13 +119,14 @@ class ModelSource:
                 offload_experts(model, cpu_offload_experts, host, expert_cache, dtype)
             if self.dummy:
                 from pocketllm.loaders.dummy_loader import dummy_weights
-                model.load_weights(dummy_weights(model, dtype, device, seed))
+                model.load_weights(dummy_weights(model, dtype, device, seed, fp8=self.fp8))
             elif self.is_gguf:
                 model.load_weights(self.gguf.iter_weights(dtype, device))
             else:
                 from pocketllm.loaders.safetensors_loader import iter_safetensors
-                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype, self.fp8,
-                                                                                  model.reads_tensor))
+                # (FP8 weights kept as they are where the GPU's kernels multiply them: one rank)
+                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(
+                    self.path, dtype, self.fp8, model.reads_tensor, keep_fp8=kernels.gpu and get_tp().size == 1))
         model.eval()
         if self.is_gguf:
             self.gguf.release()

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from pocketllm.errors import ConfigurationError
-from pocketllm.quant.fp8 import FP8, SCALE_SUFFIX, Fp8Blocks
+from pocketllm.quant.fp8 import FP8, SCALE_SUFFIX, Fp8Blocks, Fp8Weight
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -25,6 +25,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def fp8_tensor_names(model_dir: str | Path) -> set[str]:
+    """The float8 tensors' names, from the files' headers (no tensor is read)."""
+    names: set[str] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3")  # noqa: SIM118
+    return names
+
+
 def tensor_names(model_dir: str | Path) -> set[str]:
     """Every tensor's name, from the files' headers (no tensor is read)."""
     names: set[str] = set()
@@ -35,10 +44,11 @@ def tensor_names(model_dir: str | Path) -> set[str]:
 
 
 def iter_safetensors(model_dir: str | Path, dtype: torch.dtype, fp8: Fp8Blocks | None = None,
-                     keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     keep: Callable[[str], bool] | None = None,
+                     keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """Every tensor in `dtype` (those whose names `keep` accepts; the others are not read); with `fp8` (a
-    block-scaled FP8 checkpoint) each float8 weight dequantized with its `weight_scale_inv` (wherever that
-    is stored), which is not yielded itself."""
+    block-scaled FP8 checkpoint) each float8 weight with its `weight_scale_inv` (wherever that is stored,
+    not yielded itself): dequantized, or (`keep_fp8`) as an Fp8Weight."""
     handles = {path: safe_open(str(path), framework="pt") for path in safetensors_files(model_dir)}
     # each scale's file, for weights whose scales are in another shard
     scales = {} if fp8 is None else {name: f for f in handles.values() for name in f.keys()
@@ -55,4 +65,5 @@ def iter_safetensors(model_dir: str | Path, dtype: torch.dtype, fp8: Fp8Blocks |
                 raise ConfigurationError(f"{name} is float8 but config.json has no fp8 quantization_config")
             if name + SCALE_SUFFIX not in scales:
                 raise ConfigurationError(f"the fp8 weight {name} has no {name + SCALE_SUFFIX} in the checkpoint")
-            yield name, fp8.dequantize(t, scales[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX), dtype)
+            weight = Fp8Weight(t, scales[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX), fp8, dtype)
+            yield name, weight if keep_fp8 else weight.dequantize()

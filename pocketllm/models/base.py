@@ -14,6 +14,7 @@ from pocketllm.layers.attention import AttentionMetadata
 from pocketllm.layers.linear import Embedding, Linear, QuantizedTensor
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.models.capabilities import RuntimeCapabilities
+from pocketllm.quant.fp8 import Fp8Weight
 
 _SUFFIX = re.compile(r"\.(weight|bias)$")
 
@@ -101,17 +102,7 @@ class CausalLM(torch.nn.Module):
         for name, tensor in weights:
             if self.ignored.search(name):
                 continue
-            for theirs, ours in self.renamed_modules.items():
-                name = name.replace(f".{theirs}.", f".{ours}.")
-            m = _SUFFIX.search(name)
-            if m is None:
-                raise ConfigurationError(f"unexpected checkpoint tensor {name!r}")
-            kind, path = m.group(1), name[:m.start()]
-            parent, _, leaf = path.rpartition(".")
-            shard = 0
-            if leaf in self.packed_modules:
-                leaf, shard = self.packed_modules[leaf]
-                path = f"{parent}.{leaf}" if parent else leaf
+            path, shard, kind = self.destination(name)
             if path == "lm_head" and self.cfg.tie_word_embeddings:
                 continue
             try:
@@ -119,9 +110,26 @@ class CausalLM(torch.nn.Module):
             except AttributeError:
                 raise ConfigurationError(f"checkpoint tensor {name!r} matches no module of "
                                          f"{type(self).__name__}") from None
+            if isinstance(tensor, Fp8Weight) and not getattr(module, "keeps_fp8", False):
+                tensor = tensor.dequantize()  # (a module that reads its weight as numbers)
             module.load(tensor, shard, kind)
             loaded.add(f"{path}:{shard}:{kind}")
         self._finish_loading(loaded)
+
+    def destination(self, name: str) -> tuple[str, int, str]:
+        """(module path, part of a fused module, "weight" or "bias") that checkpoint tensor `name` loads into."""
+        for theirs, ours in self.renamed_modules.items():
+            name = name.replace(f".{theirs}.", f".{ours}.")
+        m = _SUFFIX.search(name)
+        if m is None:
+            raise ConfigurationError(f"unexpected checkpoint tensor {name!r}")
+        kind, path = m.group(1), name[:m.start()]
+        parent, _, leaf = path.rpartition(".")
+        shard = 0
+        if leaf in self.packed_modules:
+            leaf, shard = self.packed_modules[leaf]
+            path = f"{parent}.{leaf}" if parent else leaf
+        return path, shard, kind
 
     def _finish_loading(self, loaded: set[str]) -> None:
         if self.cfg.tie_word_embeddings and self.has_lm_head:

@@ -14,8 +14,9 @@ GGUF_TYPES = frozenset({
 })
 
 
-# Hugging Face checkpoint quantizations every runtime loads: block-scaled FP8 (pocketllm.quant.fp8),
-# dequantized at load on every platform for now (no FP8 kernels yet).
+# Hugging Face checkpoint quantizations every runtime loads: block-scaled FP8 (pocketllm.quant.fp8), kept
+# in FP8 on the GPU (one rank: its projections, multiplied by kernels/triton/fp8.py), dequantized at load
+# on the CPU, with tensor parallelism, and for the layers read as numbers (experts, the router, MLA's kv_b).
 CHECKPOINT_QUANTS = frozenset({"FP8"})
 
 

@@ -86,6 +86,7 @@ class LatentAttention(torch.nn.Module):
         self.kv_a_proj_with_mqa = Linear(h, [self.rank + self.rope], bias, dtype, device)
         self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.kv_b_proj = Linear(self.rank, [self.num_heads * (self.nope + self.v_dim)], False, dtype, device)
+        self.kv_b_proj.keeps_fp8 = False  # (read as W_UK and W_UV)
         self.o_proj = Linear(self.num_heads * self.v_dim, [h], bias, dtype, device)
         self.rotary = rotary
         self.scale = softmax_scale(cfg)

@@ -6,6 +6,10 @@ vLLM's `Fp8LinearMethod` with block quantization).
 The config says so: `quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128],
 "activation_scheme": "dynamic"}`. Checkpoints scaled per tensor, or with static activation scales, are
 other formats, refused by `Fp8Blocks.of`.
+
+Where the platform multiplies them as they are (the GPU's kernels, kernels/triton/fp8.py), the loader
+passes an `Fp8Weight` to the layer, which keeps it (`Fp8Linear`: half the bytes of bfloat16); elsewhere,
+and for layers that read their weight as numbers (a module without `keeps_fp8`), it is dequantized at load.
 """
 from __future__ import annotations
 
@@ -73,3 +77,52 @@ class Fp8Blocks:
         values = (tiles * factor[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return values.flatten(-2).flatten(-3, -2)[..., :rows, :cols].contiguous(), 1.0 / factor
 
+
+
+@dataclass
+class Fp8Weight:
+    """A checkpoint weight as stored: float8 `values` [rows, cols] and float32 `scale_inv` a tile of `blocks`;
+    `dtype` the model's (what dequantizing gives)."""
+
+    values: torch.Tensor
+    scale_inv: torch.Tensor
+    blocks: Fp8Blocks
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def to(self, device) -> Fp8Weight:
+        return Fp8Weight(self.values.to(device), self.scale_inv.to(device), self.blocks, self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.blocks.dequantize(self.values, self.scale_inv, self.dtype)
+
+
+class Fp8Linear(torch.nn.Module):
+    """y = x @ W.T (+ bias) with W kept as block-scaled FP8 (Fp8Weight's parts, stacked along the rows where
+    every part but the last is a whole number of tiles tall: a fused projection's)."""
+
+    def __init__(self, parts: list[Fp8Weight], bias: torch.Tensor | None):
+        super().__init__()
+        blocks = parts[0].blocks
+        assert all(p.blocks == blocks for p in parts) and all(p.shape[0] % blocks.rows == 0 for p in parts[:-1])
+        self.blocks = blocks
+        self.values = torch.cat([p.values for p in parts]) if len(parts) > 1 else parts[0].values.contiguous()
+        self.scale_inv = torch.cat([p.scale_inv.float() for p in parts]) if len(parts) > 1 else parts[0].scale_inv
+        self.bias = bias
+        self.out_features, self.in_features = self.values.shape
+
+    @staticmethod
+    def stacks(parts: list[Fp8Weight]) -> bool:
+        """Whether these parts stack into one layer (each but the last a whole number of tiles tall)."""
+        return len({p.blocks for p in parts}) == 1 and all(p.shape[0] % p.blocks.rows == 0 for p in parts[:-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pocketllm.kernels.triton.fp8 import fp8_matmul
+
+        shape = x.shape
+        y = fp8_matmul(x.reshape(-1, shape[-1]), self.values, self.scale_inv, (self.blocks.rows, self.blocks.cols),
+                       self.bias)
+        return y.reshape(*shape[:-1], -1)
