@@ -81,11 +81,15 @@ def test_fp8_checkpoint_runs_as_transformers_runs_it(fp8_model):
             assert abs(lp.logprob - float(want[token])) < 1e-4
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")
+ON_GPU_KERNELS = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=ON_GPU_KERNELS), pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("m", [1, 20, 70])  # each row count's tiles (kernels/triton/fp8.py `tiles`)
-def test_the_fp8_kernel_multiplies_by_the_dequantized_weight(m):
-    """Tiles cut at the edges of the weight and of its 128 x 128 scale tiles, in float32: the product of the
-    dequantized weight within float32 rounding."""
+def test_the_fp8_kernel_multiplies_by_the_dequantized_weight(m, device):
+    """Tiles cut at the edges of the weight and of its 128 x 128 scale tiles: in float32 the product of the
+    dequantized weight within float32 rounding; in bfloat16 (CUDA) close to it."""
     from pocketllm.kernels.triton.fp8 import fp8_matmul
 
     torch.manual_seed(2)
@@ -94,11 +98,28 @@ def test_the_fp8_kernel_multiplies_by_the_dequantized_weight(m):
     scales = torch.rand(BLOCKS.scale_shape(n, k)) * 1e-3
     x, bias = torch.randn(m, k), torch.randn(n)
     want = x @ BLOCKS.dequantize(values, scales, torch.float32).T + bias
-    got = fp8_matmul(x, values, scales, (128, 128), bias)
+    dev = torch.device(device)
+    got = fp8_matmul(x.to(dev), values.to(dev), scales.to(dev), (128, 128), bias.to(dev)).cpu()
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    if device == "cuda":
+        half = fp8_matmul(x.to(dev, torch.bfloat16), values.to(dev), scales.to(dev), (128, 128)).float().cpu()
+        assert float((half + bias - want).abs().max()) < 2e-2 * float(want.abs().max())
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only without CUDA")
+@CUDA
+def test_on_cuda_fp8_weights_are_kept_and_run_as_transformers_runs_them(fp8_model):
+    from pocketllm.quant.fp8 import Fp8Linear
+
+    out, ref = fp8_model
+    prompts = prompts_of([3, 17])
+    llm = LLM(str(out), device="cuda", dtype="float32", max_model_len=64, num_kv_blocks=16)
+    assert any(isinstance(m, Fp8Linear) for m in llm.engine.runner.model.modules())
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 8) for p in prompts]
+
+
+@ON_GPU_KERNELS
 def test_the_gpus_kernels_keep_the_fp8_weights_and_run_as_transformers_runs_them(fp8_model, monkeypatch):
     """The GPU's kernels (Triton's interpreter on CPU tensors) keep each projection's FP8 values and scales as
     the checkpoint holds them and multiply them there (kernels/triton/fp8.py), DeepSeek's shared experts too;

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# FP8 checkpoints on the GPU (the DeepSeek issue's FP8 figure): the Llama-3-8B shape as a block-scaled FP8
+# release (`llama3-8b-fp8`, random FP8 values) against its bf16 shape, `--load-format dummy`, decode of one
+# stream and of 64 (512 prompt + 128 generated tokens), alternated in one call; the FP8 tests first.
+#   OUT=dir benchmarks/suites/gpu_fp8.sh      (results: $OUT/fp8-<shape>-b<batch>.json, the test log)
+set -uo pipefail
+OUT=${OUT:-benchmarks/results}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+$PY -m pytest -q tests/test_fp8.py -k "cuda" -p no:cacheprovider 2>&1 | tail -n 5 | tee "$OUT/fp8-tests.log"
+for b in 1 64; do
+    for shape in llama3-8b llama3-8b-fp8; do
+        $PY -m pocketllm.cli.main bench latency "$shape" --load-format dummy --dtype bfloat16 --max-model-len 1024 \
+            --input-len 512 --output-len 128 --batch-size "$b" --num-iters 2 --output-json "$OUT/fp8-$shape-b$b.json" \
+            2>&1 | grep -i -E "decode|error" | tail -n 2
+    done
+done
