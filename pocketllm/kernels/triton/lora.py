@@ -34,15 +34,21 @@ def max_chunks(rows: int, slots: int) -> int:
 
 
 @triton.jit
-def _shrink(x_ptr, a_ptr, perm_ptr, chunk_ptr, part_ptr, M, K, stride_x, W, tiles,
-            WP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _chunk(chunk_ptr, perm_ptr, BM: tl.constexpr):
+    """This program's chunk: its slot, whether it has rows, and those rows (BM, masked)."""
     s = tl.load(chunk_ptr + tl.program_id(0) * 3)
     r0 = tl.load(chunk_ptr + tl.program_id(0) * 3 + 1)
     end = tl.load(chunk_ptr + tl.program_id(0) * 3 + 2)
-    if r0 < end:
-        offs_m = r0 + tl.arange(0, BM)
-        m_ok = offs_m < end
-        rows = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+    offs_m = r0 + tl.arange(0, BM)
+    m_ok = offs_m < end
+    return s, r0 < end, tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64), m_ok
+
+
+@triton.jit
+def _shrink(x_ptr, a_ptr, perm_ptr, chunk_ptr, part_ptr, M, K, stride_x, W, tiles,
+            WP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    s, live, rows, m_ok = _chunk(chunk_ptr, perm_ptr, BM)
+    if live:
         offs_w = tl.arange(0, WP)
         w_ok = offs_w < W
         a_rows = (s * W + offs_w).to(tl.int64)
@@ -61,13 +67,8 @@ def _shrink(x_ptr, a_ptr, perm_ptr, chunk_ptr, part_ptr, M, K, stride_x, W, tile
 @triton.jit
 def _expand(part_ptr, bt_ptr, perm_ptr, chunk_ptr, y_ptr, M, N, stride_y, W, splits,
             WP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-    s = tl.load(chunk_ptr + tl.program_id(0) * 3)
-    r0 = tl.load(chunk_ptr + tl.program_id(0) * 3 + 1)
-    end = tl.load(chunk_ptr + tl.program_id(0) * 3 + 2)
-    if r0 < end:
-        offs_m = r0 + tl.arange(0, BM)
-        m_ok = offs_m < end
-        rows = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+    s, live, rows, m_ok = _chunk(chunk_ptr, perm_ptr, BM)
+    if live:
         offs_w = tl.arange(0, WP)
         w_ok = offs_w < W
         xa = tl.zeros((BM, WP), dtype=tl.float32)
