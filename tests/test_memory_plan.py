@@ -28,6 +28,17 @@ def test_a_model_that_cannot_fit_is_refused_before_its_weights(monkeypatch):
     assert "but 64.0 GiB is available" in msg and "--max-model-len" in msg and "--dtype bfloat16" in msg
 
 
+def test_qwen3_235b_a22bs_plan_counts_its_235_billion_parameters(monkeypatch):
+    """The largest shape the plans are made for: 94 layers of 128 experts, 234.9 billion parameters
+    (its model card says 235B), 437.6 GiB in bfloat16; refused before any weight, as it does not fit."""
+    monkeypatch.setattr(kv_plan, "available_memory", lambda device, utilization: 64 << 30)
+    with pytest.raises(ConfigurationError) as e:
+        LLM("qwen3-235b-a22b", load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    params = 151936 * 4096 * 2 + 94 * (4096 * (64 + 4 + 4) * 128 + 64 * 128 * 4096 + 128 * 3 * 4096 * 1536
+                                       + 128 * 4096)
+    assert f"its weights take {params * 2 / 2**30:.1f} GiB" in str(e.value), (params, str(e.value))
+
+
 @pytest.mark.parametrize("source", ["gguf", "safetensors"])
 def test_the_plan_is_logged_and_close_to_what_loading_takes(source, tiny_models, caplog):
     path = default_model_gguf() if source == "gguf" else tiny_models["llama"][1]

@@ -23,6 +23,12 @@ SHAPES: dict[str, dict] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
                           rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # (for memory plans: 235B parameters, larger than the device's disk)
+    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                            vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                            rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16"),
     "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
                          num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
