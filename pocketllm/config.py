@@ -48,7 +48,7 @@ class EngineArgs:
     # Schedule and launch the next step while the GPU runs the last one; None: on for CUDA, off on
     # CPU (where the host is the device, so nothing overlaps). See docs/performance/gpu-engine.md.
     async_scheduling: bool | None = None
-    dequantize_at_load: bool = False  # GGUF: trade memory for speed
+    dequantize_at_load: bool = False  # GGUF blocks and FP8 weights: trade memory for speed
     # CPU: False (the fast path) takes integer dot products over activations quantized to 8 bits
     # for GGUF weights and fused C kernels between the matmuls (float32; not bit-identical to
     # torch's ops); True multiplies exactly dequantized weights in float32 with torch's ops

@@ -146,6 +146,9 @@ def test_the_gpus_kernels_keep_the_fp8_weights_and_run_as_transformers_runs_them
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 8) for p in prompts]
+    # --dequantize-at-load: the GPU's kernels on dequantized weights (the way back, should the FP8 path not serve)
+    undone = LLM(str(out), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, dequantize_at_load=True)
+    assert not any(isinstance(m, Fp8Linear) for m in undone.engine.runner.model.modules())
     # what keeping them saves, planned and held, against the same model dequantized (the CPU's exact kernels)
     cpu = torch.device("cpu")
     monkeypatch.undo()

@@ -47,7 +47,8 @@ _HELP = {
     "seed": "random seed of sampling and of dummy weights (default: 0)",
     "enforce_eager": "CUDA: run every step eagerly, without CUDA graphs (default: off)",
     "async_scheduling": "launch each step while the GPU runs the one before (default: on for CUDA, off on CPU)",
-    "dequantize_at_load": "GGUF: dequantize the weights when loading, trading memory for speed (default: off)",
+    "dequantize_at_load": "GGUF and FP8 checkpoints: dequantize the weights when loading, trading memory for speed "
+                          "(default: off; the GPU keeps FP8 projections in FP8, the CPU dequantizes them)",
     "exact_kernels": "CPU: exactly dequantized GGUF weights in float32 and torch's ops between the matmuls, "
                      "token-identical to transformers (default: off: integer dot products over 8-bit "
                      "activations and fused C kernels, faster, within the activations' rounding)",

@@ -111,7 +111,7 @@ class Linear(torch.nn.Module):
         self.lora = None  # LoRA adapters' slots (pocketllm.layers.lora), on layers they may target
         # block-scaled FP8 checkpoint weights kept as they are (quant/fp8.py) where the kernels multiply them;
         # a layer whose weight is read as numbers (an expert's, stacked; MLA's kv_b_proj) sets it False
-        self.keeps_fp8 = self.kernels.gpu and tp.size == 1
+        self.keeps_fp8 = self.kernels.gpu and not self.kernels.dequantize_at_load and tp.size == 1
         self._fp8_parts: dict = {}
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, shard: int = 0, kind: str = "weight") -> None:

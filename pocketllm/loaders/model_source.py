@@ -81,7 +81,7 @@ class ModelSource:
         if not self.is_gguf:
             size = torch.finfo(dtype).bits // 8
             held = sum(p.numel() * share.get(id(p), 1.0) for p in model.parameters()) * size
-            if self.fp8 is not None and get_tp().size == 1:  # FP8 kept: a byte a weight and a scale a tile
+            if self.fp8 is not None and not dequantize_at_load and get_tp().size == 1:  # FP8 kept: a byte a weight
                 from pocketllm.loaders.safetensors_loader import fp8_tensor_names
 
                 tile = self.fp8.rows * self.fp8.cols
@@ -108,8 +108,9 @@ class ModelSource:
             from pocketllm.kernels.dispatch import int8_passes
 
             passes = 0 if exact_kernels else int8_passes(self.config.hidden_size)
-            kernels = replace(kernels, int8_passes=passes, dequantize_at_load=dequantize_at_load)
+            kernels = replace(kernels, int8_passes=passes)
             host = replace(host, int8_passes=passes if host.cpu_fused else 0, dequantize_at_load=dequantize_at_load)
+        kernels = replace(kernels, dequantize_at_load=dequantize_at_load)  # (GGUF blocks and FP8 weights alike)
         # (modules built while the weights load, a tied output layer say, run the same kernels)
         with building_with(kernels):
             model = model_class(self.config, dtype=dtype, device=device, max_model_len=max_model_len)
@@ -126,7 +127,8 @@ class ModelSource:
                 from pocketllm.loaders.safetensors_loader import iter_safetensors
                 # (FP8 weights kept as they are where the GPU's kernels multiply them: one rank)
                 model.load_weights((n, t.to(device)) for n, t in iter_safetensors(
-                    self.path, dtype, self.fp8, model.reads_tensor, keep_fp8=kernels.gpu and get_tp().size == 1))
+                    self.path, dtype, self.fp8, model.reads_tensor,
+                    keep_fp8=kernels.gpu and not dequantize_at_load and get_tp().size == 1))
         model.eval()
         if self.is_gguf:
             self.gguf.release()
