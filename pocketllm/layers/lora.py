@@ -24,9 +24,9 @@ import torch
 
 class LoRARows:
     """Each row's slot for the step, set by the runner before each forward: `slots` (int64 on the host,
-    -1 for none: the CPU's one-call decoder reads them), and per the module's two ways either `perm` /
-    `seg` on the device (rows sorted by slot; slot s owns perm[seg[s]:seg[s + 1]]) or `mask`
-    ([rows, slots, 1] ones and zeros). `active`: some row has an adapter."""
+    -1 for none: the CPU's one-call decoder reads them), and per the module's two ways either `perm` and
+    `chunks` on the device (the rows sorted by slot, and (slot, first, end) a 16 of them: kernels/triton/lora.py)
+    or `mask` ([rows, slots, 1] ones and zeros). `active`: some row has an adapter."""
 
     def __init__(self, max_loras: int, device: torch.device, *, grouped: bool, capacity: int = 0):
         """`capacity`: the most rows of a step (grouped: its buffers are fixed, for CUDA graphs)."""
