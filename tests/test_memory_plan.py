@@ -47,7 +47,8 @@ def test_the_plan_is_logged_and_close_to_what_loading_takes(source, tiny_models,
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: weights"))
     assert "available on cpu" in line
     planned, held = llm.engine.planned_weight_bytes, llm.engine.weight_bytes
-    assert abs(planned - held) <= 0.05 * held, (planned, held)
+    # (the tiny random model's rotary tables, which the plan leaves to the activations, are 2% of its 0.7 MiB)
+    assert abs(planned - held) <= (0.02 if source == "gguf" else 0.05) * held, (planned, held)
 
 
 def test_a_gguf_file_on_the_cpu_that_cannot_fit_is_a_warning(monkeypatch, caplog):
