@@ -64,7 +64,7 @@ class EngineArgs:
     # computed there by the CPU's kernels (llama.cpp's --n-cpu-moe), the rest of the model on the GPU
     cpu_offload_experts: str | None = None
     # How offloaded experts run: "compute" (on the CPU, as above) or "copy" (to the GPU as steps select them,
-    # into `expert_cache_slots` slots a layer kept least-recently-used; None: 4 x the experts a token takes)
+    # into `expert_cache_slots` slots a layer holding the most selected; None: 4 x the experts a token takes)
     expert_offload: str = "compute"
     expert_cache_slots: int | None = None
     # generate | embed (requests are pooled into vectors: /v1/embeddings); auto: embed for an embedding

@@ -5,6 +5,9 @@ the resident model's; the memory plan leaves those experts out of the device's b
 offloaded is refused before loading."""
 from __future__ import annotations
 
+import collections
+import types
+
 import gguf
 import pytest
 import torch
@@ -109,6 +112,48 @@ def test_experts_copied_to_the_device_as_selected_compute_what_resident_experts_
         sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if "_exps" in t.name)
     share = 1 - 2 / len(blocks[0].experts)
     assert abs(planned - llm.engine.planned_weight_bytes - share * experts) <= 1
+
+
+def test_the_expert_slots_keep_the_experts_the_router_selects_most():
+    """Four slots; experts 0 and 1 selected at most steps, the others in turn, once each. The hot pair is
+    copied once and stays (the recency order alone would push expert 1 out while the others pass); the counts
+    halve as HALF_LIFE selections pass, so a change of traffic moves the set."""
+    from pocketllm.layers import expert_cache
+    from pocketllm.layers.expert_cache import ExpertCache
+
+    weights = torch.arange(16 * 3 * 4, dtype=torch.float32).reshape(16 * 3, 4)  # 16 experts of 3 rows
+    part = types.SimpleNamespace(stacked=weights.clone(), bias=None)  # (an ExpertStack's part: what the cache uses)
+    cache = ExpertCache([types.SimpleNamespace(parts=[part], bias=None)], 16, 4, torch.device("cpu"))
+    copies = collections.Counter()
+    fetch = cache.fetch
+
+    def counted(experts):
+        before = dict(cache.resident)
+        fetch(experts)
+        copies.update(e for e in experts if e not in before)
+
+    cache.fetch = counted
+    ran = []
+    stacked = lambda x, w, ids, slots, n, grouped_max: ran.append(slots.tolist()) or x  # noqa: E731
+    for step in range(48):
+        if step == 6:  # (by now the hot pair has been selected more often than any other)
+            copies.clear()
+        cold = 2 + step % 14
+        ids = torch.tensor([[0, cold]] if step % 3 else [[1, cold]])
+        cache.run(torch.zeros(1, 4), torch.ones(1, 2), ids, stacked)
+        for e, slot in cache.resident.items():  # each resident expert's rows are in its slot
+            assert torch.equal(part.stacked[slot * 3:slot * 3 + 3], weights[e * 3:e * 3 + 3])
+    assert copies[0] == copies[1] == 0 and {0, 1} <= set(cache.resident)
+    assert sum(copies.values()) >= 40  # the cold ones come and go
+    # The traffic moves to experts 8-11, 20 selections each: fewer than expert 0's 32, so without the halving
+    # expert 0 would stay for good; with it, the old counts fade and the four new experts hold the slots.
+    expert_cache.HALF_LIFE = 16
+    try:
+        for step in range(40):
+            cache.run(torch.zeros(1, 4), torch.ones(1, 2), torch.tensor([[8, 9]] if step % 2 else [[10, 11]]), stacked)
+    finally:
+        expert_cache.HALF_LIFE = 4096
+    assert set(cache.resident) == {8, 9, 10, 11}
 
 
 def test_what_cannot_be_offloaded_is_refused_before_loading(tiny_models, mixtral_q8, monkeypatch):

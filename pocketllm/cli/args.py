@@ -26,7 +26,7 @@ _HELP = {
                            "--n-cpu-moe), for a model whose experts do not fit the card (default: none)",
     "expert_offload": "compute | copy: how the experts --cpu-offload-experts holds in host memory run: compute: on "
                       "the CPU's kernels; copy: copied to the GPU as steps select them, into --expert-cache-slots "
-                      "slots a layer kept least-recently-used (default: compute)",
+                      "slots a layer that keep the experts the router selects most (default: compute)",
     "expert_cache_slots": "--expert-offload copy: experts a layer keeps on the GPU (default: 4 x the experts a "
                           "token takes)",
     "task": "auto | generate | embed: what requests do; embed pools each prompt into a vector (/v1/embeddings) "

@@ -4,10 +4,13 @@ expert_offload="copy"): the other of the two ways to run a model whose experts d
 A layer's experts are built in the GPU's encoding (its Triton GGUF blocks, or its dense weights) but in
 host memory (pinned on CUDA), stacked as the resident grouped kernels take them (`ExpertStack`). The
 device holds `slots` experts' worth of each stack. Each step reads its routing on the host (one sync
-a layer), copies the experts it selected that no slot holds into the least recently used slots
-(an LRU: the experts a sequence keeps selecting stay), and runs the resident path's kernels on the
-slots, each pair pointed at its expert's slot. The routing, the kernels and so the outputs are the
-resident path's: offload changes where weights live, not what is computed.
+a layer), copies the experts it selected that no slot holds into slots, and runs the resident path's
+kernels on the slots, each pair pointed at its expert's slot. Which experts stay is decided by how often
+the router selected them (a count that halves every `HALF_LIFE` selections of the layer, so that the
+set follows the traffic): the least selected resident expert not needed now makes room, the least
+recently used of those on a tie. Hot experts stay resident; a one-off selection does not push them out.
+The routing, the kernels and so the outputs are the resident path's: offload changes where weights
+live, not what is computed.
 
 A step that selects more experts than there are slots (a long prompt's chunk) runs in rounds of
 `slots` experts, each pair counted in the round that holds its expert (weight 0 in the others)."""
@@ -18,6 +21,8 @@ from collections import OrderedDict
 import torch
 
 from pocketllm.kernels.platform import staged_for
+
+HALF_LIFE = 4096  # selections of a layer's experts (token-expert pairs) after which its counts halve
 
 
 class ExpertCache:
@@ -42,10 +47,21 @@ class ExpertCache:
         self.resident: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self.free = list(range(self.slots))
         self.table = torch.zeros(num_experts, dtype=torch.long, device=device)  # expert -> slot, on the device
+        self.selected = [0.0] * num_experts  # how often the router chose each expert (decaying)
+        self._since_halved = 0
         self.copied = self.hits = 0  # experts copied in, and selected while resident (statistics)
 
+    def count(self, ids: list[int]) -> None:
+        """The router chose these experts (one entry a token-expert pair)."""
+        for e in ids:
+            self.selected[e] += 1.0
+        self._since_halved += len(ids)
+        if self._since_halved >= HALF_LIFE:
+            self.selected = [c / 2 for c in self.selected]
+            self._since_halved = 0
+
     def fetch(self, experts: list[int]) -> None:
-        """`experts` (at most `slots`, distinct) into slots, evicting the least recently used others."""
+        """`experts` (at most `slots`, distinct) into slots, evicting the least selected others."""
         assert len(experts) <= self.slots
         wanted = set(experts)
         for e in experts:
@@ -56,7 +72,8 @@ class ExpertCache:
             if self.free:
                 slot = self.free.pop()
             else:
-                victim = next(v for v in self.resident if v not in wanted)
+                # (`resident` runs from least to most recently used: min keeps the first of equal counts)
+                victim = min((v for v in self.resident if v not in wanted), key=self.selected.__getitem__)
                 slot = self.resident.pop(victim)
             self.resident[e] = slot
             for host, part in zip(self.host, self.parts):
@@ -69,7 +86,9 @@ class ExpertCache:
         """The layer's experts on x [T, hidden] for the routing (weights, ids [T, k]); `stacked` is
         SparseMoE._stacked (the resident kernels, given each pair's slot; the grouped GEMVs at any
         number of tokens where the tile kernel does not cover the stacks)."""
-        selected = torch.unique(ids).tolist()  # (waits for the routing)
+        pairs = ids.flatten().tolist()  # (waits for the routing)
+        self.count(pairs)
+        selected = sorted(set(pairs))
         out = None
         for i in range(0, len(selected), self.slots):
             group = selected[i:i + self.slots]
