@@ -122,7 +122,7 @@ def test_the_expert_slots_keep_the_experts_the_router_selects_most():
     from pocketllm.layers.expert_cache import ExpertCache
 
     weights = torch.arange(16 * 3 * 4, dtype=torch.float32).reshape(16 * 3, 4)  # 16 experts of 3 rows
-    part = types.SimpleNamespace(stacked=weights.clone(), bias=None)  # (an ExpertStack's part: what the cache uses)
+    part = types.SimpleNamespace(stacked=weights.clone(), bias=None, rehome=lambda t: None)  # (an ExpertStack's part)
     cache = ExpertCache([types.SimpleNamespace(parts=[part], bias=None)], 16, 4, torch.device("cpu"))
     copies = collections.Counter()
     fetch = cache.fetch

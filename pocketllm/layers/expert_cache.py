@@ -36,9 +36,9 @@ class ExpertCache:
             if stack.bias is not None:
                 stack.bias = stack.bias.to(device)  # (indexed by expert: small)
             for part in stack.parts:
-                host = part.stacked
-                rows = host.shape[0] // num_experts
-                host = staged_for(host, device)
+                rows = part.stacked.shape[0] // num_experts
+                host = staged_for(part.stacked, device)
+                part.rehome(host)  # (the experts' layers point there too: the unpinned copy is freed)
                 self.host.append(host.view(num_experts, rows, *host.shape[1:]))
                 part.stacked = torch.zeros((self.slots * rows, *host.shape[1:]), dtype=host.dtype, device=device)
                 if part.bias is not None:

@@ -109,13 +109,17 @@ class _PartStack:
         else:  # the Triton GGUF path: triton is there
             from pocketllm.kernels.triton.gguf_mma import MMA_TYPES
             self.fused = self.qtype in MMA_TYPES
-        weights = [m.weight.data if dense else m._store for m in modules]
-        self.stacked = torch.cat(weights)
+        self.modules, self.dense = modules, dense
         biases = [m.bias for m in modules]
         self.bias = None if biases[0] is None else torch.stack([b.data for b in biases])  # [E, N]
-        for i, m in enumerate(modules):  # the experts' own layers hold views: one copy
-            view, bias = self.stacked[i * self.n:(i + 1) * self.n], None if self.bias is None else self.bias[i]
-            if dense:  # a Linear's Parameters
+        self.stacked = torch.cat([m.weight.data if dense else m._store for m in modules])
+        self.rehome(self.stacked)
+
+    def rehome(self, stacked: torch.Tensor) -> None:
+        """The experts' own layers hold views of `stacked` (their weights, in this stack's layout): one copy."""
+        for i, m in enumerate(self.modules):
+            view, bias = stacked[i * self.n:(i + 1) * self.n], None if self.bias is None else self.bias[i]
+            if self.dense:  # a Linear's Parameters
                 m.weight.data = view
                 if bias is not None:
                     m.bias.data = bias
