@@ -72,7 +72,8 @@ class ModelSource:
 
         model, moved = None, []
         if cpu_offload_experts is not None or not self.is_gguf:
-            with building_with(KernelConfig.plain(device)):  # (the layers' choices: which keep FP8 weights)
+            # (an FP8 checkpoint's layers built as the device's kernels build them: which keep FP8 weights)
+            with building_with(KernelConfig() if self.fp8 is None else KernelConfig.plain(device)):
                 model = model_class(self.config, dtype=dtype, device="meta", max_model_len=1)
             if cpu_offload_experts is not None:
                 moved = offload_experts(model, cpu_offload_experts, KernelConfig(), expert_cache)
