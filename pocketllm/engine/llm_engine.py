@@ -265,16 +265,10 @@ class LLMEngine:
             self.weight_bytes += weight_bytes(self.drafter.model, self.device)
         if self.ranks is not None:
             self.ranks.wait_loaded()
-        self.lora = None
         # each sequence's drafts are decode rows of their own: the graphs hold them all
         max_decode_rows = args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-        if args.enable_lora:  # (its slots take memory before the KV cache is sized)
-            from pocketllm.runner.lora_manager import LoRAManager
-
-            self.lora = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
-                                    max_rows=max(max_decode_rows, args.max_num_batched_tokens))
-            for name, path in args.lora_paths.items():
-                self.lora.load(name, path)
+        # (the adapters' slots take memory before the KV cache is sized)
+        self.lora = self.worker.lora_manager(max_rows=max(max_decode_rows, args.max_num_batched_tokens))
         self.load_time = time.perf_counter() - t0
 
         if num_blocks is None:

@@ -47,23 +47,22 @@ class ExpertCache:
         self.resident: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self.free = list(range(self.slots))
         self.table = torch.zeros(num_experts, dtype=torch.long, device=device)  # expert -> slot, on the device
-        self.selected = [0.0] * num_experts  # how often the router chose each expert (decaying)
+        self.selected = torch.zeros(num_experts, dtype=torch.float64)  # how often the router chose each (decaying)
         self._since_halved = 0
         self.copied = self.hits = 0  # experts copied in, and selected while resident (statistics)
 
-    def count(self, ids: list[int]) -> None:
-        """The router chose these experts (one entry a token-expert pair)."""
-        for e in ids:
-            self.selected[e] += 1.0
-        self._since_halved += len(ids)
+    def count(self, counts: torch.Tensor) -> None:
+        """The router chose each expert `counts[e]` times (token-expert pairs) in a step."""
+        self.selected += counts
+        self._since_halved += int(counts.sum())
         if self._since_halved >= HALF_LIFE:
-            self.selected = [c / 2 for c in self.selected]
+            self.selected /= 2
             self._since_halved = 0
 
     def fetch(self, experts: list[int]) -> None:
         """`experts` (at most `slots`, distinct) into slots, evicting the least selected others."""
         assert len(experts) <= self.slots
-        wanted = set(experts)
+        wanted, selected = set(experts), self.selected.tolist()
         for e in experts:
             if e in self.resident:
                 self.resident.move_to_end(e)
@@ -73,7 +72,7 @@ class ExpertCache:
                 slot = self.free.pop()
             else:
                 # (`resident` runs from least to most recently used: min keeps the first of equal counts)
-                victim = min((v for v in self.resident if v not in wanted), key=self.selected.__getitem__)
+                victim = min((v for v in self.resident if v not in wanted), key=selected.__getitem__)
                 slot = self.resident.pop(victim)
             self.resident[e] = slot
             for host, part in zip(self.host, self.parts):
@@ -86,9 +85,9 @@ class ExpertCache:
         """The layer's experts on x [T, hidden] for the routing (weights, ids [T, k]); `stacked` is
         SparseMoE._stacked (the resident kernels, given each pair's slot; the grouped GEMVs at any
         number of tokens where the tile kernel does not cover the stacks)."""
-        pairs = ids.flatten().tolist()  # (waits for the routing)
-        self.count(pairs)
-        selected = sorted(set(pairs))
+        counts = torch.bincount(ids.flatten().cpu(), minlength=self.num_experts)  # (waits for the routing)
+        self.count(counts)
+        selected = counts.nonzero().flatten().tolist()
         out = None
         for i in range(0, len(selected), self.slots):
             group = selected[i:i + self.slots]

@@ -125,7 +125,7 @@ class Linear(torch.nn.Module):
             self._quant_parts[shard] = tensor
             if len(self._quant_parts) == len(self.out_sizes):
                 self._build_quantized()
-        elif isinstance(tensor, Fp8Weight) and self.keeps_fp8:
+        elif isinstance(tensor, Fp8Weight) and self.keeps_fp8:  # (else dequantized below)
             assert tuple(tensor.shape) == (hi - lo, self.in_features), (tensor.shape, hi - lo, self.in_features)
             self._fp8_parts[shard] = tensor
             if len(self._fp8_parts) == len(self.out_sizes):

@@ -72,17 +72,20 @@ class ModelSource:
 
         model, moved = None, []
         if cpu_offload_experts is not None or not self.is_gguf:
-            # (an FP8 checkpoint's layers built as the device's kernels build them: which keep FP8 weights)
-            with building_with(KernelConfig() if self.fp8 is None else KernelConfig.plain(device)):
+            # (an FP8 checkpoint's layers built as loading builds them: `keeps_fp8` says which keep FP8 weights)
+            kernels = KernelConfig() if self.fp8 is None else replace(KernelConfig.plain(device),
+                                                                      dequantize_at_load=dequantize_at_load)
+            with building_with(kernels):
                 model = model_class(self.config, dtype=dtype, device="meta", max_model_len=1)
             if cpu_offload_experts is not None:
                 moved = offload_experts(model, cpu_offload_experts, KernelConfig(), expert_cache)
-        # the share of each offloaded layer's experts on the device: its slots (copy), or none (compute)
-        share = {id(p): moe.cache_slots / len(moe.experts) for moe in moved for p in moe.experts.parameters()}
+        # the share of an offloaded layer's experts on the device: its slots (copy), or none (compute)
+        on_device = moved[0].cache_slots / len(moved[0].experts) if moved else 1.0  # (every layer's alike)
         if not self.is_gguf:
             size = torch.finfo(dtype).bits // 8
-            held = sum(p.numel() * share.get(id(p), 1.0) for p in model.parameters()) * size
-            if self.fp8 is not None and not dequantize_at_load and get_tp().size == 1:  # FP8 kept: a byte a weight
+            offloaded = {id(p) for moe in moved for p in moe.experts.parameters()}
+            held = sum(p.numel() * (on_device if id(p) in offloaded else 1.0) for p in model.parameters()) * size
+            if self.fp8 is not None:  # the FP8 weights kept: a byte a weight and a scale a tile
                 from pocketllm.loaders.safetensors_loader import fp8_tensor_names
 
                 tile = self.fp8.rows * self.fp8.cols
@@ -94,7 +97,6 @@ class ModelSource:
         dense = torch.finfo(torch.float32 if device.type == "cpu" else dtype).bits // 8
         kept = frozenset() if dequantize_at_load else PLATFORMS[device.type].kept_quantized
         experts = self.gguf.held_bytes(kept, dense, self.gguf.expert_layers(cpu_offload_experts), experts_only=True)
-        on_device = moved[0].cache_slots / len(moved[0].experts) if moved else 0.0  # (every layer's alike)
         return self.gguf.held_bytes(kept, dense) - round((1 - on_device) * experts)
 
     def load(self, model_class, dtype: torch.dtype, device: torch.device, max_model_len: int, *, seed: int,
@@ -126,10 +128,8 @@ class ModelSource:
                 model.load_weights(self.gguf.iter_weights(dtype, device))
             else:
                 from pocketllm.loaders.safetensors_loader import iter_safetensors
-                # (FP8 weights kept as they are where the GPU's kernels multiply them: one rank)
-                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(
-                    self.path, dtype, self.fp8, model.reads_tensor,
-                    keep_fp8=kernels.gpu and not dequantize_at_load and get_tp().size == 1))
+                model.load_weights((n, t.to(device)) for n, t in iter_safetensors(self.path, dtype, self.fp8,
+                                                                                  model.reads_tensor))
         model.eval()
         if self.is_gguf:
             self.gguf.release()

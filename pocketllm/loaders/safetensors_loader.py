@@ -44,11 +44,10 @@ def tensor_names(model_dir: str | Path) -> set[str]:
 
 
 def iter_safetensors(model_dir: str | Path, dtype: torch.dtype, fp8: Fp8Blocks | None = None,
-                     keep: Callable[[str], bool] | None = None,
-                     keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+                     keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """Every tensor in `dtype` (those whose names `keep` accepts; the others are not read); with `fp8` (a
-    block-scaled FP8 checkpoint) each float8 weight with its `weight_scale_inv` (wherever that is stored,
-    not yielded itself): dequantized, or (`keep_fp8`) as an Fp8Weight."""
+    block-scaled FP8 checkpoint) each float8 weight as an Fp8Weight, with its `weight_scale_inv` (wherever
+    that is stored, not yielded itself): the layer keeps it or dequantizes it."""
     handles = {path: safe_open(str(path), framework="pt") for path in safetensors_files(model_dir)}
     # each scale's file, for weights whose scales are in another shard
     scales = {} if fp8 is None else {name: f for f in handles.values() for name in f.keys()
@@ -65,5 +64,4 @@ def iter_safetensors(model_dir: str | Path, dtype: torch.dtype, fp8: Fp8Blocks |
                 raise ConfigurationError(f"{name} is float8 but config.json has no fp8 quantization_config")
             if name + SCALE_SUFFIX not in scales:
                 raise ConfigurationError(f"the fp8 weight {name} has no {name + SCALE_SUFFIX} in the checkpoint")
-            weight = Fp8Weight(t, scales[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX), fp8, dtype)
-            yield name, weight if keep_fp8 else weight.dequantize()
+            yield name, Fp8Weight(t, scales[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX), fp8, dtype)

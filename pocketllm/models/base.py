@@ -110,8 +110,8 @@ class CausalLM(torch.nn.Module):
             except AttributeError:
                 raise ConfigurationError(f"checkpoint tensor {name!r} matches no module of "
                                          f"{type(self).__name__}") from None
-            if isinstance(tensor, Fp8Weight) and not getattr(module, "keeps_fp8", False):
-                tensor = tensor.dequantize()  # (a module that reads its weight as numbers)
+            if isinstance(tensor, Fp8Weight) and not isinstance(module, Linear):
+                tensor = tensor.dequantize()  # (a Linear keeps or dequantizes its own; other modules read numbers)
             module.load(tensor, shard, kind)
             loaded.add(f"{path}:{shard}:{kind}")
         self._finish_loading(loaded)

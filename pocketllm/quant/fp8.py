@@ -8,8 +8,8 @@ The config says so: `quantization_config = {"quant_method": "fp8", "weight_block
 other formats, refused by `Fp8Blocks.of`.
 
 Where the platform multiplies them as they are (the GPU's kernels, kernels/triton/fp8.py), the loader
-passes an `Fp8Weight` to the layer, which keeps it (`Fp8Linear`: half the bytes of bfloat16); elsewhere,
-and for layers that read their weight as numbers (a module without `keeps_fp8`), it is dequantized at load.
+passes an `Fp8Weight` to the layer: a `Linear` keeps it (`Fp8Linear`: half the bytes of bfloat16) where its
+`keeps_fp8` says so; elsewhere, and in other modules, it is dequantized at load.
 """
 from __future__ import annotations
 
@@ -78,7 +78,6 @@ class Fp8Blocks:
         return values.flatten(-2).flatten(-3, -2)[..., :rows, :cols].contiguous(), 1.0 / factor
 
 
-
 @dataclass
 class Fp8Weight:
     """A checkpoint weight as stored: float8 `values` [rows, cols] and float32 `scale_inv` a tile of `blocks`;
@@ -106,9 +105,8 @@ class Fp8Linear(torch.nn.Module):
 
     def __init__(self, parts: list[Fp8Weight], bias: torch.Tensor | None):
         super().__init__()
-        blocks = parts[0].blocks
-        assert all(p.blocks == blocks for p in parts) and all(p.shape[0] % blocks.rows == 0 for p in parts[:-1])
-        self.blocks = blocks
+        assert self.stacks(parts)
+        self.blocks = parts[0].blocks
         self.values = torch.cat([p.values for p in parts]) if len(parts) > 1 else parts[0].values.contiguous()
         self.scale_inv = torch.cat([p.scale_inv.float() for p in parts]) if len(parts) > 1 else parts[0].scale_inv
         self.bias = bias

@@ -103,18 +103,24 @@ class LoRAManager:
             req.lora_slot = -1
 
     def _fill(self, slot: int, req: Request) -> None:
-        with self._lock:
-            adapter = self.host.get(req.lora_id)
-            if adapter is not None:
-                self.host.move_to_end(req.lora_id)
-        if adapter is None:  # read again (evicted from host memory, or unloaded while requests of it waited)
-            adapter = read_adapter(req.lora_name, self.sources[req.lora_id], self.model, self.max_rank)
-            with self._lock:
-                self._keep(req.lora_id, adapter)
-        self._put(slot, adapter)
+        path = self.sources[req.lora_id]
+        self._put(slot, self._adapter(req.lora_id, req.lora_name, path))
         self.slot_id[slot] = req.lora_id
         if self.tp_size > 1:
-            self._fills.append((slot, req.lora_id, self.sources[req.lora_id]))
+            self._fills.append((slot, req.lora_id, path))
+
+    def _adapter(self, ident: int, name: str, path: str) -> LoRAAdapter:
+        """Adapter load `ident` from host memory, or read again from `path` (never read here yet, evicted from
+        host memory, or unloaded while requests of it waited)."""
+        with self._lock:
+            adapter = self.host.get(ident)
+            if adapter is not None:
+                self.host.move_to_end(ident)
+                return adapter
+        adapter = read_adapter(name, path, self.model, self.max_rank)
+        with self._lock:
+            self._keep(ident, adapter)
+        return adapter
 
     def _put(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer in self.layers.values():
@@ -131,11 +137,7 @@ class LoRAManager:
 
     def fill_from(self, slot: int, ident: int, path: str) -> None:
         """A rank other than 0: rank 0 put adapter `ident` (read from `path`) into `slot`."""
-        adapter = self.host.get(ident)
-        if adapter is None:
-            adapter = read_adapter(f"#{ident}", path, self.model, self.max_rank)
-            self._keep(ident, adapter)
-        self._put(slot, adapter)
+        self._put(slot, self._adapter(ident, f"#{ident}", path))
 
     def _keep(self, ident: int, adapter: LoRAAdapter) -> None:
         self.host[ident] = adapter

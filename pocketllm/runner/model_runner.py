@@ -324,8 +324,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         step = self.flatten(out, prev)
         lora_slots = None
-        if self.lora is not None:  # (rows in the step's order: a request's rows together)
-            lora_slots = [sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)]
+        if self.lora is not None:  # (rows in the step's order: a request's rows together; none: no adapter row)
+            lora_slots = ([sr.request.lora_slot for sr in out.scheduled for _ in range(sr.num_tokens)]
+                          if any(sr.request.lora_slot >= 0 for sr in out.scheduled) else [])
             self.lora.rows.set(lora_slots)
         score_rows = [r0 + j for _, _, r0, ts in step.prompt_scores for j in range(len(ts))]  # hidden rows
         dev = self.device

@@ -115,13 +115,9 @@ def _rank_main(spec: RankSpec, rank: int, conn) -> None:
 
         args, device = spec.args, rank_device(spec.device_type, rank)
         worker = Worker.open(args.model, args, device, spec.dtype)
-        model = worker.load(spec.max_model_len)
-        lora = None
-        if args.enable_lora:  # (slots filled as rank 0 fills its own: ModelRunner.follow)
-            from pocketllm.runner.lora_manager import LoRAManager
-
-            lora = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
-                               max_rows=args.max_num_batched_tokens or 0)
+        worker.load(spec.max_model_len)
+        # (its slots filled as rank 0 fills its own: ModelRunner.follow)
+        lora = worker.lora_manager(max_rows=args.max_num_batched_tokens or 0, named=False)
         conn.send(None)
         blocks = torch.zeros(1, dtype=torch.long, device=device)
         dist.broadcast(blocks, src=0)

@@ -45,6 +45,21 @@ class Worker:
                                       cpu_offload_experts=args.cpu_offload_experts, expert_cache=args.expert_cache)
         return self.model
 
+    def lora_manager(self, max_rows: int, named: bool = True):
+        """The loaded model's LoRA adapter slots (runner.lora_manager), None without enable_lora; `named`: the
+        adapters `lora_modules` names registered (a tensor-parallel rank fills its slots as rank 0 says).
+        `max_rows`: the most rows of a step."""
+        if not self.args.enable_lora:
+            return None
+        from pocketllm.runner.lora_manager import LoRAManager
+
+        args = self.args
+        lora = LoRAManager(self.model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
+                           max_rows=max_rows)
+        for name, path in args.lora_paths.items() if named else ():
+            lora.load(name, path)
+        return lora
+
     def build_runner(self, num_blocks: int, block_size: int, max_model_len: int, *, max_decode_rows: int = 64,
                      enforce_eager: bool | None = None, kv_layout: KVLayout | None = None,
                      lora=None) -> ModelRunner:

@@ -90,17 +90,10 @@ class DraftModel:
 
     def load(self) -> None:
         self.model = self.worker.load(self.target.max_model_len, seed=self.args.seed + 1)
-        if self.args.enable_lora:
-            from pocketllm.runner.lora_manager import LoRAManager
-
-            args = self.args
-            self.lora = LoRAManager(self.model, args.max_loras, args.max_lora_rank, args.max_loras,
-                                    max_rows=self.target.args.max_num_batched_tokens)
-            for name, path in args.lora_paths.items():
-                try:
-                    self.lora.load(name, path)
-                except ConfigurationError as e:
-                    raise ConfigurationError(f"{self.where}: {e}") from None
+        try:
+            self.lora = self.worker.lora_manager(max_rows=self.target.args.max_num_batched_tokens)
+        except ConfigurationError as e:
+            raise ConfigurationError(f"{self.where}: {e}") from None
 
     def bind(self, num_blocks: int, kv, reserve: int) -> None:
         """KV tensors for `num_blocks` block ids of the target's manager `kv`; drafting leaves
@@ -177,7 +170,6 @@ class DraftModel:
         sh.all_token_ids = list(req.all_token_ids)
         sh.block_tables = req.block_tables
         return sh
-
 
     def _forget(self, sh: Request) -> None:
         if self.lora is not None:
