@@ -107,6 +107,34 @@ def test_the_fp8_kernel_multiplies_by_the_dequantized_weight(m, device):
 
 
 @CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_cuda_decode_rows_take_the_fp8_gemv_and_agree_with_the_tiles(dtype):
+    """1-8 rows on the CUDA C GEMV (dense_gemv.cu with FP8=1; `fp8_matmul` sends it up to GEMV_ROWS) against
+    float32 products of the dequantized weight, rows past a multiple of the block's four and scale tiles cut
+    at the edge, bias added; and each row within bfloat16 rounding of the same row in a 16-row product of
+    Triton's tiles."""
+    from pocketllm.kernels.cuda import dense_gemv
+    from pocketllm.kernels.triton.fp8 import fp8_tiled
+
+    torch.manual_seed(3)
+    for n, k in [(202, 304), (1024, 4096)]:
+        values = (torch.randn(n, k) * 100).clamp(-448, 448).to(FP8)
+        scales = torch.rand(BLOCKS.scale_shape(n, k)) * 1e-3
+        dev = torch.device("cuda")
+        x = torch.randn(16, k).to(dtype)
+        bias = torch.randn(n).to(dtype)
+        want = x.float() @ BLOCKS.dequantize(values, scales, torch.float32).T + bias.float()
+        args = values.to(dev), scales.to(dev), (128, 128), bias.to(dev)
+        tiled = fp8_tiled(x.to(dev), values.to(dev), scales.to(dev), (128, 128), bias.to(dev)).float().cpu()
+        scale = float(want.abs().max())
+        for m in range(1, dense_gemv.MAX_ROWS + 1):
+            assert dense_gemv.fp8_usable(x[:m].to(dev), values.to(dev), scales.to(dev), (128, 128))
+            got = dense_gemv.fp8_linear(x[:m].to(dev), *args).float().cpu()
+            assert float((got - want[:m]).abs().max()) < 1e-2 * scale, (n, k, m)
+            assert float((got - tiled[:m]).abs().max()) < 1e-2 * scale, (n, k, m)
+
+
+@CUDA
 def test_on_cuda_fp8_weights_are_kept_and_run_as_transformers_runs_them(fp8_model):
     from pocketllm.quant.fp8 import Fp8Linear
 

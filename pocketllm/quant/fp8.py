@@ -44,6 +44,9 @@ class Fp8Blocks:
         if not block or len(block) != 2:
             raise UnsupportedFeatureError("fp8 checkpoints scaled per tensor are not supported: only block-scaled "
                                           "ones (weight_block_size [128, 128], as DeepSeek-V3 and Qwen3 publish)")
+        if block[0] % 16 or block[1] % 16:  # (the kernels' tiles divide them)
+            raise UnsupportedFeatureError(f"fp8 scale blocks of {block[0]} x {block[1]} are not supported: only "
+                                          "blocks whose sides are multiples of 16 (DeepSeek's and Qwen3's: 128 x 128)")
         if q.get("activation_scheme", "dynamic") != "dynamic":
             raise UnsupportedFeatureError("fp8 checkpoints with static activation scales are not supported: only "
                                           "activation_scheme dynamic")

@@ -12,13 +12,16 @@
 // Otherwise block row blockIdx.y takes activation rows blockIdx.y * MAXM onwards (M rows in all).
 // GROUPED: block row blockIdx.y is a (token, expert) pair p: weights of matrix ids[p] of a stack of N-row
 // matrices, activation row p / x_div (mixture-of-experts pairs), output row p.
+// FP8: the weights are block-scaled float8 e4m3 (quant/fp8.py): a piece is 16 values, all in one BR x BC
+// tile of `scale`; a piece's 16 products are summed in float32 and the sum times the tile's scale added to
+// the row's sum (kernels/triton/fp8.py's order of scaling, so decode and prompt rows agree closely).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
 struct V4 { u32 x, y, z, w; };
 
-__device__ __forceinline__ V4 ld_stream(const u16* p) {  // 16 bytes of weights, read once
+__device__ __forceinline__ V4 ld_stream(const void* p) {  // 16 bytes of weights, read once
     V4 r;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
@@ -52,6 +55,38 @@ __device__ __forceinline__ float dot8(float acc, V4 w, V4 x) {  // in order: the
     return fmaf(hi(w.w), hi(x.w), acc);
 }
 
+#if FP8
+// byte i of v, an e4m3 value, as a float: its sign to bit 31 and its exponent and mantissa to bits 26..20
+// give a float 2^-120 times the value (subnormals too), so times 2^120 (exact) is the value. Integer and
+// float operations: sm_90 issues conversions (cvt) at a fraction of their rate, and they would bound decode.
+__device__ __forceinline__ float e4m3(u32 v, int i) {
+    const u32 b = v >> (8 * i);
+    return __uint_as_float(((b << 24) & 0x80000000u) | ((b << 20) & 0x07F00000u)) * 0x1p120f;
+}
+
+__device__ __forceinline__ void widen16(float* f, V4 w) {  // a piece's 16 e4m3 values, in order
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[i] = e4m3(w.x, i);
+        f[4 + i] = e4m3(w.y, i);
+        f[8 + i] = e4m3(w.z, i);
+        f[12 + i] = e4m3(w.w, i);
+    }
+}
+
+__device__ __forceinline__ void act16(float* f, V4 a, V4 b) {  // 16 activations (two loads), in order
+    const u32 v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        f[2 * i] = lo(v[i]);
+        f[2 * i + 1] = hi(v[i]);
+    }
+}
+#define VALS 16
+#else
+#define VALS 8
+#endif
+
 __device__ __forceinline__ float load_bias(const u16* b, int i) {
     return lo((u32)b[i]);
 }
@@ -71,9 +106,9 @@ __device__ __forceinline__ u16 round_out(float v) {
 
 // __launch_bounds__(NT, 1): every row's loads issue before the products (gguf_gemv.cu's finding)
 extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL(
-        const u16* __restrict__ w, const u16* __restrict__ x, u16* __restrict__ y, const u16* __restrict__ bias,
+        const void* __restrict__ w, const u16* __restrict__ x, u16* __restrict__ y, const u16* __restrict__ bias,
         const long long* __restrict__ ids, int N, int K, int M, int x_div, int stride_x, int stride_y,
-        int has_bias) {
+        int has_bias, const float* __restrict__ scale, int stride_s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n0 = blockIdx.x * R;
     long long base = 0;
@@ -87,27 +122,52 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL(
     xm = ym = blockIdx.y * MAXM;  // block row blockIdx.y: activation rows xm .. xm + MAXM - 1
     M = min(M - xm, MAXM);
 #endif
-    const u16* rows[R];
+#if FP8
+    typedef unsigned char WT;
+    const float* srow = scale + (n0 / BR) * (long long)stride_s;  // BR % R == 0: the block's rows share it
+#else
+    typedef u16 WT;
+#endif
+    const WT* rows[R];
 #pragma unroll
     for (int r = 0; r < R; r++)  // rows past N read row N - 1 and are not stored
-        rows[r] = w + (base + (n0 + r < N ? n0 + r : N - 1)) * (long long)K;
+        rows[r] = (const WT*)w + (base + (n0 + r < N ? n0 + r : N - 1)) * (long long)K;
     float acc[R][MAXM];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int m = 0; m < MAXM; m++) acc[r][m] = 0.0f;
-    const int pieces = K / 8;
+    const int pieces = K / VALS;
 #pragma unroll 2  // two pieces of each row in flight a thread
     for (int pc = threadIdx.x; pc < pieces; pc += NT) {
         V4 wv[R];
 #pragma unroll
-        for (int r = 0; r < R; r++) wv[r] = ld_stream(rows[r] + pc * 8);
+        for (int r = 0; r < R; r++) wv[r] = ld_stream(rows[r] + pc * VALS);
+#if FP8
+        const float s = srow[pc * VALS / BC];
+        float wf[R][16];
+#pragma unroll
+        for (int r = 0; r < R; r++) widen16(wf[r], wv[r]);
+#endif
 #pragma unroll
         for (int m = 0; m < MAXM; m++) {
             if (m < M) {
-                const V4 xv = ld_act(x + (long long)(xm + m) * stride_x + pc * 8);
+                const u16* xp = x + (long long)(xm + m) * stride_x + pc * VALS;
+#if FP8
+                float xf[16];
+                act16(xf, ld_act(xp), ld_act(xp + 8));
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float p = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 16; i++) p = fmaf(wf[r][i], xf[i], p);
+                    acc[r][m] = fmaf(p, s, acc[r][m]);
+                }
+#else
+                const V4 xv = ld_act(xp);
 #pragma unroll
                 for (int r = 0; r < R; r++) acc[r][m] = dot8(acc[r][m], wv[r], xv);
+#endif
             }
         }
     }
