@@ -68,6 +68,7 @@ def _kernel(dtype: torch.dtype, grouped: bool, r: int, nt: int, max_m: int, devi
 def _launch(x, w, n, k, bias, ids, x_div, rows_out, blocks_y, m, max_m, scale=None,
             block=None) -> torch.Tensor | None:
     r, nt = tile(n, k // (8 if block is None else 16), blocks_y, w.device)
+    assert block is None or block[0] % r == 0, (block, r)  # a block's rows share their scale row
     failed = x.dtype if block is None else "fp8"
     try:
         kern = _kernel(x.dtype, ids is not None, r, nt, max_m, w.device, block)
