@@ -37,6 +37,15 @@ def test_batched_rows_take_the_tiles_then_cublas():
     assert gpu(T.Q4_K, 8, FP32) == "dequant"
 
 
+def test_fp8_decode_rows_take_the_gemv_where_it_runs():
+    for m in (1, d.FP8_GEMV_MAX_M):
+        assert d.gpu_fp8_kernel(m, BF16, cuda_gemv=True) == "cuda_gemv"
+        assert d.gpu_fp8_kernel(m, FP16, cuda_gemv=True) == "cuda_gemv"
+        assert d.gpu_fp8_kernel(m, BF16, cuda_gemv=False) == "tiles"  # NVRTC absent, or operands it cannot take
+        assert d.gpu_fp8_kernel(m, FP32, cuda_gemv=True) == "tiles"  # float32 activations: the exact tiles
+    assert d.gpu_fp8_kernel(d.FP8_GEMV_MAX_M + 1, BF16, cuda_gemv=True) == "tiles"
+
+
 @pytest.mark.parametrize("passes", [0, 1, 2])
 def test_the_cpu_table(passes):
     small, large = d.EXACT_ROWS_MAX_WEIGHTS, d.EXACT_ROWS_MAX_WEIGHTS + 1

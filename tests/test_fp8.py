@@ -109,7 +109,7 @@ def test_the_fp8_kernel_multiplies_by_the_dequantized_weight(m, device):
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_on_cuda_decode_rows_take_the_fp8_gemv_and_agree_with_the_tiles(dtype):
-    """1-8 rows on the CUDA C GEMV (dense_gemv.cu with FP8=1; `fp8_matmul` sends it up to GEMV_ROWS) against
+    """1-8 rows on the CUDA C GEMV (dense_gemv.cu with FP8=1; `fp8_matmul` sends it FP8_GEMV_MAX_M) against
     float32 products of the dequantized weight, rows past a multiple of the block's four and scale tiles cut
     at the edge, bias added; and each row within bfloat16 rounding of the same row in a 16-row product of
     Triton's tiles."""

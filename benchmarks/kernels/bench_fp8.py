@@ -1,7 +1,7 @@
 """Block-scaled FP8 products (``kernels/triton/fp8.py``) at Llama-3-8B's shapes against cuBLAS on the bf16
 weight: the CUDA C GEMV (``dense_gemv.fp8_linear``) for 1-16 rows, and the Triton tiles (``fp8_tiled``) for
 all. Weights are read from memory (copies past 256 MB, as bench_dense_gemv.py), all products of a row count
-in one CUDA graph. ``GEMV_ROWS`` follows from it: the GEMV serves the row counts where it wins. With --sweep,
+in one CUDA graph. ``dispatch.FP8_GEMV_MAX_M`` follows from it: the GEMV serves the row counts where it wins. With --sweep,
 every (R, NT) tile of the GEMV at 1 and 2 rows as well (``cuda_r{R}_t{NT}_us``; ``cuda_us`` is the tile
 rule's).
 

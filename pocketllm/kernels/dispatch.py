@@ -1,5 +1,6 @@
-"""Which kernel multiplies activations x [M, K] by a GGUF weight: a pure decision per platform, each
-a table a reader sees at once (the GPU's here, the CPU's below, with why each threshold is where it is).
+"""Which kernel multiplies activations x [M, K] by a GGUF weight (or a block-scaled FP8 one): a pure
+decision per platform and weight format, each a table a reader sees at once (the GPU's GGUF table here,
+the GPU's FP8 table and the CPU's below, with why each threshold is where it is).
 
 `gpu_gguf_kernel` is the whole choice of `kernels.triton.gguf.gguf_matmul`'s "auto" (and of the
 grouped GEMV of mixture-of-experts layers, whose pairs are decode rows). The first row that
@@ -65,6 +66,26 @@ def gpu_gguf_kernel(qtype: GGMLQuantizationType, m: int, dtype: torch.dtype, *, 
     if half and m <= MMA_MAX_M and qtype in MMA_AUTO_TYPES:
         return "mma"
     return "dequant"
+
+
+# ---- the GPU: a block-scaled FP8 projection (quant.fp8.Fp8Linear, kernels.triton.fp8.fp8_matmul) ----
+#
+# | rows M            | activations | what must hold                                | kernel    | in                    |
+# | ----------------- | ----------- | --------------------------------------------- | --------- | --------------------- |
+# | <= FP8_GEMV_MAX_M | 16-bit      | NVRTC built; K and the scale tiles whole pieces | cuda_gemv | cuda/dense_gemv FP8=1 |
+# | otherwise         |             |                                               | tiles     | triton/fp8            |
+#
+# - FP8_GEMV_MAX_M = 2: at one row the GEMV streams the weights 1.1-1.9x faster than the tiles, at two
+#   the four products of a Llama-3-8B layer take about as long on either, from four the GEMV, whose
+#   float work per weight grows with the rows, loses (results/h100-fp8.md, docs/performance/fp8.md).
+FP8_GEMV_MAX_M = 2
+
+
+def gpu_fp8_kernel(m: int, dtype: torch.dtype, *, cuda_gemv: bool) -> str:
+    """The FP8 table above; `cuda_gemv`: the CUDA C GEMV can run these operands (``dense_gemv.fp8_usable``)."""
+    if m <= FP8_GEMV_MAX_M and dtype in (torch.bfloat16, torch.float16) and cuda_gemv:
+        return "cuda_gemv"
+    return "tiles"
 
 
 # ---- the CPU: a GGUF layer on the C kernels (quant.linear.GGUFLinear, path "c") ------------------

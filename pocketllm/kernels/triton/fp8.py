@@ -8,9 +8,9 @@ tile lies in one scale tile (tile sizes divide the scale block's), so the scale 
 once, not a gathered one a weight. The product is the dequantized weight's up to float32 rounding (in
 float32 within it; in bfloat16 closer than the dequantized bfloat16 weight's, which rounds each weight).
 
-Decode rows of bfloat16 or float16 activations (up to ``GEMV_ROWS``) go to the CUDA C GEMV
-(``cuda/dense_gemv.cu`` with FP8=1): a row's product streams the weights at memory speed there, which
-tensor-core tiles of 16 rows do not.
+Decode rows of bfloat16 or float16 activations go to the CUDA C GEMV (``cuda/dense_gemv.cu`` with FP8=1;
+``kernels/dispatch.py``'s FP8 table says which rows): a row's product streams the weights at memory speed
+there, which tensor-core tiles of 16 rows do not.
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-# rows a launch at most that go to the CUDA C GEMV (bfloat16 / float16 activations): the row counts where it
-# outruns the tiles (docs/performance/fp8.md)
-GEMV_ROWS = 2
+from pocketllm.kernels.cuda import dense_gemv
+from pocketllm.kernels.dispatch import gpu_fp8_kernel
 
 
 @triton.jit
@@ -72,13 +71,10 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, b
     if x.stride(1) != 1:
         x = x.contiguous()
     scale = scale_inv.float().contiguous()
-    if x.shape[0] <= GEMV_ROWS and x.is_cuda:
-        from pocketllm.kernels.cuda import dense_gemv
-
-        if dense_gemv.fp8_usable(x, values, scale, block):
-            y = dense_gemv.fp8_linear(x, values, scale, block, bias)
-            if y is not None:
-                return y
+    if gpu_fp8_kernel(x.shape[0], x.dtype, cuda_gemv=dense_gemv.fp8_usable(x, values, scale, block)) == "cuda_gemv":
+        y = dense_gemv.fp8_linear(x, values, scale, block, bias)
+        if y is not None:  # (None: NVRTC could not build it here)
+            return y
     return fp8_tiled(x, values, scale, block, bias)
 
 
