@@ -151,6 +151,15 @@ def test_cli_writes_a_named_shape(tmp_path, capsys):
     reader = GGUFReader(out)
     assert reader.fields["llama.block_count"].contents() == 30
     assert {t.tensor_type for t in reader.tensors} == {T.F32, T.Q8_0}
+    # --layers: the shape's layers, fewer of them
+    few = tmp_path / "smol-3.gguf"
+    assert main(["dummy-gguf", str(few), "--shape", "smollm2-135m", "--type", "q8_0", "--layers", "3", "-q"]) == 0
+    assert "3 layers" in capsys.readouterr().out
+    short = GGUFReader(few)
+    assert short.fields["llama.block_count"].contents() == 3
+    tensors = {t.name: (tuple(t.shape), t.tensor_type) for t in reader.tensors}
+    assert {t.name: (tuple(t.shape), t.tensor_type) for t in short.tensors} == {
+        n: v for n, v in tensors.items() if not n.startswith("blk.") or int(n.split(".")[1]) < 3}
 
 
 def test_refuses_what_it_cannot_write(tmp_path):

@@ -3,7 +3,8 @@
 # batch 1 and at 64 sequences (512 prompt + 128 generated tokens, bf16 activations), the measure of
 # results/LATEST.md's GPU table. A change that should not move speed is checked this way.
 #   benchmarks/suites/gpu_ab.sh BEFORE_DIR AFTER_DIR     (each a checkout of PocketLLM)
-#   GGUF_FILES: shape:type pairs (default "llama3-8b:Q4_K_M llama3-8b:IQ2_XXS gpt-oss-20b:MXFP4_MOE")
+#   GGUF_FILES: shape:type pairs (default "llama3-8b:Q4_K_M llama3-8b:IQ2_XXS gpt-oss-20b:MXFP4_MOE");
+#     shape@N: the shape's first N layers (`dummy-gguf --layers`), e.g. llama3-70b@32:IQ2_XXS on an 80 GB card
 #   BATCHED_SHAPES: shapes whose files also run 64 sequences (default "llama3-8b")
 #   GGUF_DIR: where the files are written once and kept (default /tmp); REPS: rounds (default 1)
 #   STAGES: "write" writes the files only, "bench" measures only (default both)
@@ -22,8 +23,10 @@ path_of() { echo "$GGUF_DIR/${1%%:*}-${1##*:}.gguf"; }
 
 if [[ " $STAGES " == *" write "* ]]; then
     for f in $GGUF_FILES; do  # written in parallel: the CPU's cores, not the GPU
+        shape=${f%%:*} depth=()
+        [[ $shape == *@* ]] && depth=(--layers "${shape##*@}") && shape=${shape%%@*}
         [ -f "$(path_of "$f")" ] || (cd "$AFTER" && timeout 500 $PY -m pocketllm.cli.main dummy-gguf "$(path_of "$f")" \
-            --shape "${f%%:*}" --type "${f##*:}" -q 2>&1 | tail -n 1) &
+            --shape "$shape" "${depth[@]}" --type "${f##*:}" -q 2>&1 | tail -n 1) &
     done
     wait
 fi

@@ -214,11 +214,14 @@ def _deepseek_layers(hp: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", file_type: str = "Q4_K_M", *,
-                     seed: int = 0, std: float = 0.02, pure: bool = False, progress=None) -> WriteResult:
+                     seed: int = 0, std: float = 0.02, pure: bool = False, layers: int | None = None,
+                     progress=None) -> WriteResult:
     """Write a random-weight GGUF of ``shape`` (a name of ``pocketllm.core.shapes.SHAPES`` or a
     Hugging Face config dict) in ``file_type`` (llama.cpp's names: Q4_K_M, IQ2_XXS, ...) to ``out``.
     ``pure``: every quantizable tensor in the file type's main type (llama-quantize --pure), e.g.
-    all MXFP4 with MXFP4_MOE, which gives dense models' tensors Q8_0."""
+    all MXFP4 with MXFP4_MOE, which gives dense models' tensors Q8_0. ``layers``: that many layers of
+    the shape instead of all (the same layers' kernels in a smaller file, as llama-quantize would mix a
+    model of that depth)."""
     from pocketllm.core.shapes import SHAPES
 
     t0 = time.perf_counter()
@@ -228,6 +231,10 @@ def write_dummy_gguf(out: str | os.PathLike, shape: str | dict = "llama3-8b", fi
         name, hp = shape, dict(SHAPES[shape])
     else:
         name, hp = "dummy", dict(shape)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be at least 1; got {layers}")
+        hp["num_hidden_layers"] = layers
     ft_name, ftype, _ = mixes.parse_file_type(file_type)
     arch = arch_of(hp)
     rope = rope_parameters(hp)
