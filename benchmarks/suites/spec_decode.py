@@ -14,6 +14,8 @@ alternated.
     python benchmarks/suites/spec_decode.py --model llama3-8b --load-format dummy --device cuda --dtype bfloat16 \
         --concurrency 64 --oracle --reps 1 --max-tokens 128 --speculative-config '{"method": "ngram", \
         "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 6, "row_invariant": true}'
+    python benchmarks/suites/spec_decode.py --model DIR --load-format dummy --device cuda --dtype bfloat16 --oracle \
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'   # DIR: a DeepSeek-V3 config.json
 """
 from __future__ import annotations
 
@@ -84,12 +86,15 @@ def workloads() -> dict[str, list[str]]:
 
 class Oracle:
     """Drafts the plain run's own continuation: always right, the ceiling of a copying workload on a
-    model that copies (random weights do not copy their prompt, so n-gram lookup has little to find)."""
+    model that copies (random weights do not copy their prompt, so n-gram lookup has little to find).
+    The proposer it stands in for still drafts, its drafts replaced: its cost (a next-token-prediction
+    layer's chained passes, say) stays in the figure."""
 
-    def __init__(self, prompt_len: int, continuation: list[int]):
-        self.prompt_len, self.continuation = prompt_len, continuation
+    def __init__(self, prompt_len: int, continuation: list[int], proposer):
+        self.prompt_len, self.continuation, self.proposer = prompt_len, continuation, proposer
 
     def propose_for(self, wanted: list) -> list[list[int]]:
+        self.proposer.propose_for(wanted)
         return [self.continuation[req.num_tokens - self.prompt_len:][:limit] for req, limit in wanted]
 
 
@@ -193,9 +198,9 @@ def main() -> None:
                     # The plain run's continuation, then (where low precision makes speculation's rows
                     # compute other bits than plain decoding's, as bf16 on a GPU does) the oracle run's
                     # own output until it repeats: drafts that are all right.
-                    ngram, continuation = spec.engine.speculator.proposer, want[0]
+                    proposer, continuation = spec.engine.speculator.proposer, want[0]
                     for _ in range(3):
-                        spec.engine.speculator.proposer = Oracle(len(prompt["prompt_token_ids"]), continuation)
+                        spec.engine.speculator.proposer = Oracle(len(prompt["prompt_token_ids"]), continuation, proposer)
                         run(spec, [prompt], params, conc, 1)
                         s0 = spec.engine.speculator.stats.copy()
                         oracle, got_oracle = run(spec, [prompt], params, conc, args.reps)
@@ -203,7 +208,7 @@ def main() -> None:
                         if got_oracle[0] == continuation:
                             break
                         continuation = got_oracle[0]
-                    spec.engine.speculator.proposer = ngram
+                    spec.engine.speculator.proposer = proposer
                 draft_cost = {}
                 if drafting is not None:
                     run(drafting, [prompt], params, conc, 1)
