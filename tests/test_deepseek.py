@@ -89,6 +89,35 @@ def _logits(path, prompts):
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_the_cpu_fast_path_attends_the_latent_cache_in_c(tiny_models, kind):
+    """The CPU's fast path (exact_kernels off) writes the latent cache and attends decode rows with the C
+    kernel (layer_ops, one latent head for all query heads): every step's logits within float32 rounding
+    of the exact path's torch attention, over prompts of different lengths decoding together."""
+    from conftest import prompts_of
+    from reference import captured_logits
+
+    from pocketllm import SamplingParams
+    from pocketllm.kernels.cpu import layer_ops
+
+    _, path = tiny_models[kind]
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([3, 17, 40])]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for exact in (True, False):
+        llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=48, exact_kernels=exact)
+        assert llm.engine.runner.model.model.layers[0].self_attn.kernels.cpu_fused == (not exact)
+        calls = []
+        real = layer_ops.decode_attention
+        with captured_logits(llm) as logits, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(layer_ops, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+            outs = llm.generate(prompts, params)
+        assert bool(calls) == (not exact)
+        runs[exact] = [o.outputs[0].token_ids for o in outs], torch.cat(logits)
+    assert runs[True][0] == runs[False][0]
+    assert torch.allclose(runs[True][1], runs[False][1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
 def test_gguf_round_trip(tiny_models, tmp_path, kind):
     """Our writer's deepseek2 file holds llama.cpp's tensors; F32 loads to the safetensors model's logits
     (the k_b / v_b halves joined back exactly), Q8_0 stays within the error its rounding makes."""

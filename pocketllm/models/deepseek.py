@@ -113,7 +113,9 @@ class LatentAttention(torch.nn.Module):
         latent = torch.cat((self.kv_a_layernorm(c.contiguous()), pe[:, hq]), dim=-1).view(t, 1, -1)
         q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat((q_latent, pe[:, :hq]), dim=-1)
-        o = paged_attention(query, latent, latent, self.k_cache, self.v_cache, meta, self.scale)
+        # (the CPU fast path: the cache write and decode rows' attention in C, one latent head for all)
+        o = paged_attention(query, latent, latent, self.k_cache, self.v_cache, meta, self.scale,
+                            cpu_fused=self.kernels.cpu_fused)
         o = torch.bmm(o[..., :self.rank].transpose(0, 1), self.w_uv.transpose(1, 2))  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(t, hq * self.v_dim))
 
