@@ -188,14 +188,3 @@ def test_clamped_swiglu():
     g, u = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
     want = (u + 1) * (g * torch.sigmoid(g * 1.702))
     torch.testing.assert_close(layer_ops.clamped_swiglu(gate_up, 1.702, 7.0), want, rtol=4e-6, atol=2e-6)
-
-
-@pytest.mark.parametrize("k, n", [(128, 512), (512, 128), (100, 200)])  # W_UK's, W_UV^T's, edges of a chunk
-def test_heads_matvec_in_bfloat16(k, n):
-    """Each head's rows times its bfloat16 matrix: torch's float32 product of the widened weights (exact),
-    from strided rows (a view of the queries), and each row the same bits alone as among others."""
-    w = randn(16, k, n).to(torch.bfloat16)
-    q = randn(5, 16, k + 64)[..., :k].transpose(0, 1)  # [heads, rows, k], rows and heads strided
-    got = layer_ops.heads_matvec_bf16(q, w)
-    torch.testing.assert_close(got, torch.bmm(q, w.float()), rtol=1e-5, atol=1e-4)  # (sums in another order)
-    assert torch.equal(layer_ops.heads_matvec_bf16(q[:, 2:3], w), got[:, 2:3])

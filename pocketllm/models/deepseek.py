@@ -91,7 +91,6 @@ class LatentAttention(torch.nn.Module):
         self.rotary = rotary
         self.scale = softmax_scale(cfg)
         self.w_uk = self.w_uv = None  # [H, nope, rank], [H, v, rank]: kv_b_proj's halves, after loading
-        self.decode_heads = None  # the CPU fast path's bfloat16 W_UK [H, nope, rank] and W_UV^T [H, rank, v]
         self.window = None
         self.k_cache = self.v_cache = None  # the one latent cache, bound as both by the runner
         self.k_scale = self.v_scale = None
@@ -103,9 +102,6 @@ class LatentAttention(torch.nn.Module):
         assert self.kv_b_proj.quantized is None, "kv_b_proj is read as W_UK and W_UV: dense"
         w = self.kv_b_proj.weight.data.view(self.num_heads, self.nope + self.v_dim, self.rank)
         self.w_uk, self.w_uv = w[:, :self.nope], w[:, self.nope:]
-        if self.kernels.cpu_fused:  # decode rows read these at half float32's bytes (layer_ops.heads_matvec_bf16)
-            self.decode_heads = (self.w_uk.to(torch.bfloat16).contiguous(),
-                                 self.w_uv.transpose(1, 2).to(torch.bfloat16).contiguous())
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, hq = x.shape[0], self.num_heads
@@ -115,17 +111,12 @@ class LatentAttention(torch.nn.Module):
         pe = torch.cat((q[..., self.nope:], k_pe.view(t, 1, self.rope)), dim=1)  # [T, H + 1, rope]
         pe = self.rotary(positions, _deinterleave(pe) if self.interleaved else pe.contiguous())
         latent = torch.cat((self.kv_a_layernorm(c.contiguous()), pe[:, hq]), dim=-1).view(t, 1, -1)
-        heads = self.decode_heads if meta.cpu_decode_only else None
-        if heads is not None:  # the CPU fast path's decode rows
-            from pocketllm.kernels.cpu.layer_ops import heads_matvec_bf16 as bmm
-        else:
-            bmm, heads = torch.bmm, (self.w_uk, self.w_uv.transpose(1, 2))
-        q_latent = bmm(q[..., :self.nope].transpose(0, 1), heads[0]).transpose(0, 1)  # [T, H, rank]
+        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat((q_latent, pe[:, :hq]), dim=-1)
         # (the CPU fast path: the cache write and decode rows' attention in C, one latent head for all)
         o = paged_attention(query, latent, latent, self.k_cache, self.v_cache, meta, self.scale,
                             cpu_fused=self.kernels.cpu_fused)
-        o = bmm(o[..., :self.rank].transpose(0, 1), heads[1])  # [H, T, v]
+        o = torch.bmm(o[..., :self.rank].transpose(0, 1), self.w_uv.transpose(1, 2))  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(t, hq * self.v_dim))
 
 

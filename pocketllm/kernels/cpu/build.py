@@ -214,7 +214,6 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
                                          i64, f32, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     dll.cpu_gated_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     dll.cpu_clamped_swiglu.argtypes = [ptr, i64, i64, f32, f32, ptr, ctypes.c_int]
-    dll.cpu_heads_matvec_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, ctypes.c_int]
     dll.llama_decode.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
     dll.moe_decode_experts.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int, f32, f32, ptr, ctypes.c_int]
     tables = _lattice_tables()

@@ -467,35 +467,3 @@ int cpu_clamped_swiglu(const float *gate_up, int64_t T, int64_t I, float alpha, 
     }
     return 0;
 }
-
-/* out[h, i, :N] = x[h, i, :K] . w[h] for each head h and row i, w [H, K, N] bfloat16 (widened exactly to
- * float32, float32 sums): DeepSeek's absorbed W_UK and W_UV on decode rows, a few MB a layer that a float32
- * batched product would read at twice the bytes. Row i's sums run in one order whatever n is. */
-int cpu_heads_matvec_bf16(const float *x, int64_t xs_h, int64_t xs_i, const uint16_t *w, int64_t H, int64_t n,
-                          int64_t K, int64_t N, float *out, int64_t os_h, int64_t os_i, int nthreads) {
-    enum { CHUNK = 128 };  /* outputs a pass over K: their sums stay in registers */
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t i = 0; i < n; i++) {
-            const float *xr = x + h * xs_h + i * xs_i;
-            float *o = out + h * os_h + i * os_i;
-            for (int64_t j0 = 0; j0 < N; j0 += CHUNK) {
-                const int64_t m = N - j0 < CHUNK ? N - j0 : CHUNK;
-                float acc[CHUNK] = {0};
-                const uint16_t *wc = w + h * K * N + j0;
-                for (int64_t k = 0; k < K; k++) {
-                    const float xv = xr[k];
-                    const uint16_t *wr = wc + k * N;
-                    #pragma omp simd
-                    for (int64_t j = 0; j < m; j++) {
-                        const uint32_t bits = (uint32_t)wr[j] << 16;
-                        float f;
-                        memcpy(&f, &bits, sizeof f);
-                        acc[j] += xv * f;
-                    }
-                }
-                memcpy(o + j0, acc, (size_t)m * sizeof(float));
-            }
-        }
-    return 0;
-}

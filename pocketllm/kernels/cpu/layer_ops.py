@@ -120,20 +120,6 @@ def _decode_attention(qkv, hq, k_cache, v_cache, tables, lens, scale, window, so
     return out
 
 
-def heads_matvec_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [H, n, K] float32 (rows contiguous) times each head's w [H, K, N] bfloat16 -> [H, n, N] float32:
-    the weight widened exactly, the sums in float32 (one order per row, whatever n is)."""
-    h, n, k = x.shape
-    assert x.dtype == torch.float32 and x.stride(2) == 1 and w.dtype == torch.bfloat16 and w.is_contiguous()
-    assert w.shape[:2] == (h, k)
-    out = torch.empty(h, n, w.shape[2])
-    rc = load_cpu_kernels().cpu_heads_matvec_bf16(x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), h, n, k,
-                                                  w.shape[2], out.data_ptr(), out.stride(0), out.stride(1),
-                                                  torch.get_num_threads())
-    assert rc == 0
-    return out
-
-
 def gated_act(gate_up: torch.Tensor, act: int) -> torch.Tensor:
     """act(gate) * up of gate_up [.., 2 I] (gate first) -> [.., I]; `act` 0: SiLU, 1: GELU with the
     tanh approximation (the Triton kernels' codes)."""
