@@ -12,19 +12,24 @@ from pocketllm.models.base import CausalLM
 from pocketllm.quant.fp8 import FP8, FP8_MAX, Fp8Blocks, Fp8Weight
 
 
+def fp8_layers(model: CausalLM) -> set[str]:
+    """The layers a dummy block-scaled FP8 release holds in FP8: every projection, not the output layer (as
+    DeepSeek's and Qwen3's releases)."""
+    return {path for path, m in model.named_modules() if isinstance(m, Linear) and path != "lm_head"}
+
+
 def dummy_weights(model: CausalLM, dtype: torch.dtype, device, seed: int = 0, std: float = 0.02,
                   fp8: Fp8Blocks | None = None) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """`fp8`: the shape is a block-scaled FP8 release: its projections (not the output layer) come as FP8
     values of about the same spread, with one scale."""
     unpacked = {fused: name for name, fused in model.packed_modules.items()}
+    in_fp8 = fp8_layers(model) if fp8 is not None else set()
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
 
-    def projection(rows: int, cols: int) -> torch.Tensor | Fp8Weight:
-        if fp8 is None:
-            return randn(rows, cols)
+    def fp8_weight(rows: int, cols: int) -> Fp8Weight:
         values = (torch.randn(rows, cols, generator=g, device=device) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return Fp8Weight(values, torch.full(fp8.scale_shape(rows, cols), std / 64, device=device), fp8, dtype)
 
@@ -36,7 +41,7 @@ def dummy_weights(model: CausalLM, dtype: torch.dtype, device, seed: int = 0, st
                 continue
             for shard, size in enumerate(m.out_sizes):
                 name = unpacked.get((leaf, shard), leaf)
-                yield f"{prefix}{name}.weight", (randn if path == "lm_head" else projection)(size, m.in_features)
+                yield f"{prefix}{name}.weight", (fp8_weight if path in in_fp8 else randn)(size, m.in_features)
                 if m.bias is not None:
                     yield f"{prefix}{name}.bias", randn(size)
         elif isinstance(m, Embedding):

@@ -86,11 +86,13 @@ class ModelSource:
             offloaded = {id(p) for moe in moved for p in moe.experts.parameters()}
             held = sum(p.numel() * (on_device if id(p) in offloaded else 1.0) for p in model.parameters()) * size
             if self.fp8 is not None:  # the FP8 weights kept: a byte a weight and a scale a tile
-                from pocketllm.loaders.safetensors_loader import fp8_tensor_names
+                from pocketllm.loaders.safetensors_loader import tensor_names
 
                 tile = self.fp8.rows * self.fp8.cols
-                fp8 = ({p for p, m in model.named_modules() if isinstance(m, Linear) and p != "lm_head"} if self.dummy
-                       else {model.destination(name)[0] for name in fp8_tensor_names(self.path)})
+                from pocketllm.loaders.dummy_loader import fp8_layers
+
+                fp8 = (fp8_layers(model) if self.dummy
+                       else {model.destination(name)[0] for name in tensor_names(self.path, "F8_E4M3")})
                 held -= sum(m.weight.numel() * (size - 1 - 4 / tile) for path, m in model.named_modules()
                             if isinstance(m, Linear) and m.keeps_fp8 and path in fp8)
             return round(held)

@@ -25,21 +25,13 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def fp8_tensor_names(model_dir: str | Path) -> set[str]:
-    """The float8 tensors' names, from the files' headers (no tensor is read)."""
+def tensor_names(model_dir: str | Path, dtype: str | None = None) -> set[str]:
+    """Every tensor's name (those of safetensors `dtype` only, "F8_E4M3" say), from the files' headers (no
+    tensor is read)."""
     names: set[str] = set()
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            names.update(n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3")  # noqa: SIM118
-    return names
-
-
-def tensor_names(model_dir: str | Path) -> set[str]:
-    """Every tensor's name, from the files' headers (no tensor is read)."""
-    names: set[str] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
+            names.update(n for n in f.keys() if dtype is None or f.get_slice(n).get_dtype() == dtype)  # noqa: SIM118
     return names
 
 

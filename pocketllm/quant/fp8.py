@@ -111,7 +111,8 @@ class Fp8Linear(torch.nn.Module):
         assert self.stacks(parts)
         self.blocks = parts[0].blocks
         self.values = torch.cat([p.values for p in parts]) if len(parts) > 1 else parts[0].values.contiguous()
-        self.scale_inv = torch.cat([p.scale_inv.float() for p in parts]) if len(parts) > 1 else parts[0].scale_inv
+        # (float32 and contiguous once, as the kernels read them: not a conversion a step)
+        self.scale_inv = torch.cat([p.scale_inv for p in parts]).float().contiguous()
         self.bias = bias
         self.out_features, self.in_features = self.values.shape
 

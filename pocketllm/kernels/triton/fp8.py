@@ -64,13 +64,14 @@ def _divisor(t: int, b: int) -> int:
     return t
 
 
-def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (any float dtype: the product is in it) @ the weight [N, K] held as `values` (float8 e4m3)
-    and `scale_inv` ([ceil(N / br), ceil(K / bc)] float32; `block` = (br, bc)), plus `bias`."""
+    and `scale` (its scale_inv: [ceil(N / br), ceil(K / bc)] float32, contiguous; `block` = (br, bc)), plus
+    `bias`."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    scale = scale_inv.float().contiguous()
+    assert scale.dtype == torch.float32 and scale.is_contiguous()
     if gpu_fp8_kernel(x.shape[0], x.dtype, cuda_gemv=dense_gemv.fp8_usable(x, values, scale, block)) == "cuda_gemv":
         y = dense_gemv.fp8_linear(x, values, scale, block, bias)
         if y is not None:  # (None: NVRTC could not build it here)
