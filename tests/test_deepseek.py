@@ -339,3 +339,41 @@ def test_mtp_is_refused_where_there_is_no_next_token_layer(tiny_models, tmp_path
     (none / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(UnsupportedFeatureError, match="num_nextn_predict_layers is 0"):
         LLM(str(none), device="cpu", speculative_config=spec)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_a_quantized_files_heads_multiply_in_their_encoding_on_the_fast_path(tmp_path, kind):
+    """A deepseek2 GGUF file's attn_k_b and attn_v_b in Q8_0: on the CPU's fast path decode rows multiply them
+    as they are (QuantizedHeads: 8-bit activations, this small model's two passes), and every step's logits
+    stay close to the same engine's through kv_b_proj's dense halves, tokens equal."""
+    import gguf
+    from conftest import prompts_of
+    from reference import captured_logits
+    from tiny_models import make_model
+
+    from pocketllm import SamplingParams
+    from pocketllm.kernels.cpu import gguf_ops
+    from pocketllm.loaders.gguf_writer import write_gguf
+
+    _, path = make_model(kind, tmp_path, kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32)
+    file = write_gguf(path, tmp_path / "q8.gguf", "Q8_0").path
+    types = {t.name.split(".", 2)[2]: t.tensor_type for t in gguf.GGUFReader(file).tensors if t.name.startswith("blk.0.")}
+    assert types["attn_k_b.weight"] == types["attn_v_b.weight"] == gguf.GGMLQuantizationType.Q8_0
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([3, 17, 40])]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for kept in (True, False):
+        llm = LLM(str(file), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=48, exact_kernels=False)
+        assert all(p is not None for p in llm.engine.runner.model.model.layers[0].self_attn.heads.parts)
+        calls = []
+        real = gguf_ops.heads_gemm
+        with captured_logits(llm) as logits, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf_ops, "heads_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+            if not kept:
+                mp.setattr(deepseek.QuantizedHeads, "kept", lambda self, rows: False)
+            outs = llm.generate(prompts, params)
+        assert bool(calls) == kept
+        runs[kept] = [o.outputs[0].token_ids for o in outs], torch.cat(logits)
+    assert runs[True][0] == runs[False][0]
+    # (1.4e-4 and 1.8e-4 of logits up to 2.3 here; one 8-bit pass would move them by 1.8e-2)
+    assert float((runs[True][1] - runs[False][1]).abs().max()) < 1e-3

@@ -149,6 +149,23 @@ def test_interleaved_rows_equal_the_exact_product_of_rounded_activations(isa, qt
     torch.testing.assert_close(y, gguf_ops.gemm(x, rows, qtype, int8=1, lib=lib).double(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_heads_multiply_each_its_own_matrix(qtype, batch):
+    """gguf_heads_gemm_int8 (MLA's absorbed heads: a deepseek2 file's attn_k_b, attn_v_b): head h's
+    activations times the h-th block of rows, each the int8 product that one matrix alone gives."""
+    heads, n = 3, 40
+    k = activation_block(qtype) * 2
+    raw, w = quantized_weights(qtype, heads * n, k)
+    x = torch.randn(heads, batch, k, generator=torch.Generator().manual_seed(5))
+    rows = gguf_ops.row_pointers([raw])
+    y = gguf_ops.heads_gemm(x, rows, n, qtype, passes=1).double()
+    for h in range(heads):
+        own = slice(h * n, (h + 1) * n)
+        assert_within_rounding(y[h], x[h], w[own], qtype)
+        assert torch.equal(y[h], gguf_ops.gemm(x[h], rows[own], qtype, int8=1).double())
+
+
 def test_layers_repack_where_the_kernels_cover_them():
     """A fast-path layer of a type this build interleaves repacks (its file rows are no longer held),
     the two-pass output layer too; rows not a multiple of 8 and other types keep the file's rows."""

@@ -320,6 +320,9 @@ class GGUFModelFile:
                                                                                                device=device)
                 continue
             if stem in _KV_B_HALVES and self.arch == "deepseek2":
+                if t.tensor_type not in _DENSE:  # also as they are, for the CPU's decode rows (QuantizedHeads)
+                    half = name.replace(".kv_b_proj.", f".{stem.removeprefix('attn_')}.")  # k_b, v_b
+                    yield half, self._tensor(data, t.tensor_type, shape, half, dtype, device)
                 got = halves.setdefault(name, {})
                 got[stem] = dequantize(data, t.tensor_type).reshape(shape)
                 if len(got) == 2:  # k_b [H, rank, nope] (W_UK transposed), v_b [H, v, rank]

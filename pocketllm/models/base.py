@@ -140,7 +140,7 @@ class CausalLM(torch.nn.Module):
                 shards = len(module.out_sizes) if isinstance(module, Linear) else 1
                 missing += [f"{path}[{i}]" for i in range(shards) if f"{path}:{i}:weight" not in loaded
                             and not (path == "lm_head" and self.cfg.tie_word_embeddings)]
-            elif hasattr(module, "load") and f"{path}:0:weight" not in loaded:
+            elif hasattr(module, "load") and f"{path}:0:weight" not in loaded and not getattr(module, "optional", False):
                 missing.append(path)
         if missing:
             raise ConfigurationError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"

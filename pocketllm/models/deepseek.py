@@ -32,10 +32,13 @@ from dataclasses import replace
 import torch
 
 from pocketllm.config import ModelConfig
+from pocketllm.core.gguf_types import row_nbytes
 from pocketllm.core.kv_layout import KVShape
-from pocketllm.kernels.platform import kernels_for
+from pocketllm.kernels import dispatch
+from pocketllm.kernels.cpu import gguf_ops
+from pocketllm.kernels.platform import KernelConfig, kernels_for
 from pocketllm.layers.attention import AttentionMetadata, paged_attention
-from pocketllm.layers.linear import Linear
+from pocketllm.layers.linear import Linear, QuantizedTensor
 from pocketllm.layers.moe import GROUPED_MAX_TOKENS, SparseMoE
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
@@ -64,6 +67,40 @@ def _score_correction(name: str) -> str:
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     """[..., 2n] pairs (x0, x1), (x2, x3), ... -> [x0, x2, ... | x1, x3, ...] (rotate-half's layout)."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class QuantizedHeads(torch.nn.Module):
+    """A deepseek2 GGUF file's own W_UK and W_UV in its encoding: attn_k_b [H, rank, nope] (each head's
+    W_UK, transposed) and attn_v_b [H, v, rank]. On the CPU's fast path the absorbed products multiply
+    them over 8-bit activations where the CPU table (`dispatch.cpu_gguf_kernel`) takes the integer
+    kernels, as llama.cpp multiplies them: 4-6 bits a weight read where kv_b_proj's dense halves take
+    32. Elsewhere (the GPU, the exact kernels, float files, safetensors checkpoints) nothing is kept and
+    kv_b_proj serves."""
+
+    optional = True  # (a checkpoint without the two tensors loads kv_b_proj alone)
+
+    def __init__(self, num_heads: int, kernels: KernelConfig):
+        super().__init__()
+        self.num_heads, self.passes = num_heads, kernels.int8_passes
+        self.parts: list[tuple | None] = [None, None]  # (raw rows, pointer table, type, rows a head, columns)
+
+    def load(self, tensor, shard: int = 0, kind: str = "weight") -> None:
+        if not self.passes or not isinstance(tensor, QuantizedTensor) or not gguf_ops.supports_int8(tensor.qtype):
+            return
+        h, n, k = tensor.shape
+        assert h == self.num_heads, (tensor.shape, self.num_heads)
+        raw = tensor.data.reshape(h * n, row_nbytes(tensor.qtype, k))  # (a view of the file)
+        self.parts[shard] = (raw, gguf_ops.row_pointers([raw]), tensor.qtype, n, k)
+
+    def kept(self, rows: int) -> bool:
+        """Whether `rows` activation rows take the integer kernels here (both halves kept)."""
+        return all(p is not None and dispatch.cpu_gguf_kernel(rows, self.num_heads * p[3] * p[4], passes=self.passes,
+                                                              interleaved=False) == "gemm" for p in self.parts)
+
+    def forward(self, x: torch.Tensor, shard: int) -> torch.Tensor:
+        """x [T, H, K] -> [T, H, N] through head h's own matrix of half `shard` (0: W_UK, 1: W_UV)."""
+        _, rows, qtype, n, _ = self.parts[shard]
+        return gguf_ops.heads_gemm(x.transpose(0, 1), rows, n, qtype, self.passes).transpose(0, 1)
 
 
 class LatentAttention(torch.nn.Module):
@@ -96,6 +133,7 @@ class LatentAttention(torch.nn.Module):
         self.k_scale = self.v_scale = None
         self.kv_group = 0
         self.kernels = kernels_for(device)
+        self.heads = QuantizedHeads(self.num_heads, self.kernels)
 
     def finish_loading(self) -> None:
         # views of the weight, no second copy (every loader gives kv_b_proj dense: GGUF's is dequantized at load)
@@ -111,13 +149,20 @@ class LatentAttention(torch.nn.Module):
         pe = torch.cat((q[..., self.nope:], k_pe.view(t, 1, self.rope)), dim=1)  # [T, H + 1, rope]
         pe = self.rotary(positions, _deinterleave(pe) if self.interleaved else pe.contiguous())
         latent = torch.cat((self.kv_a_layernorm(c.contiguous()), pe[:, hq]), dim=-1).view(t, 1, -1)
-        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
+        quantized = self.heads.kept(t)
+        if quantized:
+            q_latent = self.heads(q[..., :self.nope], 0)
+        else:
+            q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat((q_latent, pe[:, :hq]), dim=-1)
         # (the CPU fast path: the cache write and decode rows' attention in C, one latent head for all)
         o = paged_attention(query, latent, latent, self.k_cache, self.v_cache, meta, self.scale,
-                            cpu_fused=self.kernels.cpu_fused)
-        o = torch.bmm(o[..., :self.rank].transpose(0, 1), self.w_uv.transpose(1, 2))  # [H, T, v]
-        return self.o_proj(o.transpose(0, 1).reshape(t, hq * self.v_dim))
+                            cpu_fused=self.kernels.cpu_fused)[..., :self.rank]
+        if quantized:
+            o = self.heads(o, 1)  # [T, H, v]
+        else:
+            o = torch.bmm(o.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+        return self.o_proj(o.reshape(t, hq * self.v_dim))
 
 
 class ScoreCorrection(torch.nn.Module):
@@ -183,7 +228,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                                        kv_cache_dtypes=frozenset({"auto"}))
     sigmoid_routing = False
     # (q_proj is the latent attention's own: no fused QKV)
-    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # (a GGUF file's attn_k_b / attn_v_b come twice: joined, dense, as kv_b_proj; and as they are, QuantizedHeads')
+    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                      "k_b": ("heads", 0), "v_b": ("heads", 1)}
 
     @classmethod
     def kv_shape(cls, cfg: ModelConfig) -> KVShape:

@@ -198,6 +198,8 @@ def load_cpu_kernels(isa: str = "native") -> ctypes.CDLL | None:
     dll.gguf_dequant_row_ptrs.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]
     dll.gguf_supported.argtypes = [ctypes.c_int]
     dll.gguf_gemm_int8.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    dll.gguf_heads_gemm_int8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int,
+                                         ctypes.c_int]
     dll.gguf_int8_supported.argtypes = [ctypes.c_int]
     dll.gguf_x8_supported.argtypes = [ctypes.c_int]
     dll.gguf_repack_x8.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]

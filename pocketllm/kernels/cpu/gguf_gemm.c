@@ -118,6 +118,19 @@ int gguf_gemm_int8(int type, const uint8_t *const *W, int64_t N, int64_t K, cons
     return int8_gemm(type, W, 0, N, K, X, B, Y, passes, nthreads);
 }
 
+/* H products at once, Y[h] [B, N] = X[h] [B, K] @ W_h^T, W_h rows h * N .. h * N + N - 1 of the pointer
+ * table: MLA's absorbed heads on decode rows, each head its own small matrix (a deepseek2 file's
+ * attn_k_b and attn_v_b). The heads split over the threads, each product on one: a head's matrix is
+ * too small to share. */
+int gguf_heads_gemm_int8(int type, const uint8_t *const *W, int64_t H, int64_t N, int64_t K, const float *X,
+                         int64_t B, float *Y, int passes, int nthreads) {
+    int rc = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(|:rc)
+    for (int64_t h = 0; h < H; h++)
+        rc |= int8_gemm(type, W + h * N, 0, N, K, X + h * B * K, B, Y + h * B * N, passes, 1);
+    return rc;
+}
+
 /* The same over W repacked by gguf_repack_x8. */
 int gguf_gemm_x8(int type, const uint8_t *Wp, int64_t N, int64_t K, const float *X, int64_t B, float *Y,
                  int passes, int nthreads) {

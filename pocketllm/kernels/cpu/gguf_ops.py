@@ -47,6 +47,20 @@ def gemm(x: torch.Tensor, rows: torch.Tensor, qtype: int, int8: int = 0, lib=Non
     return y
 
 
+def heads_gemm(x: torch.Tensor, rows: torch.Tensor, n: int, qtype: int, passes: int, lib=None) -> torch.Tensor:
+    """x [H, B, K] float32 -> [H, B, N]: head h's rows times its own matrix, rows h * N .. h * N + N - 1 of
+    the pointer table, over 8-bit activations (1 or 2 passes, as gemm's int8)."""
+    lib = lib or load_cpu_kernels()
+    x = x.contiguous()
+    h, b, k = x.shape
+    assert rows.numel() == h * n, (rows.numel(), h, n)
+    y = torch.empty(h, b, n, dtype=torch.float32)
+    rc = lib.gguf_heads_gemm_int8(int(qtype), rows.data_ptr(), h, n, k, x.data_ptr(), b, y.data_ptr(), int(passes),
+                                  torch.get_num_threads())
+    assert rc == 0, f"gguf_heads_gemm_int8 failed for type {qtype} with K={k}"
+    return y
+
+
 def repack_x8(rows: torch.Tensor, qtype: int, k: int, lib=None) -> torch.Tensor | None:
     """The rows a pointer table names, interleaved eight at a time for gemm_x8 (the same bytes,
     reordered); None where this build or the shape has no such kernel (see gguf_repack_x8)."""
