@@ -342,10 +342,11 @@ def test_mtp_is_refused_where_there_is_no_next_token_layer(tiny_models, tmp_path
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
-def test_a_quantized_files_heads_multiply_in_their_encoding_on_the_fast_path(tmp_path, kind):
-    """A deepseek2 GGUF file's attn_k_b and attn_v_b in Q8_0: on the CPU's fast path decode rows multiply them
-    as they are (QuantizedHeads: 8-bit activations, this small model's two passes), and every step's logits
-    stay close to the same engine's through kv_b_proj's dense halves, tokens equal."""
+def test_a_quantized_file_on_the_fast_path(tmp_path, kind):
+    """A deepseek2 GGUF file in Q8_0 on the CPU's fast path. Its attn_k_b and attn_v_b multiply decode rows as
+    they are (QuantizedHeads: 8-bit activations, this small model's two passes): every step's logits stay
+    close to the same engine's through kv_b_proj's dense halves, tokens equal. A lone sequence's shared experts
+    run in its routed experts' one C call (DecodeExperts), added last as the module path adds them: the same bits."""
     import gguf
     from conftest import prompts_of
     from reference import captured_logits
@@ -353,6 +354,7 @@ def test_a_quantized_files_heads_multiply_in_their_encoding_on_the_fast_path(tmp
 
     from pocketllm import SamplingParams
     from pocketllm.kernels.cpu import gguf_ops
+    from pocketllm.kernels.cpu.llama_decode import DecodeExperts
     from pocketllm.loaders.gguf_writer import write_gguf
 
     _, path = make_model(kind, tmp_path, kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32)
@@ -361,19 +363,27 @@ def test_a_quantized_files_heads_multiply_in_their_encoding_on_the_fast_path(tmp
     assert types["attn_k_b.weight"] == types["attn_v_b.weight"] == gguf.GGMLQuantizationType.Q8_0
     prompts = [{"prompt_token_ids": p} for p in prompts_of([3, 17, 40])]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    build, heads_gemm = DecodeExperts.build.__func__, gguf_ops.heads_gemm
     runs = {}
-    for kept in (True, False):
-        llm = LLM(str(file), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=48, exact_kernels=False)
-        assert all(p is not None for p in llm.engine.runner.model.model.layers[0].self_attn.heads.parts)
-        calls = []
-        real = gguf_ops.heads_gemm
-        with captured_logits(llm) as logits, pytest.MonkeyPatch.context() as mp:
-            mp.setattr(gguf_ops, "heads_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
-            if not kept:
+    for run in ("as they are", "dense heads", "shared apart"):
+        calls = {"heads": 0, "shared": 0}
+
+        def counted_build(cls, experts, shared=None):
+            calls["shared"] += shared is not None
+            return build(cls, experts, None if run == "shared apart" else shared)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf_ops, "heads_gemm", lambda *a, **k: calls.update(heads=calls["heads"] + 1) or heads_gemm(*a, **k))
+            mp.setattr(DecodeExperts, "build", classmethod(counted_build))
+            if run == "dense heads":
                 mp.setattr(deepseek.QuantizedHeads, "kept", lambda self, rows: False)
-            outs = llm.generate(prompts, params)
-        assert bool(calls) == kept
-        runs[kept] = [o.outputs[0].token_ids for o in outs], torch.cat(logits)
-    assert runs[True][0] == runs[False][0]
+            llm = LLM(str(file), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=48, exact_kernels=False)
+            assert all(p is not None for p in llm.engine.runner.model.model.layers[0].self_attn.heads.parts)
+            with captured_logits(llm) as logits:
+                outs = llm.generate(prompts, params) + llm.generate(prompts[1:2], params)  # (then one row a step)
+        assert bool(calls["heads"]) == (run != "dense heads") and calls["shared"] == 2  # (its two MoE layers)
+        runs[run] = [o.outputs[0].token_ids for o in outs], torch.cat(logits)
+    assert runs["as they are"][0] == runs["dense heads"][0]
     # (1.4e-4 and 1.8e-4 of logits up to 2.3 here; one 8-bit pass would move them by 1.8e-2)
-    assert float((runs[True][1] - runs[False][1]).abs().max()) < 1e-3
+    assert float((runs["as they are"][1] - runs["dense heads"][1]).abs().max()) < 1e-3
+    assert runs["shared apart"][0] == runs["as they are"][0]
+    assert torch.equal(runs["shared apart"][1], runs["as they are"][1])

@@ -191,6 +191,7 @@ class SparseMoE(torch.nn.Module):
         self.make_expert = make_expert  # (device, dtype) -> an expert
         self.experts = torch.nn.ModuleList(make_expert(device, dtype) for _ in range(num_experts))
         _dense_weights(self)
+        self.shared_experts: torch.nn.Module | None = None  # (DeepSeek's: an MLP every token takes, added to the sum)
         self.on_host = False  # the experts live in host memory and run on the CPU's kernels (offload_experts)
         self.cache_slots = 0  # or: they live in host memory and are copied to this many slots (ExpertCache)
         self.cache = None
@@ -269,18 +270,34 @@ class SparseMoE(torch.nn.Module):
         return self.tp.all_reduce(self._experts(x))
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, plus the shared experts' output where there are some."""
         weights, ids = self.route(x)
+        if not self.on_host and (one_call := self._decode_call(x)):
+            y = one_call(x.contiguous(), ids, weights)
+            return y if one_call.with_shared or self.shared_experts is None else y + self.shared_experts(x)
         if self.on_host:  # (waits for the device: the routing is read on the host)
             y = self._host_experts(x.to("cpu", torch.float32), weights.cpu(), ids.cpu())
-            return y.to(x.device, x.dtype, non_blocking=True)
-        if self.cache is not None:
-            return self.cache.run(x, weights, ids, self._stacked)
-        y = self._stacked(x, weights, ids, ids, len(self.experts))
-        if y is not None:
-            return y
-        assert not (self.kernels.gpu and torch.cuda.is_current_stream_capturing()), \
-            "a CUDA graph was captured over more tokens than the grouped expert path takes"
-        return self._host_experts(x, weights, ids) if not self.kernels.gpu else self._sorted_experts(x, weights, ids)
+            y = y.to(x.device, x.dtype, non_blocking=True)
+        elif self.cache is not None:
+            y = self.cache.run(x, weights, ids, self._stacked)
+        elif (y := self._stacked(x, weights, ids, ids, len(self.experts))) is None:
+            assert not (self.kernels.gpu and torch.cuda.is_current_stream_capturing()), \
+                "a CUDA graph was captured over more tokens than the grouped expert path takes"
+            y = self._host_experts(x, weights, ids) if not self.kernels.gpu else self._sorted_experts(x, weights, ids)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+    def _decode_call(self, x: torch.Tensor):
+        """The CPU fast path's one C call for one token's experts (DecodeExperts; the shared experts in it too
+        where the call covers them, not where the routed ones moved to host memory), or None."""
+        if x.shape[0] != 1 or not self.experts[0].kernels.cpu_fused or x.dtype != torch.float32:
+            return None
+        if self._cpu_experts is None:
+            from pocketllm.kernels.cpu.llama_decode import DecodeExperts
+
+            shared = None if self.on_host else self.shared_experts
+            self._cpu_experts = (shared is not None and DecodeExperts.build(self.experts, shared)
+                                 or DecodeExperts.build(self.experts) or False)
+        return self._cpu_experts or None
 
     def _stacked(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, stack_ids: torch.Tensor,
                  stacked: int, grouped_max: int = GROUPED_MAX_TOKENS) -> torch.Tensor | None:
@@ -309,13 +326,8 @@ class SparseMoE(torch.nn.Module):
 
     def _host_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The CPU's experts: one token's in one C call on the fast path, else sorted by expert."""
-        if x.shape[0] == 1 and self.experts[0].kernels.cpu_fused and x.dtype == torch.float32:
-            if self._cpu_experts is None:
-                from pocketllm.kernels.cpu.llama_decode import DecodeExperts
-
-                self._cpu_experts = DecodeExperts.build(self.experts) or False
-            if self._cpu_experts:
-                return self._cpu_experts(x.contiguous(), ids, weights)
+        if one_call := self._decode_call(x):
+            return one_call(x.contiguous(), ids, weights)
         return self._sorted_experts(x, weights, ids)
 
     def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

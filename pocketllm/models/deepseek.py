@@ -214,12 +214,6 @@ class DeepseekMoE(SparseMoE):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._experts(x)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return self.tp.all_reduce(y)
-
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # one latent head a layer, not split over ranks; the latent cache in the model's dtype

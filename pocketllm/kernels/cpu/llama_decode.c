@@ -188,16 +188,19 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
 /* One token's selected experts of a mixture-of-experts block: out [h] = sum over j of
  * w[j] * down_e(act(gate_up_e(x))), e = ids[j], in j's order, as the module path runs them (the
  * same kernels: one call instead of a Python loop of module calls). gate_up / down: every expert's
- * projections; act 0 SiLU, 1 GELU (tanh), 3 gpt-oss's clamped SwiGLU (alpha, limit). */
+ * projections (DeepSeek's shared experts one more entry, of their own width, taken last with weight 1);
+ * inter: the widest intermediate among them; act 0 SiLU, 1 GELU (tanh), 3 gpt-oss's clamped SwiGLU
+ * (alpha, limit). */
 int moe_decode_experts(const ld_proj *gate_up, const ld_proj *down, int64_t k, const int64_t *ids, const float *w,
-                       const float *x, int64_t inter, int act, float alpha, float limit, float *out, int nthreads) {
+                       const float *x, int64_t most, int act, float alpha, float limit, float *out, int nthreads) {
     const int64_t h = down[0].n;
-    float *gu = malloc((size_t)(2 * inter) * sizeof(float)), *a = malloc((size_t)inter * sizeof(float));
+    float *gu = malloc((size_t)(2 * most) * sizeof(float)), *a = malloc((size_t)most * sizeof(float));
     float *y = malloc((size_t)h * sizeof(float));
     int rc = gu && a && y ? 0 : -2;
     memset(out, 0, (size_t)h * sizeof(float));
     for (int64_t j = 0; j < k && rc == 0; j++) {
-        const int64_t e = ids[j];
+        const int64_t e = ids[j], inter = down[e].k;
+        if (inter > most || gate_up[e].n != 2 * inter) { rc = -3; break; }
         if ((rc = project(&gate_up[e], x, 1, gu, NULL, nthreads))) break;
         rc = act == 3 ? cpu_clamped_swiglu(gu, 1, inter, alpha, limit, a, nthreads)
                       : cpu_gated_act(gu, 1, inter, act, a, nthreads);

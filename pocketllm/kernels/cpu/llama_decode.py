@@ -131,36 +131,48 @@ class LlamaDecoder:
 
 class DecodeExperts:
     """One token's selected experts of a mixture-of-experts block (``layers.moe.SparseMoE``) in one C
-    call (moe_decode_experts): every expert's gate/up and down projections described once; build()
-    returns None where an expert is off the fast path's kernels or its activation has no C kernel."""
+    call (moe_decode_experts): every expert's gate/up and down projections described once, and the
+    block's shared experts (DeepSeek's) as one more, added last with weight 1 as the module path adds
+    them; build() returns None where one is off the fast path's kernels or its activation has no C kernel."""
 
-    def __init__(self, gate_up, down, inter: int, act: int, alpha: float, limit: float, keep: list):
+    def __init__(self, gate_up, down, most: int, act: int, alpha: float, limit: float, shared: int | None,
+                 keep: list):
         self._gate_up, self._down, self._keep = gate_up, down, keep
-        self._inter, self._act, self._alpha, self._limit = inter, act, alpha, limit
+        self._most, self._act, self._alpha, self._limit = most, act, alpha, limit
+        self._shared = None if shared is None else (torch.tensor([[shared]]), torch.ones(1, 1))  # (its id, weight)
         self._lib = load_cpu_kernels()
 
+    @property
+    def with_shared(self) -> bool:
+        return self._shared is not None
+
     @classmethod
-    def build(cls, experts) -> DecodeExperts | None:
-        e0 = experts[0]
-        act = getattr(e0, "act_code", None)  # 0 SiLU, 1 GELU (tanh), 3 clamped SwiGLU: the C activations
-        if load_cpu_kernels() is None or act not in (0, 1, 3):
+    def build(cls, experts, shared=None) -> DecodeExperts | None:
+        every = [*experts, *([shared] if shared is not None else [])]
+        act = getattr(experts[0], "act_code", None)  # 0 SiLU, 1 GELU (tanh), 3 clamped SwiGLU: the C activations
+        if load_cpu_kernels() is None or act not in (0, 1, 3) or any(getattr(e, "act_code", None) != act for e in every):
             return None
         keep: list = []
-        gate_up = [_proj(e.gate_up_proj, keep) for e in experts]
-        down = [_proj(e.down_proj, keep) for e in experts]
+        gate_up = [_proj(e.gate_up_proj, keep) for e in every]
+        down = [_proj(e.down_proj, keep) for e in every]
         if any(p is None for p in gate_up + down):
             return None
-        return cls((_Proj * len(experts))(*gate_up), (_Proj * len(experts))(*down), e0.down_proj.in_features, act,
-                   getattr(e0, "alpha", 0.0), getattr(e0, "limit", 0.0), keep)
+        e0 = experts[0]
+        return cls((_Proj * len(every))(*gate_up), (_Proj * len(every))(*down),
+                   max(e.down_proj.in_features for e in every), act, getattr(e0, "alpha", 0.0),
+                   getattr(e0, "limit", 0.0), None if shared is None else len(experts), keep)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [1, hidden] float32, the token's experts ids int64 [1, k] and weights float32 [1, k] ->
-        [1, hidden]: the weighted sum of the experts' outputs."""
+        [1, hidden]: the weighted sum of the experts' outputs (plus the shared experts')."""
         assert x.dtype == torch.float32 and x.shape[0] == 1 and x.is_contiguous() and ids.dtype == torch.int64
-        ids, weights = ids.contiguous(), weights.to(torch.float32).contiguous()
+        weights = weights.to(torch.float32)
+        if self._shared is not None:
+            ids, weights = torch.cat((ids, self._shared[0]), 1), torch.cat((weights, self._shared[1]), 1)
+        ids, weights = ids.contiguous(), weights.contiguous()
         out = torch.empty_like(x)
         rc = self._lib.moe_decode_experts(self._gate_up, self._down, ids.numel(), ids.data_ptr(), weights.data_ptr(),
-                                          x.data_ptr(), self._inter, self._act, self._alpha, self._limit,
+                                          x.data_ptr(), self._most, self._act, self._alpha, self._limit,
                                           out.data_ptr(), torch.get_num_threads())
         assert rc == 0, f"moe_decode_experts failed ({rc})"
         return out
