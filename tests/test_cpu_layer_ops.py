@@ -89,12 +89,13 @@ def test_cache_write_and_decode_attention_match_the_torch_path(decodes, prefills
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 64), (8, 2, 64), (16, 2, 64), (8, 4, 128), (12, 2, 128),
-                                      (4, 1, 128)])
+                                      (4, 1, 128), (8, 2, 256), (16, 1, 576), (3, 1, 96)])
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (70, 30.0, True)])
 def test_decode_attention_of_common_head_shapes(hq, hkv, d, window, softcap, sinks):
     """Head dims 64 and 128 take vectorized kernels (AVX-512) with the query heads of a key head in
-    registers, in groups of up to 4 (64) or 2 (128): every group size against the torch path,
-    positions not a multiple of 4 included."""
+    registers, in groups of up to 4 (64) or 2 (128), and wider multiples of 64 (DeepSeek's latent 576) those
+    piece by piece; other widths (96) the plain loops: every group size against the torch path, positions
+    not a multiple of 4 included."""
     bs, nb = 16, 64
     meta, t = step_metadata([1, 3, 67, 130, 301], [], bs, nb)
     caches = randn(2, nb, bs, hkv, d)

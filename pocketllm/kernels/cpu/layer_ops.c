@@ -172,17 +172,18 @@ static inline __attribute__((always_inline)) __m512 load16(const void *p, int I8
               : _mm512_loadu_ps((const float *)p);
 }
 
-/* Scores of G query heads (d = 16 DV values, d apart in q; their rows of `scores` L apart) that
+/* Scores of G query heads (16 DV values each, hs apart in q; their rows of `scores` L apart) that
  * share key head g (values at offset koff of each cache row), over positions c0 .. c0 + L - 1: the
  * queries stay in registers, four positions at a time. An 8-bit cache's dot products are scaled
- * by their key's scale (ks [slots, hkv]). */
+ * by their key's scale (ks [slots, hkv]). With `add`, the scores of a further piece of wider heads
+ * are added to those there. */
 static inline __attribute__((always_inline)) void qk_heads(const int DV, const int G, const int I8, const float *q,
-        const void *k_cache, const float *ks, const int64_t *table, int64_t bs, int64_t row, int64_t koff,
-        int64_t hkv, int64_t g, int64_t c0, int64_t L, float scale, float *scores) {
+        int64_t hs, int add, const void *k_cache, const float *ks, const int64_t *table, int64_t bs, int64_t row,
+        int64_t koff, int64_t hkv, int64_t g, int64_t c0, int64_t L, float scale, float *scores) {
     const int64_t es = I8 ? 1 : 4;
     __m512 qv[4][8];
     for (int h = 0; h < G; h++)
-        for (int v = 0; v < DV; v++) qv[h][v] = _mm512_loadu_ps(q + h * 16 * DV + 16 * v);
+        for (int v = 0; v < DV; v++) qv[h][v] = _mm512_loadu_ps(q + h * hs + 16 * v);
     const __m128 sc = _mm_set1_ps(scale);
     int64_t j = 0;
     for (; j + 4 <= L; j += 4) {
@@ -201,7 +202,9 @@ static inline __attribute__((always_inline)) void qk_heads(const int DV, const i
                 a2 = _mm512_fmadd_ps(qv[h][v], load16(k2 + 16 * v * es, I8), a2);
                 a3 = _mm512_fmadd_ps(qv[h][v], load16(k3 + 16 * v * es, I8), a3);
             }
-            _mm_storeu_ps(scores + h * L + j, _mm_mul_ps(sum4(a0, a1, a2, a3), scj));
+            __m128 sj = _mm_mul_ps(sum4(a0, a1, a2, a3), scj);
+            if (add) sj = _mm_add_ps(_mm_loadu_ps(scores + h * L + j), sj);
+            _mm_storeu_ps(scores + h * L + j, sj);
         }
     }
     for (; j < L; j++) {
@@ -211,16 +214,17 @@ static inline __attribute__((always_inline)) void qk_heads(const int DV, const i
         for (int h = 0; h < G; h++) {
             __m512 a = _mm512_mul_ps(qv[h][0], load16(k0, I8));
             for (int v = 1; v < DV; v++) a = _mm512_fmadd_ps(qv[h][v], load16(k0 + 16 * v * es, I8), a);
-            scores[h * L + j] = _mm512_reduce_add_ps(a) * scj;
+            scores[h * L + j] = (add ? scores[h * L + j] : 0.f) + _mm512_reduce_add_ps(a) * scj;
         }
     }
 }
 
-/* o[h] += sum_j w[h, j] v_j for the G heads sharing value head g, their outputs in registers
- * over the whole chunk (an 8-bit cache's weights times their value's scale, vs [slots, hkv]). */
+/* o[h] = sum_j w[h, j] v_j for the G heads sharing value head g (16 DV values each, hs apart in o), their
+ * outputs in registers over the whole chunk (an 8-bit cache's weights times their value's scale,
+ * vs [slots, hkv]). */
 static inline __attribute__((always_inline)) void pv_heads(const int DV, const int G, const int I8, const float *w,
-        const void *v_cache, const float *vs, const int64_t *table, int64_t bs, int64_t row, int64_t koff,
-        int64_t hkv, int64_t g, int64_t c0, int64_t L, float *o) {
+        float *o, int64_t hs, const void *v_cache, const float *vs, const int64_t *table, int64_t bs, int64_t row,
+        int64_t koff, int64_t hkv, int64_t g, int64_t c0, int64_t L) {
     const int64_t es = I8 ? 1 : 4;
     __m512 acc[4][8];
     for (int h = 0; h < G; h++)
@@ -237,11 +241,11 @@ static inline __attribute__((always_inline)) void pv_heads(const int DV, const i
         }
     }
     for (int h = 0; h < G; h++)
-        for (int v = 0; v < DV; v++) _mm512_storeu_ps(o + h * 16 * DV + 16 * v, acc[h][v]);
+        for (int v = 0; v < DV; v++) _mm512_storeu_ps(o + h * hs + 16 * v, acc[h][v]);
 }
 
-/* Both for head dims 64 and 128, in groups of up to 4 (64) or 2 (128) query heads, float or 8-bit
- * caches: does nothing for a head dim they do not cover. */
+/* Both for pieces of 64 and 128 values, in groups of up to 4 (64) or 2 (128) query heads, float or
+ * 8-bit caches. */
 #define HEADS_CASES(FN, DV, G, I8, ...)                                                             \
     switch ((DV) * 8 + (G)) {                                                                       \
     case 4 * 8 + 1: FN(4, 1, I8, __VA_ARGS__); break;                                               \
@@ -256,23 +260,29 @@ static inline __attribute__((always_inline)) void pv_heads(const int DV, const i
         if (I8) { HEADS_CASES(FN, DV, G, 1, __VA_ARGS__) }                                          \
         else { HEADS_CASES(FN, DV, G, 0, __VA_ARGS__) }                                             \
     } while (0)
+/* Head dims of 64 and 128 in one piece; wider multiples of 64 in pieces of 128 and a last one of 64
+ * (DeepSeek's latent head, 576 = 4 x 128 + 64) piece by piece: the scores summed over the pieces,
+ * the outputs written piece by piece. Returns 0 for a head dim it does not cover. */
 static int attend_chunk_avx512(const float *q, const void *k_cache, const void *v_cache, const float *ks,
                                const float *vs, const int64_t *table, int64_t bs, int64_t hkv, int64_t d, int64_t hq,
                                int64_t c0, int64_t L, float scale, float *scores, float *o, int values) {
-    if (d != 64 && d != 128) return 0;
-    const int64_t DV = d / 16, most = d == 64 ? 4 : 2, group = hq / hkv, row = hkv * d;
+    if (d % 64) return 0;
+    const int64_t group = hq / hkv, row = hkv * d;
     const int i8 = ks != NULL;
-    for (int64_t g = 0; g < hkv; g++)
-        for (int64_t h0 = 0; h0 < group; h0 += most) {
-            const int64_t G = group - h0 < most ? group - h0 : most, hh = g * group + h0;
-            if (!values) {
-                HEADS_DISPATCH(qk_heads, DV, G, i8, q + hh * d, k_cache, ks, table, bs, row, g * d, hkv, g, c0, L,
-                               scale, scores + hh * L);
-            } else {
-                HEADS_DISPATCH(pv_heads, DV, G, i8, scores + hh * L, v_cache, vs, table, bs, row, g * d, hkv, g, c0,
-                               L, o + hh * d);
+    for (int64_t off = 0; off < d; off += 128) {
+        const int64_t DV = d - off >= 128 ? 8 : 4, most = DV == 4 ? 4 : 2;
+        for (int64_t g = 0; g < hkv; g++)
+            for (int64_t h0 = 0; h0 < group; h0 += most) {
+                const int64_t G = group - h0 < most ? group - h0 : most, hh = g * group + h0;
+                if (!values) {
+                    HEADS_DISPATCH(qk_heads, DV, G, i8, q + hh * d + off, d, off > 0, k_cache, ks, table, bs, row,
+                                   g * d + off, hkv, g, c0, L, scale, scores + hh * L);
+                } else {
+                    HEADS_DISPATCH(pv_heads, DV, G, i8, scores + hh * L, o + hh * d + off, d, v_cache, vs, table, bs,
+                                   row, g * d + off, hkv, g, c0, L);
+                }
             }
-        }
+    }
     return 1;
 }
 #else
