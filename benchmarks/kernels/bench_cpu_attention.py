@@ -1,10 +1,11 @@
 """The CPU decode attention kernel alone (layer_ops.decode_attention): microseconds a call for rows of
 the default model's heads (9 query heads, 3 key heads, 64 wide) at several context lengths, best of
 --rounds rounds of --calls calls. One line per shape, tagged with --label, so that two trees can be
-alternated in one shell loop (run from a tree's root, the import and so the kernel are that tree's):
+alternated in one shell loop (PYTHONPATH names the tree whose package, and so whose kernel, is imported;
+an editable install would otherwise give its own):
 
-    for i in 1 2 3 4; do for t in /tmp/old /work/main; do (cd $t && python /work/main/benchmarks/kernels/bench_cpu_attention.py \
-        --label $t); done; done
+    for i in 1 2 3 4; do for t in /tmp/old /work/main; do (cd $t && PYTHONPATH=$t python \
+        /work/main/benchmarks/kernels/bench_cpu_attention.py --label $t); done; done
 
 --heads mla: DeepSeek-V2's latent attention instead (16 query heads over one latent head of 576: 512 latent
 values and 64 rotary ones); --torch: beside the kernel, the torch path of layers/attention.py (the context's
