@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import prompts_of
 from reference import captured_logits
-from tiny_models import make_llama256
+from tiny_models import make_llama256, make_model
 
 from pocketllm import LLM, SamplingParams
 from pocketllm.kernels.cpu.build import compiler
@@ -25,7 +25,9 @@ if compiler() is None:  # with one, the kernels must build: a build that fails f
 def files(tiny_models, tmp_path_factory):
     """qwen2 with random q/k/v biases (transformers initializes them to 0) in Q8_0 and Q4_0; a llama
     with rows of 256 in Q4_K_M (Q4_K q/k with a Q6_K v: a fused projection of two types); qwen3
-    (q/k norms); mixtral (a mixture of experts, which the one-call step does not cover)."""
+    (q/k norms); mixtral and qwen3-moe (mixtures of experts; qwen3-moe's experts 64 wide, to be Q8_0, and
+    a dense layer among them); qwen3-moe's tiny config itself, whose experts' down projections, 48 wide,
+    cannot be Q8_0 (32-value blocks) and stay float: off the fast path's kernels, not covered."""
     root = tmp_path_factory.mktemp("decode")
     qwen2 = copy.deepcopy(tiny_models["qwen2"][0])
     with torch.no_grad():
@@ -40,6 +42,9 @@ def files(tiny_models, tmp_path_factory):
                                       "Q4_K_M").path,
         "qwen3-Q8_0": write_gguf(tiny_models["qwen3"][1], root / "qwen3.Q8_0.gguf", "Q8_0").path,
         "mixtral-Q8_0": write_gguf(tiny_models["mixtral"][1], root / "mixtral.Q8_0.gguf", "Q8_0").path,
+        "qwen3_moe-Q8_0": write_gguf(make_model("qwen3_moe", root, moe_intermediate_size=64)[1],
+                                     root / "qwen3_moe.Q8_0.gguf", "Q8_0").path,
+        "qwen3_moe48-Q8_0": write_gguf(tiny_models["qwen3_moe"][1], root / "qwen3_moe48.Q8_0.gguf", "Q8_0").path,
     }
 
 
@@ -69,10 +74,33 @@ def test_one_call_decode_equals_the_module_forward(files, kind, lengths):
         assert any(isinstance(layer.self_attn.qkv_proj.quantized, ConcatLinear) for layer in layers)
 
 
+@pytest.mark.parametrize("kind", ["mixtral-Q8_0", "qwen3_moe-Q8_0"])
+def test_a_mixture_of_experts_decodes_a_lone_row_in_the_call(files, kind, monkeypatch):
+    """Mixtures of experts whose blocks route as the call does (a softmax over all experts, the top k, renormalized):
+    a lone sequence's decode steps run in the one call (routing and experts in C), with the module forward's
+    tokens and its logits up to float rounding; several decode rows keep the module forward (max_rows 1)."""
+    from pocketllm.kernels.cpu.llama_decode import LlamaDecoder
+
+    llm = LLM(str(files[kind]), max_model_len=128, num_kv_blocks=64, enable_prefix_caching=False)
+    calls = []
+    real = LlamaDecoder.__call__
+    monkeypatch.setattr(LlamaDecoder, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
+    for lengths in ([9], [5, 12]):
+        prompts = prompts_of(lengths, seed=len(kind))
+        calls.clear()
+        tokens, logits, decoder = generate(llm, prompts, one_call=True)
+        assert decoder and decoder.max_rows == 1 and calls == ([1] * 11 if len(lengths) == 1 else [])
+        want_tokens, want_logits, _ = generate(llm, prompts, one_call=False)
+        assert tokens == want_tokens and len(logits) == len(want_logits)
+        for got, want in zip(logits, want_logits):
+            assert float((got - want).abs().max()) <= 2e-4 * float(want.abs().max())
+
+
 def test_models_it_does_not_cover_keep_the_module_forward(files):
-    """A mixture of experts (Mixtral) and the exact path: no one-call step, the same tokens as ever."""
+    """Experts off the fast path's kernels (float down projections) and the exact path: no one-call step, the
+    same tokens as ever."""
     prompts = prompts_of([5, 12])
-    fast = LLM(str(files["mixtral-Q8_0"]), max_model_len=128, num_kv_blocks=64)
+    fast = LLM(str(files["qwen3_moe48-Q8_0"]), max_model_len=128, num_kv_blocks=64)
     tokens, _, decoder = generate(fast, prompts, one_call=True)
     assert decoder is False
     assert tokens == generate(fast, prompts, one_call=False)[0]

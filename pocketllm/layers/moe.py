@@ -263,6 +263,18 @@ class SparseMoE(torch.nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
+    def one_call_routing(self) -> tuple[torch.Tensor, int, bool] | None:
+        """(router weights, float32 [experts, hidden]; k; renormalize) where the CPU's one-call decode step
+        (kernels/cpu/llama_decode.c) routes as this block does: a softmax over every expert's logit, then
+        the top k. None for gpt-oss's softmax of the top k, a router bias, a quantized router, shared
+        experts, another route() (DeepSeek's) or experts moved to host memory."""
+        gate = self.gate
+        if (type(self).route is not SparseMoE.route or self.softmax_of_top_k or gate.bias is not None
+                or gate.quantized is not None or gate.weight.dtype != torch.float32 or self.shared_experts is not None
+                or self.on_host or self.cache is not None or self.tp.size > 1):
+            return None
+        return gate.weight.data.contiguous(), self.top_k, self.renormalize
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # With tensor parallelism each expert holds a share of its intermediate features (its
         # down projection's bias on rank 0 alone, `make_expert` builds it without a sum): the

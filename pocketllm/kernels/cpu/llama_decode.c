@@ -9,9 +9,11 @@
  *   qkv = h Wqkv (+ b); q and k heads RMS-normalized where the layer has q/k norms (Qwen3);
  *   rotary, cache write and attention (cpu_decode_attention); x = o Wo (+ b)
  *   residual = x + residual; h = rms_norm(residual)
- *   x = act(h Wgate) * (h Wup), then x Wdown (+ b)
+ *   x = act(h Wgate) * (h Wup), then x Wdown (+ b); or, in a mixture-of-experts layer, each row's
+ *   experts chosen by the router (softmax, top k, renormalized) and summed (moe_decode_experts)
  *
  * The model's final norm and the output layer stay with the caller. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,6 +52,14 @@ typedef struct {
 } ld_proj;
 
 typedef struct {
+    int64_t experts, top_k;
+    int32_t renormalize;           /* the top k's weights scaled to sum to 1 */
+    const float *router;           /* [experts, hidden] float32 */
+    const ld_proj *gate_up, *down; /* each expert's projections */
+    int64_t most;                  /* the widest expert's intermediate features */
+} ld_moe;
+
+typedef struct {
     const float *in_norm, *post_norm; /* RMSNorm scales */
     const float *q_norm, *k_norm;     /* per-head RMSNorm scales of the queries and keys, or NULL */
     ld_proj qkv, o, gate_up, down;
@@ -57,6 +67,7 @@ typedef struct {
     float *k_scales, *v_scales; /* [slots, kv_heads], or NULL */
     int64_t window;
     float softcap;
+    const ld_moe *moe; /* a mixture of experts in place of gate_up and down, or NULL */
 } ld_layer;
 
 typedef struct {
@@ -142,6 +153,44 @@ static int project_lora(const ld_proj *p, const float *x, int64_t t, float *y, f
     return rc;
 }
 
+int moe_decode_experts(const ld_proj *gate_up, const ld_proj *down, int64_t k, const int64_t *ids, const float *w,
+                       const float *x, int64_t most, int act, float alpha, float limit, float *out, int nthreads);
+
+/* A mixture-of-experts block, a row at a time (SparseMoE.route, then its one-token path): the router's
+ * logits in float32, their softmax, the top k (the largest first, the lower id first among equals),
+ * renormalized where the model says so, and the row's experts in one moe_decode_experts call. */
+static int moe_block(const ld_moe *M, const float *hs, int64_t t, int64_t h, int act, float *out, int nthreads) {
+    const int64_t E = M->experts, k = M->top_k;
+    float *p = malloc((size_t)E * sizeof(float)), *w = malloc((size_t)k * sizeof(float));
+    int64_t *ids = malloc((size_t)k * sizeof(int64_t));
+    int rc = p && w && ids ? 0 : -2;
+    for (int64_t r = 0; r < t && rc == 0; r++) {
+        const float *x = hs + r * h;
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if (E * h >= 262144)
+        for (int64_t e = 0; e < E; e++) {
+            const float *we = M->router + e * h;
+            float s = 0.f;
+            #pragma omp simd reduction(+ : s)
+            for (int64_t c = 0; c < h; c++) s += we[c] * x[c];
+            p[e] = s;
+        }
+        float mx = -INFINITY, sum = 0.f, kept = 0.f;
+        for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        for (int64_t j = 0; j < k; j++) {  /* (probabilities are >= 0: a chosen one is set to -1) */
+            int64_t best = 0;
+            for (int64_t e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
+            ids[j] = best, w[j] = p[best], kept += p[best], p[best] = -1.f;
+        }
+        if (M->renormalize)
+            for (int64_t j = 0; j < k; j++) w[j] /= kept;
+        rc = moe_decode_experts(M->gate_up, M->down, k, ids, w, x, M->most, act, 0.f, 0.f, out + r * h, nthreads);
+    }
+    free(p); free(w); free(ids);
+    return rc;
+}
+
 /* x [t, hidden]: the embedded tokens in, the last layer's output out; residual [t, hidden]: the
  * residual stream out. pos, slots, lens [t]; tables [t, width] (the decode rows' block tables).
  * lora_slots [t]: each row's LoRA adapter slot (-1: none), or NULL when no row has one. */
@@ -176,6 +225,10 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
             break;
         if ((rc = project_lora(&L->o, attn, t, x, tmp, lora_slots, nthreads))) break;
         cpu_rms_norm(x, residual, L->post_norm, normed, t, h, m->eps, nthreads);
+        if (L->moe) {
+            rc = moe_block(L->moe, normed, t, h, m->act, x, nthreads);
+            continue;
+        }
         if ((rc = project_lora(&L->gate_up, normed, t, gate_up, tmp, lora_slots, nthreads))) break;
         cpu_gated_act(gate_up, t, inter, m->act, act, nthreads);
         rc = project_lora(&L->down, act, t, x, tmp, lora_slots, nthreads);

@@ -21,10 +21,16 @@ class _Proj(ctypes.Structure):
                 ("lora_width", _i64)]
 
 
+class _MoE(ctypes.Structure):
+    _fields_ = [("experts", _i64), ("top_k", _i64), ("renormalize", _i32), ("router", _ptr),
+                ("gate_up", ctypes.POINTER(_Proj)), ("down", ctypes.POINTER(_Proj)), ("most", _i64)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", _Proj),
                 ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("k_cache", _ptr), ("v_cache", _ptr),
-                ("k_scales", _ptr), ("v_scales", _ptr), ("window", _i64), ("softcap", _f32)]
+                ("k_scales", _ptr), ("v_scales", _ptr), ("window", _i64), ("softcap", _f32),
+                ("moe", ctypes.POINTER(_MoE))]
 
 
 class _Model(ctypes.Structure):
@@ -68,16 +74,46 @@ def _cache_ptrs(attn, keep: list) -> tuple:
     return attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), _f32_ptr(attn.k_scale, keep), _f32_ptr(attn.v_scale, keep)
 
 
+def _expert_projs(experts, keep: list) -> tuple | None:
+    """(gate/up, down): arrays of every expert's projections, or None where one is off the fast path's kernels."""
+    gate_up = [_proj(e.gate_up_proj, keep) for e in experts]
+    down = [_proj(e.down_proj, keep) for e in experts]
+    if any(p is None for p in gate_up + down):
+        return None
+    arrays = (_Proj * len(experts))(*gate_up), (_Proj * len(experts))(*down)
+    keep.extend(arrays)
+    return arrays
+
+
+def _moe(block, keep: list) -> _MoE | None:
+    """A mixture-of-experts block (layers.moe.SparseMoE) for the one call: its router and experts, where it routes
+    as the call does (`one_call_routing`) and its experts have no LoRA adapters; else None."""
+    routing = block.one_call_routing()
+    if routing is None or any(e.gate_up_proj.lora is not None or e.down_proj.lora is not None for e in block.experts):
+        return None
+    router, top_k, renormalize = routing
+    projs = _expert_projs(block.experts, keep)
+    if projs is None:
+        return None
+    moe = _MoE(len(block.experts), top_k, int(renormalize), _f32_ptr(router, keep), *projs,
+               max(e.down_proj.in_features for e in block.experts))
+    keep.append(moe)
+    return moe
+
+
 class LlamaDecoder:
     """Runs all decoder layers of a decode-only step; build() returns None for a model it does not
     cover (projections off the fast path's kernels, attention sinks, activations other than SiLU and
-    tanh GELU, layers in several KV groups, q/k norms of another epsilon), which then keeps its
-    module-by-module forward."""
+    tanh GELU or not one for all layers, layers in several KV groups, q/k norms of another epsilon,
+    mixture-of-experts blocks that route otherwise), which then keeps its module-by-module forward.
+    A model with mixture-of-experts blocks takes the call for one decode row at a time (`max_rows`): it
+    runs a row's experts in turn, where several rows are better grouped by expert."""
 
-    def __init__(self, spec: _Model, layers, keep: list, lora_rows=None):
+    def __init__(self, spec: _Model, layers, keep: list, lora_rows=None, max_rows: int | None = None):
         self._spec, self._layers, self._keep = spec, layers, keep
         self._lib = load_cpu_kernels()
         self._lora_rows = lora_rows  # LoRA adapters (layers.lora.LoRARows): each step's rows' slots
+        self.max_rows = max_rows
 
     @classmethod
     def build(cls, model) -> LlamaDecoder | None:
@@ -89,27 +125,34 @@ class LlamaDecoder:
         keep: list = []
         specs = []
         a0 = layers[0].self_attn
-        for layer in layers:
+        ffns = [layer.mlp.experts[0] if hasattr(layer.mlp, "experts") else layer.mlp for layer in layers]
+        act = getattr(ffns[0], "act_code", None)  # (a mixture's experts' activation is the block's)
+        for layer, ffn in zip(layers, ffns):
             attn, mlp = layer.self_attn, layer.mlp
-            # (a mixture-of-experts block has no act_code: not covered)
-            if (attn.sinks is not None or getattr(mlp, "act_code", None) not in (0, 1) or attn.scale != a0.scale
-                    or attn.q_norm is not None and attn.q_norm.eps != layer.input_layernorm.eps):
+            if (attn.sinks is not None or act not in (0, 1) or getattr(ffn, "act_code", None) != act
+                    or attn.scale != a0.scale or attn.q_norm is not None and attn.q_norm.eps != layer.input_layernorm.eps):
                 return None
-            projs = [_proj(x, keep) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            moe = _moe(mlp, keep) if ffn is not mlp else None
+            if ffn is not mlp and moe is None:
+                return None
+            projs = [_proj(x, keep) for x in (attn.qkv_proj, attn.o_proj)]
+            projs += [_Proj(), _Proj()] if moe is not None else [_proj(x, keep) for x in (mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):
                 return None
             qn, kn = ((None, None) if attn.q_norm is None else
                       (_f32_ptr(attn.q_norm.scale(), keep), _f32_ptr(attn.k_norm.scale(), keep)))
             specs.append(_Layer(_f32_ptr(layer.input_layernorm.scale(), keep),
                                 _f32_ptr(layer.post_attention_layernorm.scale(), keep), qn, kn, *projs,
-                                *_cache_ptrs(attn, keep), attn.window or 0, attn.softcap or 0.0))
+                                *_cache_ptrs(attn, keep), attn.window or 0, attn.softcap or 0.0,
+                                ctypes.pointer(moe) if moe is not None else None))
         array = (_Layer * len(specs))(*specs)
         rot = model.rotary
+        dense = [ffn.down_proj.in_features for layer, ffn in zip(layers, ffns) if ffn is layer.mlp]
         spec = _Model(len(specs), layers[0].input_layernorm.weight.numel(), a0.num_heads, a0.num_kv_heads,
-                      a0.head_dim, layers[0].mlp.down_proj.in_features, a0.k_cache.shape[1],
-                      layers[0].input_layernorm.eps, a0.scale, layers[0].mlp.act_code,
+                      a0.head_dim, max(dense, default=1), a0.k_cache.shape[1],
+                      layers[0].input_layernorm.eps, a0.scale, act,
                       _f32_ptr(rot.cos, keep), _f32_ptr(rot.sin, keep), array)
-        return cls(spec, array, keep, model.lora_rows)
+        return cls(spec, array, keep, model.lora_rows, max_rows=1 if len(dense) < len(layers) else None)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x [t, hidden] (the embedded tokens; overwritten) -> (last layer's output, residual)."""
@@ -153,13 +196,11 @@ class DecodeExperts:
         if load_cpu_kernels() is None or act not in (0, 1, 3) or any(getattr(e, "act_code", None) != act for e in every):
             return None
         keep: list = []
-        gate_up = [_proj(e.gate_up_proj, keep) for e in every]
-        down = [_proj(e.down_proj, keep) for e in every]
-        if any(p is None for p in gate_up + down):
+        projs = _expert_projs(every, keep)
+        if projs is None:
             return None
         e0 = experts[0]
-        return cls((_Proj * len(every))(*gate_up), (_Proj * len(every))(*down),
-                   max(e.down_proj.in_features for e in every), act, getattr(e0, "alpha", 0.0),
+        return cls(*projs, max(e.down_proj.in_features for e in every), act, getattr(e0, "alpha", 0.0),
                    getattr(e0, "limit", 0.0), None if shared is None else len(experts), keep)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
