@@ -242,7 +242,7 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
  * w[j] * down_e(act(gate_up_e(x))), e = ids[j], in j's order, as the module path runs them (the
  * same kernels: one call instead of a Python loop of module calls). gate_up / down: every expert's
  * projections (DeepSeek's shared experts one more entry, of their own width, taken last with weight 1);
- * inter: the widest intermediate among them; act 0 SiLU, 1 GELU (tanh), 3 gpt-oss's clamped SwiGLU
+ * most: the widest intermediate among them; act 0 SiLU, 1 GELU (tanh), 3 gpt-oss's clamped SwiGLU
  * (alpha, limit). */
 int moe_decode_experts(const ld_proj *gate_up, const ld_proj *down, int64_t k, const int64_t *ids, const float *w,
                        const float *x, int64_t most, int act, float alpha, float limit, float *out, int nthreads) {
