@@ -75,21 +75,21 @@ def test_one_call_decode_equals_the_module_forward(files, kind, lengths):
 
 
 @pytest.mark.parametrize("kind", ["mixtral-Q8_0", "qwen3_moe-Q8_0"])
-def test_a_mixture_of_experts_decodes_a_lone_row_in_the_call(files, kind, monkeypatch):
+def test_a_mixture_of_experts_decodes_in_the_call(files, kind, monkeypatch):
     """Mixtures of experts whose blocks route as the call does (a softmax over all experts, the top k, renormalized):
-    a lone sequence's decode steps run in the one call (routing and experts in C), with the module forward's
-    tokens and its logits up to float rounding; several decode rows keep the module forward (max_rows 1)."""
+    their decode steps run in the one call (routing and experts in C: one row's experts in turn, several rows
+    grouped by expert), with the module forward's tokens and its logits up to float rounding."""
     from pocketllm.kernels.cpu.llama_decode import LlamaDecoder
 
     llm = LLM(str(files[kind]), max_model_len=128, num_kv_blocks=64, enable_prefix_caching=False)
     calls = []
     real = LlamaDecoder.__call__
     monkeypatch.setattr(LlamaDecoder, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
-    for lengths in ([9], [5, 12]):
+    for lengths in ([9], [5, 12, 20, 33]):
         prompts = prompts_of(lengths, seed=len(kind))
         calls.clear()
         tokens, logits, decoder = generate(llm, prompts, one_call=True)
-        assert decoder and decoder.max_rows == 1 and calls == ([1] * 11 if len(lengths) == 1 else [])
+        assert decoder and calls == [len(lengths)] * 11  # (after the prompts' step, every step)
         want_tokens, want_logits, _ = generate(llm, prompts, one_call=False)
         assert tokens == want_tokens and len(logits) == len(want_logits)
         for got, want in zip(logits, want_logits):

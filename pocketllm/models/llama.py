@@ -198,8 +198,6 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, meta):
         x = self.model.embed_tokens(input_ids)
         decoder = self._decoder() if self.kernels.cpu_fused and meta.decode_lens is not None else None
-        if decoder is not None and decoder.max_rows is not None and meta.num_decodes > decoder.max_rows:
-            decoder = None
         if decoder is not None and meta.prefills:
             # A mixed step: its decode rows in the one call (the bits a decode-only step computes, and
             # 2-3x faster than the layers' masked attention over 64 rows), its chunks through the layers.

@@ -10,7 +10,7 @@
  *   rotary, cache write and attention (cpu_decode_attention); x = o Wo (+ b)
  *   residual = x + residual; h = rms_norm(residual)
  *   x = act(h Wgate) * (h Wup), then x Wdown (+ b); or, in a mixture-of-experts layer, each row's
- *   experts chosen by the router (softmax, top k, renormalized) and summed (moe_decode_experts)
+ *   experts chosen by the router (softmax, top k, renormalized) and their outputs summed (moe_block)
  *
  * The model's final norm and the output layer stay with the caller. */
 #include <math.h>
@@ -156,16 +156,20 @@ static int project_lora(const ld_proj *p, const float *x, int64_t t, float *y, f
 int moe_decode_experts(const ld_proj *gate_up, const ld_proj *down, int64_t k, const int64_t *ids, const float *w,
                        const float *x, int64_t most, int act, float alpha, float limit, float *out, int nthreads);
 
-/* A mixture-of-experts block, a row at a time (SparseMoE.route, then its one-token path): the router's
- * logits in float32, their softmax, the top k (the largest first, the lower id first among equals),
- * renormalized where the model says so, and the row's experts in one moe_decode_experts call. */
+/* A mixture-of-experts block over t rows, as SparseMoE routes and runs it: each row's router logits in
+ * float32, their softmax, the top k (the largest first, the lower id first among equals), renormalized
+ * where the model says so. One row's experts then run in turn in one moe_decode_experts call (the block's
+ * one-token path); several rows are grouped by expert (its sorted path): each chosen expert runs once over
+ * its rows, in ascending id, and adds each row's weighted output. */
 static int moe_block(const ld_moe *M, const float *hs, int64_t t, int64_t h, int act, float *out, int nthreads) {
-    const int64_t E = M->experts, k = M->top_k;
-    float *p = malloc((size_t)E * sizeof(float)), *w = malloc((size_t)k * sizeof(float));
-    int64_t *ids = malloc((size_t)k * sizeof(int64_t));
+    const int64_t E = M->experts, k = M->top_k, most = M->most, wide = 2 * most > h ? 2 * most : h;
+    float *p = malloc((size_t)E * sizeof(float)), *w = malloc((size_t)(t * k) * sizeof(float));
+    int64_t *ids = malloc((size_t)(t * k) * sizeof(int64_t));
     int rc = p && w && ids ? 0 : -2;
     for (int64_t r = 0; r < t && rc == 0; r++) {
         const float *x = hs + r * h;
+        float *wr = w + r * k;
+        int64_t *ir = ids + r * k;
         #pragma omp parallel for schedule(static) num_threads(nthreads) if (E * h >= 262144)
         for (int64_t e = 0; e < E; e++) {
             const float *we = M->router + e * h;
@@ -181,11 +185,35 @@ static int moe_block(const ld_moe *M, const float *hs, int64_t t, int64_t h, int
         for (int64_t j = 0; j < k; j++) {  /* (probabilities are >= 0: a chosen one is set to -1) */
             int64_t best = 0;
             for (int64_t e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
-            ids[j] = best, w[j] = p[best], kept += p[best], p[best] = -1.f;
+            ir[j] = best, wr[j] = p[best], kept += p[best], p[best] = -1.f;
         }
         if (M->renormalize)
-            for (int64_t j = 0; j < k; j++) w[j] /= kept;
-        rc = moe_decode_experts(M->gate_up, M->down, k, ids, w, x, M->most, act, 0.f, 0.f, out + r * h, nthreads);
+            for (int64_t j = 0; j < k; j++) wr[j] /= kept;
+    }
+    if (rc == 0 && t == 1)
+        rc = moe_decode_experts(M->gate_up, M->down, k, ids, w, hs, most, act, 0.f, 0.f, out, nthreads);
+    else if (rc == 0) {
+        float *xs = malloc((size_t)(t * h) * sizeof(float)), *gu = malloc((size_t)(t * 2 * most) * sizeof(float));
+        float *a = malloc((size_t)(t * most) * sizeof(float)), *y = malloc((size_t)(t * h) * sizeof(float));
+        float *tmp = malloc((size_t)(t * wide) * sizeof(float)), *rw = malloc((size_t)t * sizeof(float));
+        int64_t *rows = malloc((size_t)t * sizeof(int64_t));
+        rc = xs && gu && a && y && tmp && rw && rows ? 0 : -2;
+        if (rc == 0) memset(out, 0, (size_t)(t * h) * sizeof(float));
+        for (int64_t e = 0; e < E && rc == 0; e++) {
+            int64_t n = 0;
+            for (int64_t r = 0; r < t; r++)
+                for (int64_t j = 0; j < k; j++)
+                    if (ids[r * k + j] == e) rows[n] = r, rw[n++] = w[r * k + j];
+            if (n == 0) continue;
+            const int64_t inter = M->down[e].k;
+            for (int64_t i = 0; i < n; i++) memcpy(xs + i * h, hs + rows[i] * h, (size_t)h * sizeof(float));
+            if ((rc = project(&M->gate_up[e], xs, n, gu, tmp, nthreads))) break;
+            cpu_gated_act(gu, n, inter, act, a, nthreads);
+            if ((rc = project(&M->down[e], a, n, y, tmp, nthreads))) break;
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t c = 0; c < h; c++) out[rows[i] * h + c] += rw[i] * y[i * h + c];
+        }
+        free(xs); free(gu); free(a); free(y); free(tmp); free(rw); free(rows);
     }
     free(p); free(w); free(ids);
     return rc;

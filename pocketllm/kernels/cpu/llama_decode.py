@@ -105,15 +105,12 @@ class LlamaDecoder:
     """Runs all decoder layers of a decode-only step; build() returns None for a model it does not
     cover (projections off the fast path's kernels, attention sinks, activations other than SiLU and
     tanh GELU or not one for all layers, layers in several KV groups, q/k norms of another epsilon,
-    mixture-of-experts blocks that route otherwise), which then keeps its module-by-module forward.
-    A model with mixture-of-experts blocks takes the call for one decode row at a time (`max_rows`): it
-    runs a row's experts in turn, where several rows are better grouped by expert."""
+    mixture-of-experts blocks that route otherwise), which then keeps its module-by-module forward."""
 
-    def __init__(self, spec: _Model, layers, keep: list, lora_rows=None, max_rows: int | None = None):
+    def __init__(self, spec: _Model, layers, keep: list, lora_rows=None):
         self._spec, self._layers, self._keep = spec, layers, keep
         self._lib = load_cpu_kernels()
         self._lora_rows = lora_rows  # LoRA adapters (layers.lora.LoRARows): each step's rows' slots
-        self.max_rows = max_rows
 
     @classmethod
     def build(cls, model) -> LlamaDecoder | None:
@@ -152,7 +149,7 @@ class LlamaDecoder:
                       a0.head_dim, max(dense, default=1), a0.k_cache.shape[1],
                       layers[0].input_layernorm.eps, a0.scale, act,
                       _f32_ptr(rot.cos, keep), _f32_ptr(rot.sin, keep), array)
-        return cls(spec, array, keep, model.lora_rows, max_rows=1 if len(dense) < len(layers) else None)
+        return cls(spec, array, keep, model.lora_rows)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x [t, hidden] (the embedded tokens; overwritten) -> (last layer's output, residual)."""
