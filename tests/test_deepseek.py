@@ -346,7 +346,8 @@ def test_a_quantized_file_on_the_fast_path(tmp_path, kind):
     """A deepseek2 GGUF file in Q8_0 on the CPU's fast path. Its attn_k_b and attn_v_b multiply decode rows as
     they are (QuantizedHeads: 8-bit activations, this small model's two passes): every step's logits stay
     close to the same engine's through kv_b_proj's dense halves, tokens equal. A lone sequence's shared experts
-    run in its routed experts' one C call (DecodeExperts), added last as the module path adds them: the same bits."""
+    run in its routed experts' one C call (DecodeExperts), added last as the module path adds them: the same bits.
+    (The module path: test_llama_decode.py runs these files' decode steps in one call.)"""
     import gguf
     from conftest import prompts_of
     from reference import captured_logits
@@ -377,7 +378,9 @@ def test_a_quantized_file_on_the_fast_path(tmp_path, kind):
             if run == "dense heads":
                 mp.setattr(deepseek.QuantizedHeads, "kept", lambda self, rows: False)
             llm = LLM(str(file), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=48, exact_kernels=False)
-            assert all(p is not None for p in llm.engine.runner.model.model.layers[0].self_attn.heads.parts)
+            model = llm.engine.runner.model
+            assert all(p is not None for p in model.model.layers[0].self_attn.heads.parts)
+            model._cpu_decoder = False  # the modules (the one-call decode step: test_llama_decode.py)
             with captured_logits(llm) as logits:
                 outs = llm.generate(prompts, params) + llm.generate(prompts[1:2], params)  # (then one row a step)
         assert bool(calls["heads"]) == (run != "dense heads") and calls["shared"] == 2  # (its two MoE layers)

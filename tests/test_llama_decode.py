@@ -27,7 +27,9 @@ def files(tiny_models, tmp_path_factory):
     with rows of 256 in Q4_K_M (Q4_K q/k with a Q6_K v: a fused projection of two types); qwen3
     (q/k norms); mixtral and qwen3-moe (mixtures of experts; qwen3-moe's experts 64 wide, to be Q8_0, and
     a dense layer among them); qwen3-moe's tiny config itself, whose experts' down projections, 48 wide,
-    cannot be Q8_0 (32-value blocks) and stay float: off the fast path's kernels, not covered."""
+    cannot be Q8_0 (32-value blocks) and stay float: off the fast path's kernels, not covered; DeepSeek V2 and
+    V3 (latent attention, shared experts, grouped routing; V3's correction bias made random: transformers
+    initializes it to 0), their widths multiples of 32."""
     root = tmp_path_factory.mktemp("decode")
     qwen2 = copy.deepcopy(tiny_models["qwen2"][0])
     with torch.no_grad():
@@ -45,7 +47,19 @@ def files(tiny_models, tmp_path_factory):
         "qwen3_moe-Q8_0": write_gguf(make_model("qwen3_moe", root, moe_intermediate_size=64)[1],
                                      root / "qwen3_moe.Q8_0.gguf", "Q8_0").path,
         "qwen3_moe48-Q8_0": write_gguf(tiny_models["qwen3_moe"][1], root / "qwen3_moe48.Q8_0.gguf", "Q8_0").path,
+        **{f"{kind}-Q8_0": write_gguf(_deepseek(kind, root), root / f"{kind}.Q8_0.gguf", "Q8_0").path
+           for kind in ("deepseek_v2", "deepseek_v3")},
     }
+
+
+def _deepseek(kind: str, root):
+    model, path = make_model(kind, root / f"{kind}-made", kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    model.save_pretrained(root / kind, safe_serialization=True)
+    return root / kind
 
 
 def generate(llm: LLM, prompts: list[list[int]], one_call: bool):
@@ -74,11 +88,13 @@ def test_one_call_decode_equals_the_module_forward(files, kind, lengths):
         assert any(isinstance(layer.self_attn.qkv_proj.quantized, ConcatLinear) for layer in layers)
 
 
-@pytest.mark.parametrize("kind", ["mixtral-Q8_0", "qwen3_moe-Q8_0"])
+@pytest.mark.parametrize("kind", ["mixtral-Q8_0", "qwen3_moe-Q8_0", "deepseek_v2-Q8_0", "deepseek_v3-Q8_0"])
 def test_a_mixture_of_experts_decodes_in_the_call(files, kind, monkeypatch):
-    """Mixtures of experts whose blocks route as the call does (a softmax over all experts, the top k, renormalized):
-    their decode steps run in the one call (routing and experts in C: one row's experts in turn, several rows
-    grouped by expert), with the module forward's tokens and its logits up to float rounding."""
+    """Mixtures of experts whose blocks route as the call does (a softmax over all experts, the top k, renormalized;
+    DeepSeek's groups, V3's sigmoid and correction bias, the scaling): their decode steps run in the one call
+    (routing and experts in C: one row's experts in turn, several rows grouped by expert, the shared experts
+    after them; DeepSeek's latent attention with the file's quantized heads), with the module forward's tokens
+    and its logits up to float rounding."""
     from pocketllm.kernels.cpu.llama_decode import LlamaDecoder
 
     llm = LLM(str(files[kind]), max_model_len=128, num_kv_blocks=64, enable_prefix_caching=False)

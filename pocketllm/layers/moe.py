@@ -28,6 +28,7 @@ without CUDA graphs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,21 @@ from pocketllm.layers.linear import ConcatLinear, Linear
 from pocketllm.quant.linear import GGUFLinear
 
 GROUPED_MAX_TOKENS = 64  # up to this many tokens a step, the grouped path (and the graphs' largest batch)
+
+
+@dataclass(frozen=True)
+class OneCallRouting:
+    """How a block routes, for the CPU's one-call decode step (kernels/cpu/llama_decode.c, route_row): the
+    softmax (or sigmoid) of the router's float32 logits; choices by score plus `bias`, within the `top_groups`
+    best of `groups` groups; the top k, their scores as weights, renormalized where `renormalize`, times `scaling`."""
+    router: torch.Tensor  # float32 [experts, hidden]
+    top_k: int
+    renormalize: bool
+    sigmoid: bool = False
+    bias: torch.Tensor | None = None  # float32 [experts]
+    groups: int = 1
+    top_groups: int = 1
+    scaling: float = 1.0
 
 
 class ExpertStack:
@@ -263,17 +279,21 @@ class SparseMoE(torch.nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    def one_call_routing(self) -> tuple[torch.Tensor, int, bool] | None:
-        """(router weights, float32 [experts, hidden]; k; renormalize) where the CPU's one-call decode step
-        (kernels/cpu/llama_decode.c) routes as this block does: a softmax over every expert's logit, then
-        the top k. None for gpt-oss's softmax of the top k, a router bias, a quantized router, shared
-        experts, another route() (DeepSeek's) or experts moved to host memory."""
-        gate = self.gate
-        if (type(self).route is not SparseMoE.route or self.softmax_of_top_k or gate.bias is not None
-                or gate.quantized is not None or gate.weight.dtype != torch.float32 or self.shared_experts is not None
-                or self.on_host or self.cache is not None or self.tp.size > 1):
+    def one_call_routing(self) -> OneCallRouting | None:
+        """How this block routes, where the CPU's one-call decode step (kernels/cpu/llama_decode.c) can route
+        as it does: a softmax over every expert's logit, then the top k. None for gpt-oss's softmax of the top
+        k, a router bias, a quantized router, another route() (DeepSeek's, which says its own) or experts moved
+        to host memory or split over ranks."""
+        if type(self).route is not SparseMoE.route or self.softmax_of_top_k or not self._one_call_router():
             return None
-        return gate.weight.data.contiguous(), self.top_k, self.renormalize
+        return OneCallRouting(self.gate.weight.data.contiguous(), self.top_k, self.renormalize)
+
+    def _one_call_router(self) -> bool:
+        """Whether the router and the experts are where the one call reads them: a float32 router without a
+        bias, every expert on this host."""
+        gate = self.gate
+        return not (gate.bias is not None or gate.quantized is not None or gate.weight.dtype != torch.float32
+                    or self.on_host or self.cache is not None or self.tp.size > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # With tensor parallelism each expert holds a share of its intermediate features (its

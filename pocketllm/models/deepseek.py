@@ -39,7 +39,7 @@ from pocketllm.kernels.cpu import gguf_ops
 from pocketllm.kernels.platform import KernelConfig, kernels_for
 from pocketllm.layers.attention import AttentionMetadata, paged_attention
 from pocketllm.layers.linear import Linear, QuantizedTensor
-from pocketllm.layers.moe import GROUPED_MAX_TOKENS, SparseMoE
+from pocketllm.layers.moe import GROUPED_MAX_TOKENS, OneCallRouting, SparseMoE
 from pocketllm.layers.norm import RMSNorm
 from pocketllm.layers.rotary import RotaryEmbedding
 from pocketllm.models.base import CausalLM
@@ -214,6 +214,14 @@ class DeepseekMoE(SparseMoE):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
 
+    def one_call_routing(self) -> OneCallRouting | None:
+        if not self._one_call_router():
+            return None
+        groups = 1 if self.greedy else self.groups
+        bias = None if self.score_correction is None else self.score_correction.weight.data.float().contiguous()
+        return OneCallRouting(self.gate.weight.data.contiguous(), self.top_k, self.renormalize, self.sigmoid, bias,
+                              groups, self.top_groups if groups > 1 else 1, self.scaling)
+
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # one latent head a layer, not split over ranks; the latent cache in the model's dtype
@@ -252,9 +260,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         them): DeepseekMTP reads the first when it drafts."""
         m = re.match(r"model\.layers\.(\d+)\.", name)
         return m is None or int(m.group(1)) < self.cfg.num_layers
-
-    def _decoder(self):
-        return None  # (the CPU fast path's one-call decoder is Llama's attention)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

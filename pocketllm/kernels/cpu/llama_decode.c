@@ -10,7 +10,10 @@
  *   rotary, cache write and attention (cpu_decode_attention); x = o Wo (+ b)
  *   residual = x + residual; h = rms_norm(residual)
  *   x = act(h Wgate) * (h Wup), then x Wdown (+ b); or, in a mixture-of-experts layer, each row's
- *   experts chosen by the router (softmax, top k, renormalized) and their outputs summed (moe_block)
+ *   experts chosen by the router (softmax, top k, renormalized; or DeepSeek's routing) and their
+ *   outputs summed, with the shared experts' (moe_block)
+ *
+ * DeepSeek's layers attend through their latent (mla_attention) in place of qkv and the attention.
  *
  * The model's final norm and the output layer stay with the caller. */
 #include <math.h>
@@ -32,6 +35,8 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, void *k_cache, void *v_ca
                          const float *sinks, float *out, const int64_t *slots, const int64_t *pos,
                          const float *cos_t, const float *sin_t, int nthreads);
 int cpu_gated_act(const float *gate_up, int64_t T, int64_t I, int act, float *out, int nthreads);
+int gguf_heads_gemm_int8(int type, const uint8_t *const *W, int64_t H, int64_t N, int64_t K, const float *X,
+                         int64_t B, float *Y, int passes, int nthreads);
 int cpu_clamped_swiglu(const float *gate_up, int64_t T, int64_t I, float alpha, float limit, float *out,
                        int nthreads);
 
@@ -55,9 +60,28 @@ typedef struct {
     int64_t experts, top_k;
     int32_t renormalize;           /* the top k's weights scaled to sum to 1 */
     const float *router;           /* [experts, hidden] float32 */
-    const ld_proj *gate_up, *down; /* each expert's projections */
+    const ld_proj *gate_up, *down; /* each expert's projections (the shared experts one more entry, last) */
     int64_t most;                  /* the widest expert's intermediate features */
+    /* DeepSeek's routing (models/deepseek.py); a softmax over all experts, the top k, is 0, NULL, 1, 1, 1.0 */
+    int32_t sigmoid;               /* scores: sigmoid of the logits, not their softmax */
+    const float *bias;             /* added to the scores that choose, not to the weights (V3), or NULL */
+    int64_t groups, top_groups;    /* the top k within the top_groups best of `groups` groups */
+    float scaling;                 /* routed_scaling_factor */
+    int64_t shared;                /* the shared experts' entry in gate_up / down, or -1 */
 } ld_moe;
+
+/* DeepSeek's multi-head latent attention (models/deepseek.py, LatentAttention): the query (through its
+ * low-rank bottleneck where q_rank) and the latent [c | k_pe] projected, W_UK and W_UV the file's own
+ * quantized heads (QuantizedHeads); the cache one latent head of rank + rope values a token. */
+typedef struct {
+    int64_t rank, rope, nope, v_dim, q_rank;
+    int32_t interleaved;      /* the rotary dimensions rotate interleaved pairs */
+    int32_t passes;           /* the heads' 8-bit activation passes */
+    ld_proj q, q_b, kv_a;     /* q: q_proj, or q_a_proj where q_rank (then q_b: q_b_proj); kv_a: [c | k_pe] */
+    const float *q_norm, *kv_norm;
+    int32_t k_type, v_type;   /* attn_k_b [H * rank rows of nope], attn_v_b [H * v_dim rows of rank] */
+    const void *k_rows, *v_rows;
+} ld_mla;
 
 typedef struct {
     const float *in_norm, *post_norm; /* RMSNorm scales */
@@ -68,6 +92,7 @@ typedef struct {
     int64_t window;
     float softcap;
     const ld_moe *moe; /* a mixture of experts in place of gate_up and down, or NULL */
+    const ld_mla *mla; /* latent attention in place of qkv and o's attention (o stays o_proj), or NULL */
 } ld_layer;
 
 typedef struct {
@@ -156,20 +181,66 @@ static int project_lora(const ld_proj *p, const float *x, int64_t t, float *y, f
 int moe_decode_experts(const ld_proj *gate_up, const ld_proj *down, int64_t k, const int64_t *ids, const float *w,
                        const float *x, int64_t most, int act, float alpha, float limit, float *out, int nthreads);
 
-/* A mixture-of-experts block over t rows, as SparseMoE routes and runs it: each row's router logits in
- * float32, their softmax, the top k (the largest first, the lower id first among equals), renormalized
- * where the model says so. One row's experts then run in turn in one moe_decode_experts call (the block's
- * one-token path); several rows are grouped by expert (its sorted path): each chosen expert runs once over
- * its rows, in ascending id, and adds each row's weighted output. */
+/* One row's experts from its router logits p [E] (overwritten by its scores), as the block routes them: the
+ * softmax (or sigmoid) of the logits; choices by score plus bias, within the top_groups best groups (a group
+ * ranked by its best choice, by its best two with a sigmoid) where there are groups; the top k, the largest
+ * first (the lower id first among equals); their scores as weights, renormalized where the model says so,
+ * times the scaling. choice [E] and taken [E]: scratch. */
+static void route_row(const ld_moe *M, float *p, float *choice, unsigned char *taken, int64_t *ids, float *w) {
+    const int64_t E = M->experts, k = M->top_k;
+    if (M->sigmoid) {
+        for (int64_t e = 0; e < E; e++) p[e] = 1.f / (1.f + expf(-p[e]));
+    } else {
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; e++) choice[e] = p[e] + (M->bias ? M->bias[e] : 0.f), taken[e] = 0;
+    if (M->groups > 1) {  /* taken[e] = 2: its group is out (then 3: chosen among the groups) */
+        const int64_t G = M->groups, per = E / G;
+        float score[64];
+        for (int64_t g = 0; g < G; g++) {
+            float a = -INFINITY, b = -INFINITY;
+            for (int64_t e = g * per; e < (g + 1) * per; e++)
+                if (choice[e] > a) b = a, a = choice[e];
+                else if (choice[e] > b) b = choice[e];
+            score[g] = M->sigmoid ? a + b : a;
+        }
+        unsigned char kept[64] = {0};
+        for (int64_t j = 0; j < M->top_groups; j++) {
+            int64_t best = -1;
+            for (int64_t g = 0; g < G; g++)
+                if (!kept[g] && (best < 0 || score[g] > score[best])) best = g;
+            kept[best] = 1;
+        }
+        for (int64_t e = 0; e < E; e++) taken[e] = kept[e / per] ? 0 : 2;
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+        ids[j] = best, w[j] = p[best], sum += p[best], taken[best] = 1;
+    }
+    for (int64_t j = 0; j < k; j++) w[j] = (M->renormalize ? w[j] / sum : w[j]) * M->scaling;
+}
+
+/* A mixture-of-experts block over t rows, as SparseMoE (or DeepseekMoE) routes and runs it: each row's router
+ * logits in float32, routed by route_row. One row's experts then run in turn in one moe_decode_experts call
+ * (the block's one-token path), the shared experts last with weight 1; several rows are grouped by expert (its
+ * sorted path): each chosen expert runs once over its rows, in ascending id, and adds each row's weighted
+ * output; then the shared experts over every row. */
 static int moe_block(const ld_moe *M, const float *hs, int64_t t, int64_t h, int act, float *out, int nthreads) {
     const int64_t E = M->experts, k = M->top_k, most = M->most, wide = 2 * most > h ? 2 * most : h;
-    float *p = malloc((size_t)E * sizeof(float)), *w = malloc((size_t)(t * k) * sizeof(float));
-    int64_t *ids = malloc((size_t)(t * k) * sizeof(int64_t));
-    int rc = p && w && ids ? 0 : -2;
+    const int64_t kk = k + (M->shared >= 0);  /* a row's entries: its experts, then the shared ones */
+    if (M->groups > 64 || (M->groups > 1 && E % M->groups)) return -3;
+    float *p = malloc((size_t)(2 * E) * sizeof(float)), *w = malloc((size_t)(t * kk) * sizeof(float));
+    int64_t *ids = malloc((size_t)(t * kk) * sizeof(int64_t));
+    unsigned char *taken = malloc((size_t)E);
+    int rc = p && w && ids && taken ? 0 : -2;
     for (int64_t r = 0; r < t && rc == 0; r++) {
         const float *x = hs + r * h;
-        float *wr = w + r * k;
-        int64_t *ir = ids + r * k;
         #pragma omp parallel for schedule(static) num_threads(nthreads) if (E * h >= 262144)
         for (int64_t e = 0; e < E; e++) {
             const float *we = M->router + e * h;
@@ -178,20 +249,11 @@ static int moe_block(const ld_moe *M, const float *hs, int64_t t, int64_t h, int
             for (int64_t c = 0; c < h; c++) s += we[c] * x[c];
             p[e] = s;
         }
-        float mx = -INFINITY, sum = 0.f, kept = 0.f;
-        for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
-        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;
-        for (int64_t j = 0; j < k; j++) {  /* (probabilities are >= 0: a chosen one is set to -1) */
-            int64_t best = 0;
-            for (int64_t e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
-            ir[j] = best, wr[j] = p[best], kept += p[best], p[best] = -1.f;
-        }
-        if (M->renormalize)
-            for (int64_t j = 0; j < k; j++) wr[j] /= kept;
+        route_row(M, p, p + E, taken, ids + r * kk, w + r * kk);
+        if (M->shared >= 0) ids[r * kk + k] = M->shared, w[r * kk + k] = 1.f;
     }
     if (rc == 0 && t == 1)
-        rc = moe_decode_experts(M->gate_up, M->down, k, ids, w, hs, most, act, 0.f, 0.f, out, nthreads);
+        rc = moe_decode_experts(M->gate_up, M->down, kk, ids, w, hs, most, act, 0.f, 0.f, out, nthreads);
     else if (rc == 0) {
         float *xs = malloc((size_t)(t * h) * sizeof(float)), *gu = malloc((size_t)(t * 2 * most) * sizeof(float));
         float *a = malloc((size_t)(t * most) * sizeof(float)), *y = malloc((size_t)(t * h) * sizeof(float));
@@ -199,23 +261,96 @@ static int moe_block(const ld_moe *M, const float *hs, int64_t t, int64_t h, int
         int64_t *rows = malloc((size_t)t * sizeof(int64_t));
         rc = xs && gu && a && y && tmp && rw && rows ? 0 : -2;
         if (rc == 0) memset(out, 0, (size_t)(t * h) * sizeof(float));
-        for (int64_t e = 0; e < E && rc == 0; e++) {
+        /* the routed experts in ascending id, then the shared ones (every row, weight 1) */
+        for (int64_t e = 0; e < E + (M->shared >= 0) && rc == 0; e++) {
+            const int64_t id = e < E ? e : M->shared;
             int64_t n = 0;
             for (int64_t r = 0; r < t; r++)
-                for (int64_t j = 0; j < k; j++)
-                    if (ids[r * k + j] == e) rows[n] = r, rw[n++] = w[r * k + j];
+                for (int64_t j = 0; j < kk; j++)
+                    if (ids[r * kk + j] == id) rows[n] = r, rw[n++] = w[r * kk + j];
             if (n == 0) continue;
-            const int64_t inter = M->down[e].k;
+            const int64_t inter = M->down[id].k;
             for (int64_t i = 0; i < n; i++) memcpy(xs + i * h, hs + rows[i] * h, (size_t)h * sizeof(float));
-            if ((rc = project(&M->gate_up[e], xs, n, gu, tmp, nthreads))) break;
+            if ((rc = project(&M->gate_up[id], xs, n, gu, tmp, nthreads))) break;
             cpu_gated_act(gu, n, inter, act, a, nthreads);
-            if ((rc = project(&M->down[e], a, n, y, tmp, nthreads))) break;
+            if ((rc = project(&M->down[id], a, n, y, tmp, nthreads))) break;
             for (int64_t i = 0; i < n; i++)
                 for (int64_t c = 0; c < h; c++) out[rows[i] * h + c] += rw[i] * y[i * h + c];
         }
         free(xs); free(gu); free(a); free(y); free(tmp); free(rw); free(rows);
     }
-    free(p); free(w); free(ids);
+    free(p); free(w); free(ids); free(taken);
+    return rc;
+}
+
+/* A head's rotary part src [P] rotated at table rows c, s into dst [P] (rotate-half layout; interleaved
+ * pairs (x0, x1), (x2, x3), ... de-interleaved first, as LatentAttention does). */
+static void rotate_pe(const float *src, float *dst, int64_t P, int interleaved, const float *c, const float *s) {
+    const int64_t half = P / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = interleaved ? src[2 * i] : src[i], b = interleaved ? src[2 * i + 1] : src[half + i];
+        dst[i] = a * c[i] - b * s[i];
+        dst[half + i] = b * c[i] + a * s[i];
+    }
+}
+
+/* Latent attention of t decode rows (LatentAttention.forward with the quantized heads): normed [t, hidden] ->
+ * out [t, H * v_dim], o_proj's input. qkv [t, (H + 2) D] (D = rank + rope) holds each row's absorbed queries,
+ * then its latent as the key and the value of the one cached head; attn [t, H D] the attention's output. */
+static int mla_attention(const ld_model *m, const ld_layer *L, const float *normed, int64_t t, const int64_t *pos,
+                         const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *lens,
+                         float *qkv, float *attn, float *out, float *tmp, int nthreads) {
+    const ld_mla *A = L->mla;
+    const int64_t H = m->heads, R = A->rank, P = A->rope, N = A->nope, V = A->v_dim, D = R + P, qw = H * (N + P);
+    const int64_t in_w = N > R ? N : R, out_w = R > V ? R : V;
+    float *q = malloc((size_t)(t * qw) * sizeof(float)), *kv = malloc((size_t)(t * D) * sizeof(float));
+    float *hin = malloc((size_t)(H * t * in_w) * sizeof(float)), *hout = malloc((size_t)(H * t * out_w) * sizeof(float));
+    float *qa = A->q_rank ? malloc((size_t)(t * A->q_rank) * sizeof(float)) : NULL;
+    int rc = q && kv && hin && hout && (qa || !A->q_rank) ? 0 : -2;
+    if (rc == 0 && A->q_rank) {
+        if ((rc = project(&A->q, normed, t, qa, tmp, nthreads)) == 0) {
+            cpu_rms_norm(qa, NULL, A->q_norm, qa, t, A->q_rank, m->eps, nthreads);
+            rc = project(&A->q_b, qa, t, q, tmp, nthreads);
+        }
+    } else if (rc == 0) {
+        rc = project(&A->q, normed, t, q, tmp, nthreads);
+    }
+    if (rc == 0) rc = project(&A->kv_a, normed, t, kv, tmp, nthreads);
+    if (rc == 0) {
+        for (int64_t r = 0; r < t; r++) {
+            float *row = qkv + r * (H + 2) * D, *k = row + H * D;
+            const float *c = m->cos + pos[r] * (P / 2), *s = m->sin + pos[r] * (P / 2);
+            for (int64_t h = 0; h < H; h++) {
+                const float *qh = q + r * qw + h * (N + P);
+                memcpy(hin + (h * t + r) * N, qh, (size_t)N * sizeof(float));
+                rotate_pe(qh + N, row + h * D + R, P, A->interleaved, c, s);
+            }
+            cpu_rms_norm(kv + r * D, NULL, A->kv_norm, k, 1, R, m->eps, 1);
+            rotate_pe(kv + r * D + R, k + R, P, A->interleaved, c, s);
+            memcpy(k + D, k, (size_t)D * sizeof(float));
+        }
+        /* W_UK absorbed into the queries: each head's q_nope [t, N] -> [t, R] */
+        rc = gguf_heads_gemm_int8(A->k_type, A->k_rows, H, R, N, hin, t, hout, A->passes, nthreads);
+    }
+    if (rc == 0) {
+        for (int64_t r = 0; r < t; r++)
+            for (int64_t h = 0; h < H; h++)
+                memcpy(qkv + r * (H + 2) * D + h * D, hout + (h * t + r) * R, (size_t)R * sizeof(float));
+        rc = cpu_decode_attention(qkv, (H + 2) * D, L->k_cache, L->v_cache, L->k_scales, L->v_scales, m->block_size,
+                                  1, D, H, tables, width, lens, t, m->scale, L->window, L->softcap, NULL, attn, slots,
+                                  pos, NULL, NULL, nthreads);
+    }
+    if (rc == 0) {  /* W_UV on the weighted latents (their first R values): [t, R] -> [t, V] a head */
+        for (int64_t r = 0; r < t; r++)
+            for (int64_t h = 0; h < H; h++)
+                memcpy(hin + (h * t + r) * R, attn + (r * H + h) * D, (size_t)R * sizeof(float));
+        rc = gguf_heads_gemm_int8(A->v_type, A->v_rows, H, V, R, hin, t, hout, A->passes, nthreads);
+    }
+    if (rc == 0)
+        for (int64_t r = 0; r < t; r++)
+            for (int64_t h = 0; h < H; h++)
+                memcpy(out + (r * H + h) * V, hout + (h * t + r) * V, (size_t)V * sizeof(float));
+    free(q); free(kv); free(hin); free(hout); free(qa);
     return rc;
 }
 
@@ -240,17 +375,23 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
         } else {
             cpu_rms_norm(x, residual, L->in_norm, normed, t, h, m->eps, nthreads);
         }
-        if ((rc = project_lora(&L->qkv, normed, t, qkv, tmp, lora_slots, nthreads))) break;
-        if (L->q_norm)  /* in place, head by head: a token's query heads, then its key heads */
-            for (int64_t r = 0; r < t; r++) {
-                cpu_rms_norm(qkv + r * qkv_w, NULL, L->q_norm, qkv + r * qkv_w, hq, d, m->eps, 1);
-                cpu_rms_norm(qkv + r * qkv_w + hq * d, NULL, L->k_norm, qkv + r * qkv_w + hq * d, hkv, d, m->eps, 1);
-            }
-        if ((rc = cpu_decode_attention(qkv, qkv_w, L->k_cache, L->v_cache, L->k_scales, L->v_scales, m->block_size,
-                                       hkv, d, hq, tables,
-                                       width, lens, t, m->scale, L->window, L->softcap, NULL, attn, slots, pos,
-                                       m->cos, m->sin, nthreads)))
-            break;
+        if (L->mla) {
+            if ((rc = mla_attention(m, L, normed, t, pos, slots, tables, width, lens, qkv, attn, attn, tmp,
+                                    nthreads)))
+                break;
+        } else {
+            if ((rc = project_lora(&L->qkv, normed, t, qkv, tmp, lora_slots, nthreads))) break;
+            if (L->q_norm)  /* in place, head by head: a token's query heads, then its key heads */
+                for (int64_t r = 0; r < t; r++) {
+                    cpu_rms_norm(qkv + r * qkv_w, NULL, L->q_norm, qkv + r * qkv_w, hq, d, m->eps, 1);
+                    cpu_rms_norm(qkv + r * qkv_w + hq * d, NULL, L->k_norm, qkv + r * qkv_w + hq * d, hkv, d, m->eps, 1);
+                }
+            if ((rc = cpu_decode_attention(qkv, qkv_w, L->k_cache, L->v_cache, L->k_scales, L->v_scales, m->block_size,
+                                           hkv, d, hq, tables,
+                                           width, lens, t, m->scale, L->window, L->softcap, NULL, attn, slots, pos,
+                                           m->cos, m->sin, nthreads)))
+                break;
+        }
         if ((rc = project_lora(&L->o, attn, t, x, tmp, lora_slots, nthreads))) break;
         cpu_rms_norm(x, residual, L->post_norm, normed, t, h, m->eps, nthreads);
         if (L->moe) {

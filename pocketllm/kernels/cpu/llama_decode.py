@@ -23,14 +23,23 @@ class _Proj(ctypes.Structure):
 
 class _MoE(ctypes.Structure):
     _fields_ = [("experts", _i64), ("top_k", _i64), ("renormalize", _i32), ("router", _ptr),
-                ("gate_up", ctypes.POINTER(_Proj)), ("down", ctypes.POINTER(_Proj)), ("most", _i64)]
+                ("gate_up", ctypes.POINTER(_Proj)), ("down", ctypes.POINTER(_Proj)), ("most", _i64),
+                ("sigmoid", _i32), ("bias", _ptr), ("groups", _i64), ("top_groups", _i64), ("scaling", _f32),
+                ("shared", _i64)]
+
+
+class _Mla(ctypes.Structure):
+    _fields_ = [("rank", _i64), ("rope", _i64), ("nope", _i64), ("v_dim", _i64), ("q_rank", _i64),
+                ("interleaved", _i32), ("passes", _i32), ("q", _Proj), ("q_b", _Proj), ("kv_a", _Proj),
+                ("q_norm", _ptr), ("kv_norm", _ptr), ("k_type", _i32), ("v_type", _i32), ("k_rows", _ptr),
+                ("v_rows", _ptr)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", _Proj),
                 ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("k_cache", _ptr), ("v_cache", _ptr),
                 ("k_scales", _ptr), ("v_scales", _ptr), ("window", _i64), ("softcap", _f32),
-                ("moe", ctypes.POINTER(_MoE))]
+                ("moe", ctypes.POINTER(_MoE)), ("mla", ctypes.POINTER(_Mla))]
 
 
 class _Model(ctypes.Structure):
@@ -86,26 +95,54 @@ def _expert_projs(experts, keep: list) -> tuple | None:
 
 
 def _moe(block, keep: list) -> _MoE | None:
-    """A mixture-of-experts block (layers.moe.SparseMoE) for the one call: its router and experts, where it routes
-    as the call does (`one_call_routing`) and its experts have no LoRA adapters; else None."""
+    """A mixture-of-experts block (layers.moe.SparseMoE) for the one call: its router, its experts and its shared
+    ones (DeepSeek's, an entry after the routed experts), where it routes as the call can (`one_call_routing`)
+    and no expert has LoRA adapters; else None."""
     routing = block.one_call_routing()
-    if routing is None or any(e.gate_up_proj.lora is not None or e.down_proj.lora is not None for e in block.experts):
+    every = [*block.experts, *([block.shared_experts] if block.shared_experts is not None else [])]
+    if routing is None or any(e.gate_up_proj.lora is not None or e.down_proj.lora is not None for e in every):
         return None
-    router, top_k, renormalize = routing
-    projs = _expert_projs(block.experts, keep)
+    projs = _expert_projs(every, keep)
     if projs is None:
         return None
-    moe = _MoE(len(block.experts), top_k, int(renormalize), _f32_ptr(router, keep), *projs,
-               max(e.down_proj.in_features for e in block.experts))
+    r = routing
+    moe = _MoE(len(block.experts), r.top_k, int(r.renormalize), _f32_ptr(r.router, keep), *projs,
+               max(e.down_proj.in_features for e in every), int(r.sigmoid),
+               None if r.bias is None else _f32_ptr(r.bias, keep), r.groups, r.top_groups, r.scaling,
+               len(block.experts) if block.shared_experts is not None else -1)
     keep.append(moe)
     return moe
+
+
+def _mla(attn, keep: list) -> _Mla | None:
+    """DeepSeek's latent attention (models.deepseek.LatentAttention) for the one call, where its projections are on
+    the fast path's kernels and it keeps the file's quantized heads (QuantizedHeads: the call multiplies them over
+    8-bit activations at any row count, as it does the projections); else None."""
+    heads = attn.heads
+    if not heads.kept(1):
+        return None
+    k_part, v_part = heads.parts
+    q_lora = bool(attn.q_lora_rank)
+    projs = [_proj(x, keep) for x in ((attn.q_a_proj, attn.q_b_proj) if q_lora else (attn.q_proj,))]
+    kv_a = _proj(attn.kv_a_proj_with_mqa, keep)
+    if kv_a is None or any(p is None for p in projs):
+        return None
+    keep.extend((k_part, v_part))
+    mla = _Mla(attn.rank, attn.rope, attn.nope, attn.v_dim, attn.q_lora_rank or 0, int(attn.interleaved),
+               heads.passes, projs[0], projs[1] if q_lora else _Proj(), kv_a,
+               _f32_ptr(attn.q_a_layernorm.scale(), keep) if q_lora else None,
+               _f32_ptr(attn.kv_a_layernorm.scale(), keep), int(k_part[2]), int(v_part[2]), k_part[1].data_ptr(),
+               v_part[1].data_ptr())
+    keep.append(mla)
+    return mla
 
 
 class LlamaDecoder:
     """Runs all decoder layers of a decode-only step; build() returns None for a model it does not
     cover (projections off the fast path's kernels, attention sinks, activations other than SiLU and
     tanh GELU or not one for all layers, layers in several KV groups, q/k norms of another epsilon,
-    mixture-of-experts blocks that route otherwise), which then keeps its module-by-module forward."""
+    mixture-of-experts blocks that route otherwise, latent attention without its file's quantized heads or with
+    LoRA adapters), which then keeps its module-by-module forward."""
 
     def __init__(self, spec: _Model, layers, keep: list, lora_rows=None):
         self._spec, self._layers, self._keep = spec, layers, keep
@@ -124,30 +161,35 @@ class LlamaDecoder:
         a0 = layers[0].self_attn
         ffns = [layer.mlp.experts[0] if hasattr(layer.mlp, "experts") else layer.mlp for layer in layers]
         act = getattr(ffns[0], "act_code", None)  # (a mixture's experts' activation is the block's)
+        latent = hasattr(a0, "heads")  # (DeepSeek's latent attention: every layer's)
         for layer, ffn in zip(layers, ffns):
             attn, mlp = layer.self_attn, layer.mlp
-            if (attn.sinks is not None or act not in (0, 1) or getattr(ffn, "act_code", None) != act
-                    or attn.scale != a0.scale or attn.q_norm is not None and attn.q_norm.eps != layer.input_layernorm.eps):
+            q_norm = getattr(attn, "q_norm", None)
+            if (getattr(attn, "sinks", None) is not None or act not in (0, 1) or getattr(ffn, "act_code", None) != act
+                    or attn.scale != a0.scale or q_norm is not None and q_norm.eps != layer.input_layernorm.eps):
                 return None
             moe = _moe(mlp, keep) if ffn is not mlp else None
-            if ffn is not mlp and moe is None:
+            mla = _mla(attn, keep) if latent else None
+            if ffn is not mlp and moe is None or latent and (mla is None or model.lora_rows is not None):
                 return None
-            projs = [_proj(x, keep) for x in (attn.qkv_proj, attn.o_proj)]
+            projs = [_Proj() if latent else _proj(attn.qkv_proj, keep), _proj(attn.o_proj, keep)]
             projs += [_Proj(), _Proj()] if moe is not None else [_proj(x, keep) for x in (mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):
                 return None
-            qn, kn = ((None, None) if attn.q_norm is None else
-                      (_f32_ptr(attn.q_norm.scale(), keep), _f32_ptr(attn.k_norm.scale(), keep)))
+            qn, kn = ((None, None) if q_norm is None else
+                      (_f32_ptr(q_norm.scale(), keep), _f32_ptr(attn.k_norm.scale(), keep)))
             specs.append(_Layer(_f32_ptr(layer.input_layernorm.scale(), keep),
                                 _f32_ptr(layer.post_attention_layernorm.scale(), keep), qn, kn, *projs,
-                                *_cache_ptrs(attn, keep), attn.window or 0, attn.softcap or 0.0,
-                                ctypes.pointer(moe) if moe is not None else None))
+                                *_cache_ptrs(attn, keep), attn.window or 0, getattr(attn, "softcap", None) or 0.0,
+                                ctypes.pointer(moe) if moe is not None else None,
+                                ctypes.pointer(mla) if mla is not None else None))
         array = (_Layer * len(specs))(*specs)
         rot = model.rotary
         dense = [ffn.down_proj.in_features for layer, ffn in zip(layers, ffns) if ffn is layer.mlp]
-        spec = _Model(len(specs), layers[0].input_layernorm.weight.numel(), a0.num_heads, a0.num_kv_heads,
-                      a0.head_dim, max(dense, default=1), a0.k_cache.shape[1],
-                      layers[0].input_layernorm.eps, a0.scale, act,
+        # (the latent cache: one head of rank + rope values, read as keys and as values)
+        kv_heads, head_dim = (1, a0.rank + a0.rope) if latent else (a0.num_kv_heads, a0.head_dim)
+        spec = _Model(len(specs), layers[0].input_layernorm.weight.numel(), a0.num_heads, kv_heads, head_dim,
+                      max(dense, default=1), a0.k_cache.shape[1], layers[0].input_layernorm.eps, a0.scale, act,
                       _f32_ptr(rot.cos, keep), _f32_ptr(rot.sin, keep), array)
         return cls(spec, array, keep, model.lora_rows)
 
