@@ -99,7 +99,8 @@ class QuantizedHeads(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, shard: int) -> torch.Tensor:
         """x [T, H, K] -> [T, H, N] through head h's own matrix of half `shard` (0: W_UK, 1: W_UV)."""
-        _, rows, qtype, n, _ = self.parts[shard]
+        _, rows, qtype, n, k = self.parts[shard]
+        assert x.shape[1:] == (self.num_heads, k), (x.shape, self.num_heads, k)  # (the kernel reads K values a row)
         return gguf_ops.heads_gemm(x.transpose(0, 1), rows, n, qtype, self.passes).transpose(0, 1)
 
 

@@ -121,7 +121,8 @@ def _mla(attn, keep: list) -> _Mla | None:
     heads = attn.heads
     if not heads.kept(1):
         return None
-    k_part, v_part = heads.parts
+    k_part, v_part = heads.parts  # (raw rows, pointer table, type, rows a head, columns)
+    assert k_part[3:] == (attn.rank, attn.nope) and v_part[3:] == (attn.v_dim, attn.rank), (k_part[3:], v_part[3:])
     q_lora = bool(attn.q_lora_rank)
     projs = [_proj(x, keep) for x in ((attn.q_a_proj, attn.q_b_proj) if q_lora else (attn.q_proj,))]
     kv_a = _proj(attn.kv_a_proj_with_mqa, keep)
