@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import gguf
 import pytest
 import torch
 from conftest import prompts_of
@@ -13,12 +14,16 @@ from reference import captured_logits
 from tiny_models import make_llama256, make_model
 
 from pocketllm import LLM, SamplingParams
+from pocketllm.kernels.cpu import gguf_ops
 from pocketllm.kernels.cpu.build import compiler
 from pocketllm.layers.linear import ConcatLinear
 from pocketllm.loaders.gguf_writer import write_gguf
 
 if compiler() is None:  # with one, the kernels must build: a build that fails fails these tests
     pytest.skip("no C compiler: the CPU kernels are not built", allow_module_level=True)
+if not gguf_ops.supports_int8(gguf.GGMLQuantizationType.Q8_0):  # (the fast path's kernels: the call runs them)
+    pytest.skip("this CPU has no 8-bit dot-product kernels (AVX2): no fast path, no one-call step",
+                allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +100,8 @@ def test_a_mixture_of_experts_decodes_in_the_call(files, kind, monkeypatch):
     (routing and experts in C: one row's experts in turn, several rows grouped by expert, the shared experts
     after them; DeepSeek's latent attention with the file's quantized heads), with the module forward's tokens
     and its logits up to float rounding."""
-    import gguf
-
-    from pocketllm.kernels.cpu import gguf_ops
     from pocketllm.kernels.cpu.llama_decode import LlamaDecoder
 
-    if kind.startswith("deepseek") and not gguf_ops.supports_int8(gguf.GGMLQuantizationType.Q8_0):
-        pytest.skip("the latent attention's heads take the 8-bit kernels, which this CPU lacks (no AVX2)")
     llm = LLM(str(files[kind]), max_model_len=128, num_kv_blocks=64, enable_prefix_caching=False)
     calls = []
     real = LlamaDecoder.__call__
