@@ -58,7 +58,7 @@ def files(tiny_models, tmp_path_factory):
 
 
 def _deepseek(kind: str, root):
-    model, path = make_model(kind, root / f"{kind}-made", kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32)
+    model, _ = make_model(kind, root / f"{kind}-made", kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
