@@ -218,10 +218,9 @@ class DeepseekMoE(SparseMoE):
     def one_call_routing(self) -> OneCallRouting | None:
         if not self._one_call_router():
             return None
-        groups = 1 if self.greedy else self.groups
-        bias = None if self.score_correction is None else self.score_correction.weight.data.float().contiguous()
+        bias = None if self.score_correction is None else self.score_correction.weight.data.contiguous()
         return OneCallRouting(self.gate.weight.data.contiguous(), self.top_k, self.renormalize, self.sigmoid, bias,
-                              groups, self.top_groups if groups > 1 else 1, self.scaling)
+                              1 if self.greedy else self.groups, self.top_groups, self.scaling)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

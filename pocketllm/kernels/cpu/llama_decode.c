@@ -35,6 +35,8 @@ int cpu_decode_attention(float *qkv, int64_t q_stride, void *k_cache, void *v_ca
                          const float *sinks, float *out, const int64_t *slots, const int64_t *pos,
                          const float *cos_t, const float *sin_t, int nthreads);
 int cpu_gated_act(const float *gate_up, int64_t T, int64_t I, int act, float *out, int nthreads);
+int cpu_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t row_stride, const int64_t *pos, const float *cos_t,
+               const float *sin_t);
 int gguf_heads_gemm_int8(int type, const uint8_t *const *W, int64_t H, int64_t N, int64_t K, const float *X,
                          int64_t B, float *Y, int passes, int nthreads);
 int cpu_clamped_swiglu(const float *gate_up, int64_t T, int64_t I, float alpha, float limit, float *out,
@@ -197,7 +199,7 @@ static void route_row(const ld_moe *M, float *p, float *choice, unsigned char *t
         for (int64_t e = 0; e < E; e++) p[e] /= sum;
     }
     for (int64_t e = 0; e < E; e++) choice[e] = p[e] + (M->bias ? M->bias[e] : 0.f), taken[e] = 0;
-    if (M->groups > 1) {  /* taken[e] = 2: its group is out (then 3: chosen among the groups) */
+    if (M->groups > 1) {  /* taken[e]: 1 chosen, 2 its group is out */
         const int64_t G = M->groups, per = E / G;
         float score[64];
         for (int64_t g = 0; g < G; g++) {
@@ -234,7 +236,7 @@ static void route_row(const ld_moe *M, float *p, float *choice, unsigned char *t
 static int moe_block(const ld_moe *M, const float *hs, int64_t t, int64_t h, int act, float *out, int nthreads) {
     const int64_t E = M->experts, k = M->top_k, most = M->most, wide = 2 * most > h ? 2 * most : h;
     const int64_t kk = k + (M->shared >= 0);  /* a row's entries: its experts, then the shared ones */
-    if (M->groups > 64 || (M->groups > 1 && E % M->groups)) return -3;
+    if (M->groups > 64 || (M->groups > 1 && E % M->groups)) return -3;  /* (_moe builds none such) */
     float *p = malloc((size_t)(2 * E) * sizeof(float)), *w = malloc((size_t)(t * kk) * sizeof(float));
     int64_t *ids = malloc((size_t)(t * kk) * sizeof(int64_t));
     unsigned char *taken = malloc((size_t)E);
@@ -283,23 +285,24 @@ static int moe_block(const ld_moe *M, const float *hs, int64_t t, int64_t h, int
     return rc;
 }
 
-/* A head's rotary part src [P] rotated at table rows c, s into dst [P] (rotate-half layout; interleaved
- * pairs (x0, x1), (x2, x3), ... de-interleaved first, as LatentAttention does). */
-static void rotate_pe(const float *src, float *dst, int64_t P, int interleaved, const float *c, const float *s) {
-    const int64_t half = P / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float a = interleaved ? src[2 * i] : src[i], b = interleaved ? src[2 * i + 1] : src[half + i];
-        dst[i] = a * c[i] - b * s[i];
-        dst[half + i] = b * c[i] + a * s[i];
-    }
+/* A head's rotary part src [P] into dst, rotated at position *pos by layer_ops' rotation (rotate-half layout;
+ * interleaved pairs (x0, x1), (x2, x3), ... de-interleaved first, as LatentAttention does). */
+static void rotate_pe(const float *src, float *dst, int64_t P, int interleaved, const int64_t *pos, const float *cos_t,
+                      const float *sin_t) {
+    if (interleaved)
+        for (int64_t i = 0; i < P / 2; i++) dst[i] = src[2 * i], dst[P / 2 + i] = src[2 * i + 1];
+    else
+        memcpy(dst, src, (size_t)P * sizeof(float));
+    cpu_rotary(dst, 1, 1, P, P, pos, cos_t, sin_t);
 }
 
 /* Latent attention of t decode rows (LatentAttention.forward with the quantized heads): normed [t, hidden] ->
- * out [t, H * v_dim], o_proj's input. qkv [t, (H + 2) D] (D = rank + rope) holds each row's absorbed queries,
- * then its latent as the key and the value of the one cached head; attn [t, H D] the attention's output. */
+ * attn [t, H * v_dim], o_proj's input. qkv [t, (H + 2) D] (D = rank + rope) holds each row's absorbed queries,
+ * then its latent as the key and the value of the one cached head; attn [t, H D] first takes the attention's
+ * output. */
 static int mla_attention(const ld_model *m, const ld_layer *L, const float *normed, int64_t t, const int64_t *pos,
                          const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *lens,
-                         float *qkv, float *attn, float *out, float *tmp, int nthreads) {
+                         float *qkv, float *attn, float *tmp, int nthreads) {
     const ld_mla *A = L->mla;
     const int64_t H = m->heads, R = A->rank, P = A->rope, N = A->nope, V = A->v_dim, D = R + P, qw = H * (N + P);
     const int64_t in_w = N > R ? N : R, out_w = R > V ? R : V;
@@ -319,14 +322,13 @@ static int mla_attention(const ld_model *m, const ld_layer *L, const float *norm
     if (rc == 0) {
         for (int64_t r = 0; r < t; r++) {
             float *row = qkv + r * (H + 2) * D, *k = row + H * D;
-            const float *c = m->cos + pos[r] * (P / 2), *s = m->sin + pos[r] * (P / 2);
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = q + r * qw + h * (N + P);
                 memcpy(hin + (h * t + r) * N, qh, (size_t)N * sizeof(float));
-                rotate_pe(qh + N, row + h * D + R, P, A->interleaved, c, s);
+                rotate_pe(qh + N, row + h * D + R, P, A->interleaved, pos + r, m->cos, m->sin);
             }
             cpu_rms_norm(kv + r * D, NULL, A->kv_norm, k, 1, R, m->eps, 1);
-            rotate_pe(kv + r * D + R, k + R, P, A->interleaved, c, s);
+            rotate_pe(kv + r * D + R, k + R, P, A->interleaved, pos + r, m->cos, m->sin);
             memcpy(k + D, k, (size_t)D * sizeof(float));
         }
         /* W_UK absorbed into the queries: each head's q_nope [t, N] -> [t, R] */
@@ -349,7 +351,7 @@ static int mla_attention(const ld_model *m, const ld_layer *L, const float *norm
     if (rc == 0)
         for (int64_t r = 0; r < t; r++)
             for (int64_t h = 0; h < H; h++)
-                memcpy(out + (r * H + h) * V, hout + (h * t + r) * V, (size_t)V * sizeof(float));
+                memcpy(attn + (r * H + h) * V, hout + (h * t + r) * V, (size_t)V * sizeof(float));
     free(q); free(kv); free(hin); free(hout); free(qa);
     return rc;
 }
@@ -376,8 +378,7 @@ int llama_decode(const ld_model *m, float *x, float *residual, int64_t t, const 
             cpu_rms_norm(x, residual, L->in_norm, normed, t, h, m->eps, nthreads);
         }
         if (L->mla) {
-            if ((rc = mla_attention(m, L, normed, t, pos, slots, tables, width, lens, qkv, attn, attn, tmp,
-                                    nthreads)))
+            if ((rc = mla_attention(m, L, normed, t, pos, slots, tables, width, lens, qkv, attn, tmp, nthreads)))
                 break;
         } else {
             if ((rc = project_lora(&L->qkv, normed, t, qkv, tmp, lora_slots, nthreads))) break;

@@ -100,7 +100,8 @@ def _moe(block, keep: list) -> _MoE | None:
     and no expert has LoRA adapters; else None."""
     routing = block.one_call_routing()
     every = [*block.experts, *([block.shared_experts] if block.shared_experts is not None else [])]
-    if routing is None or any(e.gate_up_proj.lora is not None or e.down_proj.lora is not None for e in every):
+    if (routing is None or any(e.gate_up_proj.lora is not None or e.down_proj.lora is not None for e in every)
+            or routing.groups > 64 or len(block.experts) % routing.groups):  # (route_row's group tables: 64)
         return None
     projs = _expert_projs(every, keep)
     if projs is None:
@@ -162,7 +163,9 @@ class LlamaDecoder:
         a0 = layers[0].self_attn
         ffns = [layer.mlp.experts[0] if hasattr(layer.mlp, "experts") else layer.mlp for layer in layers]
         act = getattr(ffns[0], "act_code", None)  # (a mixture's experts' activation is the block's)
-        latent = hasattr(a0, "heads")  # (DeepSeek's latent attention: every layer's)
+        latent = hasattr(a0, "heads")  # (DeepSeek's latent attention: every layer's; its projections take no LoRA here)
+        if latent and model.lora_rows is not None:
+            return None
         for layer, ffn in zip(layers, ffns):
             attn, mlp = layer.self_attn, layer.mlp
             q_norm = getattr(attn, "q_norm", None)
@@ -171,7 +174,7 @@ class LlamaDecoder:
                 return None
             moe = _moe(mlp, keep) if ffn is not mlp else None
             mla = _mla(attn, keep) if latent else None
-            if ffn is not mlp and moe is None or latent and (mla is None or model.lora_rows is not None):
+            if ffn is not mlp and moe is None or latent and mla is None:
                 return None
             projs = [_Proj() if latent else _proj(attn.qkv_proj, keep), _proj(attn.o_proj, keep)]
             projs += [_Proj(), _Proj()] if moe is not None else [_proj(x, keep) for x in (mlp.gate_up_proj, mlp.down_proj)]
